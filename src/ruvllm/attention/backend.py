@@ -1,0 +1,23 @@
+"""The attention-backend interface: write this step's keys/values into the paged cache, attend."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ruvllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D], slot = block * block_size + offset
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...

@@ -1,0 +1,73 @@
+"""What attention needs to know about one step's flat batch. Built once per step, shared by all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A sequence contributing more than one query token this step (a prompt chunk)."""
+
+    token_start: int  # its query rows in the flat batch: [token_start, token_end)
+    token_end: int
+    context_slots: torch.Tensor  # [context_len] cache slots of every key it attends to, in order
+    mask: torch.Tensor | None  # [q, context_len] bool, or None when the chunk is the whole causal context
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's key/value is written to
+    # Sequences with one query token (decodes), attended in one padded batch.
+    decode_rows: torch.Tensor | None  # [B] their rows in the flat batch
+    decode_slots: torch.Tensor | None  # [B, max_context] cache slots (padding points at slot 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is real
+    prefills: list[PrefillSeq]
+
+
+def build_attention_metadata(
+    seqs: list[tuple[int, int, list[int]]],  # (num_query_tokens, context_len_after_step, block_table)
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Slot mapping and per-sequence key gathers for a flat batch laid out in the order of `seqs`."""
+    slot_chunks: list[torch.Tensor] = []
+    decode_rows: list[int] = []
+    decode_slot_lists: list[torch.Tensor] = []
+    prefills: list[PrefillSeq] = []
+    row = 0
+    for num_q, ctx_len, block_table in seqs:
+        blocks = torch.tensor(block_table[: (ctx_len + block_size - 1) // block_size], dtype=torch.long)
+        slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[:ctx_len]
+        slot_chunks.append(slots[ctx_len - num_q:])
+        if num_q == 1:
+            decode_rows.append(row)
+            decode_slot_lists.append(slots)
+        else:
+            if ctx_len == num_q:
+                mask = None  # plain causal attention over the chunk itself
+            else:
+                q_pos = torch.arange(ctx_len - num_q, ctx_len).unsqueeze(1)
+                mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos
+                mask = mask.to(device)
+            prefills.append(PrefillSeq(row, row + num_q, slots.to(device), mask))
+        row += num_q
+    slot_mapping = torch.cat(slot_chunks).to(device) if slot_chunks else torch.empty(0, dtype=torch.long)
+
+    if decode_rows:
+        max_ctx = max(len(s) for s in decode_slot_lists)
+        gather = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
+        mask = torch.zeros(len(decode_rows), max_ctx, dtype=torch.bool)
+        for i, s in enumerate(decode_slot_lists):
+            gather[i, : len(s)] = s
+            mask[i, : len(s)] = True
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_slots=gather.to(device),
+            decode_mask=mask[:, None, None, :].to(device),
+            prefills=prefills,
+        )
+    return AttentionMetadata(slot_mapping, None, None, None, prefills)

@@ -1,0 +1,80 @@
+"""Frozen configuration records, one per concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, independent of the file format it came from."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    rope_scaling: dict[str, Any] | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", ...}
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Memory budget for the KV pool. Ignored when num_blocks is given.
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64  # cap on running sequences
+    enable_chunked_prefill: bool = True
+    # Longest prompt chunk one request may take in a step (None: the whole budget).
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
+    dtype: str = "float32"
+    max_model_len: int | None = None  # defaults to the model's context length
+    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,187 @@
+"""The engine loop's body: add and abort requests, and step() = schedule, run once for all, update."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ruvllm.config import EngineConfig, ModelConfig
+from ruvllm.core.kv_cache_manager import KVCacheManager
+from ruvllm.core.scheduler import Scheduler
+from ruvllm.engine.detokenizer import IncrementalDetokenizer
+from ruvllm.errors import RequestError
+from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from ruvllm.models.registry import build_model
+from ruvllm.outputs import CompletionOutput, RequestOutput
+from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request, RequestStatus
+from ruvllm.sampling_params import SamplingParams
+from ruvllm.worker.model_runner import ModelRunner, num_kv_blocks
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class _Group:
+    """A user request: its n completions share a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    prompt: str | None = None
+    finished: bool = False
+    seen: set[int] = field(default_factory=set)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
+        self.dtype = _DTYPES[config.dtype]
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        src = resolve_model(config.model)
+        self.model_config: ModelConfig = load_model_config(src)
+        self.model_path = src.path
+        self.tokenizer = load_tokenizer(src)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        model = build_model(mc, iter_weights(src, self.dtype), str(src.path), self.max_model_len, self.dtype)
+        cache = config.cache
+        self.num_blocks = num_kv_blocks(mc, cache, self.dtype)
+        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(model, mc, cache.block_size, self.num_blocks, self.dtype)
+        # A sequence can never outgrow the pool, so a request running alone always fits.
+        self.max_seq_len = min(self.max_model_len, self.num_blocks * cache.block_size)
+        self.eos_token_ids = self._eos_ids()
+        self._arrivals = ArrivalCounter()
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, _Group] = {}
+        log.info("model %s: %s, %d layers, max_model_len %d", src.path, mc.architecture, mc.num_layers,
+                 self.max_model_len)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # --- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: Priority = Priority.NORMAL, prompt: str | None = None) -> None:
+        if request_id in self._groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        children: list[Request] = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = _with_seed(params, params.seed + i)
+            children.append(Request(
+                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                prompt_token_ids=list(prompt_token_ids),
+                params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                priority=Priority(priority),
+                arrival=self._arrivals.next(),
+                prompt_sibling=children[0] if children else None,
+                max_total_tokens=self.max_seq_len,
+            ))
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                                         params.include_stop_str_in_output, params.skip_special_tokens)
+                  for _ in children]
+        group = _Group(request_id, list(prompt_token_ids), children, detoks, prompt)
+        self._groups[request_id] = group
+        for child in children:
+            self._child_to_group[child.request_id] = group
+            self.scheduler.add(child)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(f"prompt has {len(ids)} tokens, but this engine's context holds at most "
+                               f"{self.max_seq_len} tokens (prompt plus at least one generated token)")
+        for tid in list((params.logit_bias or {}).keys()) + list(params.stop_token_ids or []):
+            if not 0 <= tid < vocab:
+                raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for child in group.children:
+            self._child_to_group.pop(child.request_id, None)
+            if not child.is_finished:
+                self.scheduler.finish(child, FinishReason.ABORT)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        ro = self.runner.execute(so, self.scheduler.requests)
+        touched = self.scheduler.update(so, ro)
+        changed: dict[str, _Group] = {}
+        for req in touched:
+            group = self._child_to_group[req.request_id]
+            idx = group.children.index(req)
+            stop = group.detoks[idx].add(req.output_token_ids[-1])
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, stop)
+            elif stop is not None and req.finish_reason is FinishReason.LENGTH:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, stop
+            changed[group.request_id] = group
+        return [self._output(g) for g in changed.values()]
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, (req, detok) in enumerate(zip(group.children, group.detoks)):
+            outs.append(CompletionOutput(
+                index=i,
+                text=detok.visible_text(req.is_finished),
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            ))
+        finished = all(r.is_finished for r in group.children)
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for child in group.children:
+                self._child_to_group.pop(child.request_id, None)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
+                             num_cached_tokens=group.children[0].num_cached_tokens, prompt=group.prompt)
+
+    # --- introspection ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, seed=seed, n=1)

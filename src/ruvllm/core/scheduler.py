@@ -1,0 +1,154 @@
+"""Continuous batching: every step, who runs and with how many tokens, under one token budget.
+
+There is no prefill or decode phase: each request has `num_computed_tokens` and a target (all its
+tokens); a step gives some of them a slice of the budget. Running requests go first (in priority
+order), then waiting ones are admitted. When the pool runs dry the lowest-priority, latest request
+is preempted by recompute: its blocks are freed and it rejoins the queue, to resume later.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from ruvllm.config import SchedulerConfig
+from ruvllm.core.kv_cache_manager import KVCacheManager
+from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from ruvllm.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # kept sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue ---------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End a request wherever it is and give back its blocks."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        del self.requests[req.request_id]
+
+    # --- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunk_cap = cfg.long_prefill_token_threshold or budget
+        out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
+
+        self.running.sort(key=Request.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]  # lowest priority, latest arrival, not yet scheduled
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        if not out.preempted:
+            for req in list(self.waiting):
+                if budget == 0 or len(self.running) >= cfg.max_num_seqs:
+                    break
+                if self._waits_for_sibling(req):
+                    continue
+                hits, hit_tokens = self.kv.get_computed_blocks(req)
+                n = req.num_tokens - hit_tokens
+                if n > budget and not cfg.enable_chunked_prefill:
+                    break
+                n = min(n, budget, chunk_cap)
+                if not self.kv.allocate_slots(req, n, hits):
+                    break
+                self.waiting.remove(req)
+                req.num_computed_tokens = hit_tokens
+                if req.status is RequestStatus.WAITING:
+                    req.num_cached_tokens = hit_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            out.seqs.append(ScheduledSeq(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids[start:start + n],
+                start_position=start,
+                block_table=self.kv.block_table(req.request_id),
+                sample=start + n == req.num_tokens,
+            ))
+        return out
+
+    def _waits_for_sibling(self, req: Request) -> bool:
+        """n > 1: later copies wait until the first has its prompt cached, then share its blocks."""
+        sib = req.prompt_sibling
+        return (self.kv.enable_prefix_caching and sib is not None and sib.status is RequestStatus.RUNNING
+                and sib.num_computed_tokens < sib.num_prompt_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[Request]:
+        """Account for the computed tokens, append sampled ones, finish what is done.
+
+        Returns the requests that received a token this step (finished ones included)."""
+        touched = []
+        for seq in so.seqs:
+            req = self.requests[seq.request_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(req)
+            if not seq.sample:
+                continue
+            token = ro.sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if req.request_id in ro.logprobs:
+                req.logprobs.append(ro.logprobs[req.request_id])
+            touched.append(req)
+            self._check_stop(req, token)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return self.finish(req, FinishReason.STOP, None)
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return self.finish(req, FinishReason.STOP, token)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= req.max_total_tokens:
+            self.finish(req, FinishReason.LENGTH)

@@ -1,0 +1,67 @@
+"""Incremental detokenization and stop strings.
+
+Text is decoded over a short window of tokens so that a character split across tokens appears only
+once all its bytes have arrived (a trailing U+FFFD means "incomplete": wait for the next token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Prompt tokens decoded before the first output token, so tokenizers that drop a leading space at
+# the start of a text (SentencePiece) render the first word as it reads in context.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object  # a transformers tokenizer
+    prompt_token_ids: list[int]
+    stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    text: str = ""
+    _tokens: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
+
+    def add(self, token_id: int) -> str | None:
+        """Feed one generated token. Returns the stop string if one now appears in the text."""
+        self._tokens.append(token_id)
+        before = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        after = self._decode(self._tokens[self._prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return None
+        old_len = len(self.text)
+        self.text += after[len(before):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return self._find_stop(old_len)
+
+    def _find_stop(self, old_len: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            # A stop string may straddle the previous text and the new delta.
+            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self.text = self.text[: idx + len(stop)] if self.include_stop_str else self.text[:idx]
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show: while running, hold back a tail that could still become a stop string."""
+        if finished or not self.stop_strings or self.include_stop_str:
+            return self.text
+        hold = max(len(s) for s in self.stop_strings) - 1
+        return self.text[: max(0, len(self.text) - hold)] if hold else self.text

@@ -1,0 +1,35 @@
+"""Typed exceptions. Inside the engine we raise these; the edges (HTTP, CLI) turn them into messages."""
+
+from __future__ import annotations
+
+
+class RuvllmError(Exception):
+    """Base class of every error ruvllm raises on purpose."""
+
+
+class ModelLoadError(RuvllmError):
+    """A model could not be loaded; the message names the file and the problem."""
+
+
+class ModelNotFoundError(ModelLoadError):
+    """The path given as a model does not exist."""
+
+
+class NotAModelError(ModelLoadError):
+    """The path exists but holds no model ruvllm can read (no config.json/safetensors, not GGUF)."""
+
+
+class CorruptModelError(ModelLoadError):
+    """A model file is truncated or its contents are inconsistent."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model's architecture is not one ruvllm implements."""
+
+
+class UnsupportedQuantizationError(ModelLoadError):
+    """A tensor uses a quantization type ruvllm cannot read."""
+
+
+class RequestError(RuvllmError, ValueError):
+    """A request cannot be served as asked (prompt too long, bad token ids, ...)."""

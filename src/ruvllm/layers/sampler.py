@@ -1,0 +1,124 @@
+"""Turn a batch of logits into next tokens, each row with its own sampling settings.
+
+Work is vectorised across rows; the only per-row loops are over rows that ask for something
+(a logit bias, a seed), and a seeded row draws its noise from its own generator, so its output does
+not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ruvllm.request import Logprob, Request
+
+
+def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """Repetition (on prompt and output, CTRL style), presence and frequency (on output) penalties."""
+    rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties()]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    sub = logits[rows]
+    out_ids = _pad([reqs[i].output_token_ids for i in rows], vocab)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
+    if (rep != 1.0).any():
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool)
+        seen.scatter_(1, _pad([reqs[i].prompt_token_ids for i in rows], vocab), True)
+        seen = seen[:, :vocab] | (counts > 0)
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
+    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
+    sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits[rows] = sub
+
+
+def apply_bans_and_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    for i, r in enumerate(reqs):
+        p = r.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+            if int(ids.max()) >= logits.shape[1] or int(ids.min()) < 0:
+                continue  # out-of-vocabulary ids are rejected at admission; never index out of range
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if len(r.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / top-p nucleus / min-p floor."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token if the mass before it is below top_p (so the top token always stays).
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= top_p.unsqueeze(1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs."""
+    want_lp = [r.params.logprobs for r in reqs]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
+
+    logits = logits.clone()
+    apply_bans_and_bias(logits, reqs)
+    apply_penalties(logits, reqs)
+
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    greedy = temps == 0
+    chosen = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        rows = (~greedy).nonzero().squeeze(1)
+        sub = logits[rows] / temps[rows].unsqueeze(1)
+        sub_reqs = [reqs[i] for i in rows.tolist()]
+        if any(r.params.needs_truncation() for r in sub_reqs):
+            sub = truncate(
+                sub,
+                torch.tensor([r.params.top_k for r in sub_reqs]),
+                torch.tensor([r.params.top_p for r in sub_reqs], dtype=logits.dtype),
+                torch.tensor([r.params.min_p for r in sub_reqs], dtype=logits.dtype),
+            )
+        probs = sub.softmax(dim=-1)
+        # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs).exponential_()
+        for j, r in enumerate(sub_reqs):
+            if r.generator is not None:
+                noise[j].exponential_(generator=r.generator)
+        chosen[rows] = (probs / noise).argmax(dim=-1)
+
+    tokens = chosen.tolist()
+    logprobs: list[dict[int, Logprob] | None] = [None] * len(reqs)
+    if raw_logprobs is not None:
+        for i, n in enumerate(want_lp):
+            if n is None:
+                continue
+            row = raw_logprobs[i]
+            tok = tokens[i]
+            lp = float(row[tok])
+            entry = {tok: Logprob(tok, lp, int((row > row[tok]).sum()) + 1)}
+            if n > 0:
+                top_vals, top_ids = row.topk(n)
+                for rank, (tid, val) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
+                    entry.setdefault(tid, Logprob(tid, val, rank))
+            logprobs[i] = entry
+    return tokens, logprobs

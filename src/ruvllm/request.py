@@ -1,0 +1,97 @@
+"""A request's life inside the engine: its tokens, how many are computed, its blocks, its status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ruvllm.sampling_params import SamplingParams
+
+
+class Priority(enum.IntEnum):
+    """Higher value is served first and preempted last."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+    CRITICAL = 3
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or context length
+    ABORT = "abort"
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: Priority = Priority.NORMAL
+    arrival: int = 0  # monotonic sequence number: first come, first served within a priority
+    # The request this one shares a prompt with (n > 1): it waits until the sibling's prompt is cached.
+    prompt_sibling: Request | None = None
+    max_total_tokens: int = 1 << 30  # context length cap
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Admission order: higher priority first, then earlier arrival."""
+        return (-int(self.priority), self.arrival)
+
+
+class ArrivalCounter:
+    """Hands out arrival numbers; one per engine, so there is no module-level state."""
+
+    def __init__(self) -> None:
+        self._it = itertools.count()
+
+    def next(self) -> int:
+        return next(self._it)
