@@ -1,0 +1,96 @@
+"""Model loading: resolve a path, read its config, stream its weights, build its tokenizer.
+
+Two formats are understood: Hugging Face folders (config.json + safetensors) and GGUF files.
+Both produce the same ModelConfig and the same Hugging Face tensor names, so the rest of the
+engine never needs to know which one it got.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ruvllm.config import ModelConfig
+from ruvllm.errors import ModelNotFoundError, NotAModelError
+from ruvllm.loader import gguf_file, hf_folder
+from ruvllm.loader.default_model import default_model_path
+from ruvllm.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+__all__ = [
+    "ModelSource",
+    "default_model_path",
+    "iter_weights",
+    "load_model_config",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a user-supplied model path resolved to."""
+
+    path: Path  # absolute; a GGUF file or a Hugging Face folder
+    format: Literal["hf", "gguf"]
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == gguf_file.GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
+    """Decide what `model` is. None means the embedded default GGUF."""
+    if model is None:
+        return ModelSource(default_model_path(), "gguf")
+    path = Path(model).expanduser().absolute()
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: no such file or directory")
+    if path.is_dir():
+        if (path / hf_folder.CONFIG_FILE).is_file():
+            if not hf_folder.has_weights(path):
+                raise NotAModelError(
+                    f"{path}: has config.json but no {hf_folder.SINGLE_WEIGHTS_FILE} or "
+                    f"{hf_folder.INDEX_FILE} (only safetensors weights are supported)"
+                )
+            return ModelSource(path, "hf")
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(ggufs) == 1:
+            return resolve_model(ggufs[0])
+        if len(ggufs) > 1:
+            raise NotAModelError(f"{path}: holds {len(ggufs)} .gguf files; pass one of them")
+        raise NotAModelError(f"{path}: not a model folder (no config.json and no .gguf file)")
+    if _has_gguf_magic(path):
+        return ModelSource(path, "gguf")
+    raise NotAModelError(f"{path}: not a GGUF file (does not start with b'GGUF') and not a model folder")
+
+
+def load_model_config(src: ModelSource) -> ModelConfig:
+    if src.format == "gguf":
+        return gguf_file.load_config(src.path)
+    return hf_folder.load_config(src.path)
+
+
+def iter_weights(src: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) pairs, one tensor in memory at a time.
+
+    When the model ties its embeddings, no lm_head.weight is yielded: use embed_tokens.
+    """
+    if src.format == "gguf":
+        return gguf_file.iter_weights(src.path, dtype)
+    return hf_folder.iter_weights(src.path, dtype)
+
+
+def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    if src.format == "gguf":
+        return load_gguf_tokenizer(src.path)
+    return load_hf_tokenizer(src.path)
