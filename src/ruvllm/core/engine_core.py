@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-from ruvllm.config import EngineConfig, ModelConfig
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
 from ruvllm.engine.detokenizer import IncrementalDetokenizer
@@ -16,7 +17,7 @@ from ruvllm.errors import RequestError
 from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from ruvllm.models.registry import build_model
 from ruvllm.outputs import CompletionOutput, RequestOutput
-from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request, RequestStatus
+from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.worker.model_runner import ModelRunner, num_kv_blocks
 
@@ -53,19 +54,34 @@ class EngineCore:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         model = build_model(mc, iter_weights(src, self.dtype), str(src.path), self.max_model_len, self.dtype)
+        self._start(model, config)
+        log.info("model %s: %s, %d layers, max_model_len %d", src.path, mc.architecture, mc.num_layers,
+                 self.max_model_len)
+
+    def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        """Everything per-run around a loaded model: KV pool, scheduler, runner."""
+        self.config = config
         cache = config.cache
-        self.num_blocks = num_kv_blocks(mc, cache, self.dtype)
+        self.num_blocks = num_kv_blocks(self.model_config, cache, self.dtype)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, mc, cache.block_size, self.num_blocks, self.dtype)
+        self.runner = ModelRunner(model, self.model_config, cache.block_size, self.num_blocks, self.dtype)
         # A sequence can never outgrow the pool, so a request running alone always fits.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * cache.block_size)
         self.eos_token_ids = self._eos_ids()
         self._arrivals = ArrivalCounter()
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
-        log.info("model %s: %s, %d layers, max_model_len %d", src.path, mc.architecture, mc.num_layers,
-                 self.max_model_len)
+
+    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> EngineCore:
+        """A new engine over the same loaded model and tokenizer, with its own KV pool and scheduler."""
+        clone = object.__new__(EngineCore)
+        clone.dtype, clone.model_config, clone.model_path = self.dtype, self.model_config, self.model_path
+        clone.tokenizer, clone.max_model_len = self.tokenizer, self.max_model_len
+        config = dataclasses.replace(self.config, cache=cache or self.config.cache,
+                                     scheduler=scheduler or self.config.scheduler)
+        clone._start(self.runner.model, config)
+        return clone
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -183,5 +199,4 @@ class EngineCore:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, seed=seed, n=1)
+    return dataclasses.replace(params, seed=seed, n=1)

@@ -32,8 +32,17 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = EngineCore(build_engine_config(model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(EngineCore(build_engine_config(model, **kwargs)))
+
+    @classmethod
+    def from_engine(cls, engine: EngineCore) -> LLM:
+        llm = object.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -47,12 +47,13 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
+    def compute_logits(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """One forward pass over every scheduled token; logits (float32) of the rows that sample."""
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_ids: list[str] = []
         for seq in so.seqs:
             n = len(seq.token_ids)
             input_ids.extend(seq.token_ids)
@@ -60,17 +61,22 @@ class ModelRunner:
             seqs.append((n, seq.start_position + n, seq.block_table))
             if seq.sample:
                 sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(requests[seq.request_id])
+                sample_ids.append(seq.request_id)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_views, meta, self.attn)
-        if not sample_rows:
-            return ModelRunnerOutput({}, {})
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-        tokens, logprobs = sample(logits, sample_reqs)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float(), sample_ids
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
+        logits, sample_ids = self.compute_logits(so)
+        if not sample_ids:
+            return ModelRunnerOutput({}, {})
+        reqs = [requests[rid] for rid in sample_ids]
+        tokens, logprobs = sample(logits, reqs)
         return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(sample_reqs, tokens)},
-            logprobs={r.request_id: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None},
+            sampled={r.request_id: t for r, t in zip(reqs, tokens)},
+            logprobs={r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None},
         )

@@ -1,0 +1,35 @@
+"""Greedy text from the engine == transformers' greedy generate on the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ruvllm import LLM, SamplingParams
+from ruvllm.loader import resolve_model
+from tests.reference import hf_reference
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+    "List three colours:",
+]
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+NEW_TOKENS = 24
+
+
+def test_greedy_matches_transformers(llm: LLM) -> None:
+    ref = hf_reference(resolve_model(None))
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts.append(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ref.generation_config.eos_token_id = list(llm.engine.eos_token_ids)
+    ref.generation_config.pad_token_id = llm.engine.eos_token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    outs = llm.generate([list(p) for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([list(prompt)]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected, tok.decode(list(prompt))
+        assert out.outputs[0].finish_reason == ("stop" if expected[-1] in llm.engine.eos_token_ids else "length")
+        assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)

@@ -1,0 +1,139 @@
+"""The engine's invariants on the real default model: isolation, batch invariance, prefix-cache hit ==
+miss, chunked == unchunked, preempted-and-resumed == uninterrupted, and every block returned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+BOOK = Path(__file__).resolve().parents[3] / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+def _novel_prompts(n: int, words: int = 40) -> list[str]:
+    if BOOK.exists():
+        text = BOOK.read_text(encoding="utf-8").split()[2000:]
+    else:  # the tests do not depend on ../shared being present
+        text = ("It is a truth universally acknowledged that a single man in possession of a good fortune "
+                "must be in want of a wife ").split() * 200
+    return [" ".join(text[i * 97:i * 97 + words]) for i in range(n)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _alone(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_isolation_request_after_others_equals_alone(llm: LLM) -> None:
+    prompts = _novel_prompts(4)
+    first = _alone(llm, prompts[:1])[0]
+    llm.generate(prompts[1:], SamplingParams(temperature=0.9, max_tokens=30, seed=3))
+    llm.generate(prompts[2:], GREEDY)
+    assert _alone(llm, prompts[:1])[0] == first
+
+
+def test_batch_invariance_16_concurrent(llm: LLM) -> None:
+    prompts = _novel_prompts(16)
+    alone = _alone(llm, prompts)
+    together = _tokens(llm.generate(prompts, GREEDY))
+    assert together == alone
+
+
+def test_mixed_lengths_and_join_mid_flight(llm: LLM) -> None:
+    """Requests with different prompt and output lengths leave at different steps; later ones join."""
+    prompts = [p[: 20 + 15 * i] for i, p in enumerate(_novel_prompts(6, words=60))]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)]
+    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert _tokens(llm.generate(prompts, params)) == alone
+
+
+def test_prefix_cache_hit_equals_miss(llm: LLM) -> None:
+    shared = _novel_prompts(1, words=120)[0]
+    prompts = [shared + " And so", shared + " Then she"]
+    miss = _alone(llm, prompts[:1])
+    stats = llm.engine.kv.stats
+    hits_before = stats.hits
+    outs = llm.generate(prompts, GREEDY)
+    assert stats.hits > hits_before, "the shared prefix was not served from the cache"
+    assert outs[0].num_cached_tokens > 0 and outs[0].num_cached_tokens % 16 == 0
+    assert outs[0].outputs[0].token_ids == miss[0]
+    llm.engine.kv.pool.reset_prefix_cache()
+    assert _alone(llm, prompts[1:]) == [outs[1].outputs[0].token_ids]
+
+
+def _variant(llm: LLM, **sched) -> LLM:
+    return LLM.from_engine(llm.engine.with_settings(scheduler=SchedulerConfig(**sched)))
+
+
+def test_chunked_prefill_equals_unchunked(llm: LLM) -> None:
+    prompts = _novel_prompts(4, words=150)
+    whole = _tokens(llm.generate(prompts, GREEDY))
+    chunked = _variant(llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
+    assert _tokens(chunked.generate(prompts, GREEDY)) == whole
+    assert chunked.engine.num_free_blocks == chunked.engine.num_blocks
+
+
+def test_preempted_and_resumed_equals_uninterrupted(llm: LLM) -> None:
+    prompts = _novel_prompts(8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _tokens(llm.generate(prompts, params))
+    # 8 sequences of ~90 tokens need ~48 blocks; 20 blocks force preemption by recompute.
+    tiny = LLM.from_engine(llm.engine.with_settings(cache=CacheConfig(num_blocks=20)))
+    assert _tokens(tiny.generate(prompts, params)) == expected
+    assert tiny.engine.scheduler.num_preemptions > 0
+    assert tiny.engine.num_free_blocks == tiny.engine.num_blocks
+
+
+def test_sampled_requests_resume_identically_after_preemption(llm: LLM) -> None:
+    prompts = _novel_prompts(6)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11)
+    expected = _tokens(llm.generate(prompts, params))
+    tiny = LLM.from_engine(llm.engine.with_settings(cache=CacheConfig(num_blocks=16)))
+    assert _tokens(tiny.generate(prompts, params)) == expected
+    assert tiny.engine.scheduler.num_preemptions > 0
+
+
+def test_priorities_order_admission_and_preemption(llm: LLM) -> None:
+    from ruvllm import Priority
+    engine = llm.engine.with_settings(cache=CacheConfig(num_blocks=12),
+                                      scheduler=SchedulerConfig(max_num_seqs=2))
+    prompts = _novel_prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prios = [Priority.LOW, Priority.NORMAL, Priority.CRITICAL, Priority.HIGH]
+    order: list[str] = []
+    for i, (p, prio) in enumerate(zip(prompts, prios)):
+        engine.add_request(str(i), llm.tokenizer.encode(p), params, prio)
+    while engine.has_unfinished:
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order[:2] == ["2", "3"]  # critical, then high, finish first
+    low = [r for r in engine.scheduler.requests.values()]
+    assert not low
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_abort_returns_blocks_at_any_point(llm: LLM) -> None:
+    engine = llm.engine
+    prompts = _novel_prompts(3, words=100)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", llm.tokenizer.encode(p), GREEDY)
+    engine.abort("a2")  # still waiting
+    engine.step()
+    engine.step()
+    assert engine.num_free_blocks < engine.num_blocks
+    engine.abort("a0")  # running
+    engine.abort("a1")
+    engine.abort("does-not-exist")
+    assert not engine.has_unfinished
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_short_generations_finish_with_length(llm: LLM, max_tokens: int) -> None:
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == max_tokens
+    assert out.outputs[0].finish_reason == "length"

@@ -1,0 +1,79 @@
+"""Test helpers: a transformers reference model on the same weights, and direct runs of our model."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ruvllm.config import ModelConfig
+from ruvllm.core.kv_cache_manager import KVCacheManager
+from ruvllm.loader import ModelSource, iter_weights, load_model_config
+from ruvllm.models.registry import build_model
+from ruvllm.outputs import ScheduledSeq, SchedulerOutput
+from ruvllm.request import Request
+from ruvllm.sampling_params import SamplingParams
+from ruvllm.worker.model_runner import ModelRunner
+
+_HF = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (LlamaConfig, LlamaForCausalLM),
+       "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+
+def hf_reference(src: ModelSource) -> torch.nn.Module:
+    """transformers' own modelling code loaded with the tensors our loader reads (fp32).
+
+    (That our loader reads the same tensors as transformers' GGUF loader is tested in test_loader.)"""
+    cfg = load_model_config(src)
+    config_cls, model_cls = _HF[cfg.architecture]
+    kwargs = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                  rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                  tie_word_embeddings=cfg.tie_word_embeddings)
+    if cfg.rope_scaling:
+        kwargs["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.architecture == "llama":
+        kwargs["attention_bias"] = cfg.attention_bias
+    model = model_cls(config_cls(**kwargs)).float().eval()
+    missing, unexpected = model.load_state_dict(dict(iter_weights(src, torch.float32)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+class DirectRunner:
+    """Our model, KV manager and runner driven step by step without the scheduler, to read logits."""
+
+    def __init__(self, src: ModelSource, block_size: int = 16, num_blocks: int = 64) -> None:
+        self.cfg: ModelConfig = load_model_config(src)
+        model = build_model(self.cfg, iter_weights(src, torch.float32), str(src.path),
+                            self.cfg.max_position_embeddings, torch.float32)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.cfg, block_size, num_blocks, torch.float32)
+
+    def prefill_then_decode(self, prompt: list[int], continuation: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Logits after the prompt and after each teacher-forced continuation token: [1 + len(cont), V]."""
+        req = Request("r", list(prompt), SamplingParams())
+        out = []
+        pending = list(prompt)
+        for tok in [None] + continuation:
+            if tok is not None:
+                req.output_token_ids.append(tok)
+                pending = [tok]
+            while pending:
+                n = len(pending) if chunk is None else min(chunk, len(pending))
+                assert self.kv.allocate_slots(req, n)
+                seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, self.kv.block_table("r"),
+                                   sample=n == len(pending))
+                logits, ids = self.runner.compute_logits(SchedulerOutput([seq]))
+                req.num_computed_tokens += n
+                pending = pending[n:]
+            out.append(logits[0])
+        self.kv.free(req)
+        assert self.kv.num_free_blocks == self.kv.pool.num_blocks
+        return torch.stack(out)
