@@ -4,6 +4,8 @@ Every test that uses it ends by checking that it holds no request and every KV b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ruvllm import LLM
@@ -23,5 +25,14 @@ def llm(_shared_llm: LLM):
     assert engine.num_free_blocks == engine.num_blocks, "KV blocks leaked"
 
 
-def assert_all_free(llm: LLM) -> None:
-    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+BOOK = Path(__file__).resolve().parents[3] / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+def novel_prompts(n: int, words: int = 40) -> list[str]:
+    """Realistic, distinct prompts cut from the novel in ../shared (or a stand-in when it is absent)."""
+    if BOOK.exists():
+        text = BOOK.read_text(encoding="utf-8").split()[2000:]
+    else:
+        text = ("It is a truth universally acknowledged that a single man in possession of a good fortune "
+                "must be in want of a wife ").split() * 200
+    return [" ".join(text[i * 97:i * 97 + words]) for i in range(n)]

@@ -3,25 +3,12 @@ miss, chunked == unchunked, preempted-and-resumed == uninterrupted, and every bl
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from tests.e2e.conftest import novel_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-BOOK = Path(__file__).resolve().parents[3] / "shared" / "data" / "pride-and-prejudice.txt"
-
-
-def _novel_prompts(n: int, words: int = 40) -> list[str]:
-    if BOOK.exists():
-        text = BOOK.read_text(encoding="utf-8").split()[2000:]
-    else:  # the tests do not depend on ../shared being present
-        text = ("It is a truth universally acknowledged that a single man in possession of a good fortune "
-                "must be in want of a wife ").split() * 200
-    return [" ".join(text[i * 97:i * 97 + words]) for i in range(n)]
-
-
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
@@ -31,7 +18,7 @@ def _alone(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> lis
 
 
 def test_isolation_request_after_others_equals_alone(llm: LLM) -> None:
-    prompts = _novel_prompts(4)
+    prompts = novel_prompts(4)
     first = _alone(llm, prompts[:1])[0]
     llm.generate(prompts[1:], SamplingParams(temperature=0.9, max_tokens=30, seed=3))
     llm.generate(prompts[2:], GREEDY)
@@ -39,7 +26,7 @@ def test_isolation_request_after_others_equals_alone(llm: LLM) -> None:
 
 
 def test_batch_invariance_16_concurrent(llm: LLM) -> None:
-    prompts = _novel_prompts(16)
+    prompts = novel_prompts(16)
     alone = _alone(llm, prompts)
     together = _tokens(llm.generate(prompts, GREEDY))
     assert together == alone
@@ -47,14 +34,14 @@ def test_batch_invariance_16_concurrent(llm: LLM) -> None:
 
 def test_mixed_lengths_and_join_mid_flight(llm: LLM) -> None:
     """Requests with different prompt and output lengths leave at different steps; later ones join."""
-    prompts = [p[: 20 + 15 * i] for i, p in enumerate(_novel_prompts(6, words=60))]
+    prompts = [p[: 20 + 15 * i] for i, p in enumerate(novel_prompts(6, words=60))]
     params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)]
     alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert _tokens(llm.generate(prompts, params)) == alone
 
 
 def test_prefix_cache_hit_equals_miss(llm: LLM) -> None:
-    shared = _novel_prompts(1, words=120)[0]
+    shared = novel_prompts(1, words=120)[0]
     prompts = [shared + " And so", shared + " Then she"]
     miss = _alone(llm, prompts[:1])
     stats = llm.engine.kv.stats
@@ -72,7 +59,7 @@ def _variant(llm: LLM, **sched) -> LLM:
 
 
 def test_chunked_prefill_equals_unchunked(llm: LLM) -> None:
-    prompts = _novel_prompts(4, words=150)
+    prompts = novel_prompts(4, words=150)
     whole = _tokens(llm.generate(prompts, GREEDY))
     chunked = _variant(llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
     assert _tokens(chunked.generate(prompts, GREEDY)) == whole
@@ -80,7 +67,7 @@ def test_chunked_prefill_equals_unchunked(llm: LLM) -> None:
 
 
 def test_preempted_and_resumed_equals_uninterrupted(llm: LLM) -> None:
-    prompts = _novel_prompts(8)
+    prompts = novel_prompts(8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(llm.generate(prompts, params))
     # 8 sequences of ~90 tokens need ~48 blocks; 20 blocks force preemption by recompute.
@@ -91,7 +78,7 @@ def test_preempted_and_resumed_equals_uninterrupted(llm: LLM) -> None:
 
 
 def test_sampled_requests_resume_identically_after_preemption(llm: LLM) -> None:
-    prompts = _novel_prompts(6)
+    prompts = novel_prompts(6)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11)
     expected = _tokens(llm.generate(prompts, params))
     tiny = LLM.from_engine(llm.engine.with_settings(cache=CacheConfig(num_blocks=16)))
@@ -103,7 +90,7 @@ def test_priorities_order_admission_and_preemption(llm: LLM) -> None:
     from ruvllm import Priority
     engine = llm.engine.with_settings(cache=CacheConfig(num_blocks=12),
                                       scheduler=SchedulerConfig(max_num_seqs=2))
-    prompts = _novel_prompts(4)
+    prompts = novel_prompts(4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prios = [Priority.LOW, Priority.NORMAL, Priority.CRITICAL, Priority.HIGH]
     order: list[str] = []
@@ -119,7 +106,7 @@ def test_priorities_order_admission_and_preemption(llm: LLM) -> None:
 
 def test_abort_returns_blocks_at_any_point(llm: LLM) -> None:
     engine = llm.engine
-    prompts = _novel_prompts(3, words=100)
+    prompts = novel_prompts(3, words=100)
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", llm.tokenizer.encode(p), GREEDY)
     engine.abort("a2")  # still waiting

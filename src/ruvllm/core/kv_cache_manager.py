@@ -55,13 +55,14 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = h
-        self.stats.queries += len(tokens)
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens after the computed ones; False if the pool is short."""
+        """Make room for `num_new_tokens` more tokens after the computed ones; False if the pool is short.
+
+        `computed_blocks` (prefix-cache hits, on admission) are counted in the hit statistics only
+        when the allocation succeeds, so a request that waits several steps is counted once."""
         computed_blocks = computed_blocks or []
         held = self._blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -71,6 +72,9 @@ class KVCacheManager:
             if not held:
                 del self._blocks[req.request_id]
             return False
+        if self.enable_prefix_caching and not held:  # admission
+            self.stats.queries += req.num_tokens
+            self.stats.hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
         held.extend(computed_blocks)
         if needed > 0:

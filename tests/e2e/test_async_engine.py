@@ -1,0 +1,107 @@
+"""The streaming engine: one engine thread, many concurrent asyncio callers, cancellation aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ruvllm import LLM, AsyncEngine, SamplingParams
+from tests.e2e.conftest import novel_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(llm: LLM):
+    eng = AsyncEngine(core=llm.engine)
+    yield eng
+    eng.shutdown()
+
+
+def test_stream_matches_offline_and_grows(llm: LLM, engine: AsyncEngine) -> None:
+    prompt = novel_prompts(1)[0]
+    expected = llm.generate(prompt, GREEDY)[0].outputs[0]
+
+    async def run():
+        seen = []
+        async for out in engine.generate(prompt, GREEDY):
+            seen.append(out)
+        return seen
+
+    seen = asyncio.run(run())
+    assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, 17))
+    assert seen[-1].finished and not any(o.finished for o in seen[:-1])
+    assert seen[-1].outputs[0].token_ids == expected.token_ids
+    assert seen[-1].outputs[0].text == expected.text
+    texts = [o.outputs[0].text for o in seen]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # text only grows
+
+
+def test_concurrent_callers_are_batched_and_isolated(llm: LLM, engine: AsyncEngine) -> None:
+    prompts = novel_prompts(12)
+    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    max_running = 0
+
+    async def one(p: str) -> list[int]:
+        nonlocal max_running
+        last = None
+        async for out in engine.generate(p, GREEDY):
+            last = out
+            max_running = max(max_running, engine.core.num_running)
+        return last.outputs[0].token_ids
+
+    async def run():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(run()) == alone
+    assert max_running > 1  # requests really shared steps
+
+
+def test_cancelling_a_stream_aborts_and_frees_blocks(llm: LLM, engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def run():
+        async def consume():
+            async for _ in engine.generate(novel_prompts(1, words=100)[0], params):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(1.0)
+        assert engine.stats()["free_blocks"] < engine.stats()["total_blocks"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = engine.stats()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.stats()
+
+    stats = asyncio.run(run())
+    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_breaking_out_early_aborts(engine: AsyncEngine) -> None:
+    async def run():
+        n = 0
+        async for _ in engine.generate("Count to one hundred:", SamplingParams(max_tokens=300, ignore_eos=True)):
+            n += 1
+            if n == 3:
+                break
+        await asyncio.sleep(0.3)
+        return engine.stats()
+
+    stats = asyncio.run(run())
+    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_bad_request_raises_to_the_caller_only(engine: AsyncEngine) -> None:
+    async def run():
+        with pytest.raises(ValueError, match="out of range"):
+            async for _ in engine.generate([10**9], GREEDY):
+                pass
+        outs = [o async for o in engine.generate("Hi", GREEDY)]
+        return outs[-1]
+
+    assert asyncio.run(run()).finished
