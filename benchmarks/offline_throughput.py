@@ -1,0 +1,130 @@
+"""Offline throughput: ruvllm vs transformers' generate on the same prompts and the same GGUF weights.
+
+Each (engine, concurrency) cell runs in its own process so peak memory is that cell's alone.
+Prompts are cut from a public-domain novel to exactly --prompt-len tokens; every request generates
+exactly --gen-len tokens (ignore_eos). Prints a table; --json writes the rows.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--concurrency 1 8 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    text = BOOK.read_text(encoding="utf-8") if BOOK.exists() else "All work and no play makes Jack a dull boy. " * 5000
+    ids = tokenizer.encode(text[20000:], add_special_tokens=False)
+    return [ids[i * length * 3:i * length * 3 + length] for i in range(n)]
+
+
+def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
+    from ruvllm import LLM, SamplingParams
+    llm = LLM(dtype=dtype, max_num_seqs=max(n, 1), max_num_batched_tokens=2048)
+    prompts = make_prompts(llm.tokenizer, n, prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    engine = llm.engine
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    total = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
+            if out.finished:
+                total += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    return {"tokens": total, "seconds": elapsed, "ttft_s": sum(first.values()) / len(first)}
+
+
+def run_transformers(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ruvllm.loader import default_model_path
+    torch.set_num_threads(torch.get_num_threads())
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                                 dtype=getattr(torch, dtype)).eval()
+    prompts = torch.tensor(make_prompts(tok, n, prompt_len))  # equal lengths: no padding needed
+    mask = torch.ones_like(prompts)
+    kw = dict(do_sample=False, pad_token_id=tok.eos_token_id, attention_mask=mask)
+    with torch.inference_mode():
+        model.generate(prompts[:1], max_new_tokens=4, min_new_tokens=4, **{**kw, "attention_mask": mask[:1]})
+        t0 = time.perf_counter()
+        model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(prompts, max_new_tokens=gen_len, min_new_tokens=gen_len, **kw)
+        elapsed = time.perf_counter() - t0
+    return {"tokens": int((out.shape[1] - prompt_len) * n), "seconds": elapsed, "ttft_s": ttft}
+
+
+def child(args: argparse.Namespace) -> None:
+    fn = run_ruvllm if args.engine == "ruvllm" else run_transformers
+    row = fn(args.n, args.prompt_len, args.gen_len, args.dtype)
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(row))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--engines", nargs="+", default=["ruvllm", "transformers"])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", choices=["ruvllm", "transformers"], dest="engine", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine:
+        return child(args)
+
+    rows = []
+    console = Console()
+    for n in args.concurrency:
+        for engine in args.engines:
+            cmd = [sys.executable, __file__, "--child", engine, "--n", str(n), "--prompt-len", str(args.prompt_len),
+                   "--gen-len", str(args.gen_len), "--dtype", args.dtype]
+            with console.status(f"{engine} at {n} sequences"):
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                console.print(f"[red]{engine} at {n} failed:[/red]\n{proc.stderr[-2000:]}")
+                continue
+            row = json.loads(line[0][len("RESULT "):])
+            row.update(engine=engine, concurrency=n, tok_s=row["tokens"] / row["seconds"])
+            rows.append(row)
+
+    table = Table(title=f"offline throughput: {args.prompt_len}-token prompts, {args.gen_len} generated, {args.dtype}")
+    for col in ("engine", "seqs", "output tok/s", "TTFT mean (s)", "peak RSS (MiB)", "ruvllm / transformers"):
+        table.add_column(col, justify="right")
+    by = {(r["engine"], r["concurrency"]): r for r in rows}
+    for r in rows:
+        ref = by.get(("transformers", r["concurrency"]))
+        ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if r["engine"] == "ruvllm" and ref else ""
+        table.add_row(r["engine"], str(r["concurrency"]), f"{r['tok_s']:.1f}", f"{r['ttft_s']:.2f}",
+                      f"{r['peak_rss_mib']:.0f}", ratio)
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
