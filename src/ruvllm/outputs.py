@@ -14,6 +14,9 @@ class ScheduledSeq:
     start_position: int  # position of token_ids[0]
     block_table: list[int]
     sample: bool  # the chunk ends at the request's last token: sample its next one
+    # (first row, prompt tokens): rows from `first row` on predict these tokens, whose logprobs are
+    # wanted (echo scoring). None when the request does not ask for prompt logprobs.
+    prompt_logprob_targets: tuple[int, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -34,6 +37,7 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> next token
     logprobs: dict[str, dict[int, Logprob]]  # request id -> chosen and top-N logprobs
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,3 +62,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None

@@ -60,6 +60,8 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # One entry per prompt token from the second on (the first has no context to be scored in).
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

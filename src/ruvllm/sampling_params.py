@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo scoring)
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
@@ -59,6 +60,9 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):

@@ -181,8 +181,13 @@ class EngineCore:
             self._groups.pop(group.request_id, None)
             for child in group.children:
                 self._child_to_group.pop(child.request_id, None)
+        first = group.children[0]
+        prompt_lps = None
+        if first.params.prompt_logprobs is not None:
+            prompt_lps = [None, *first.prompt_logprobs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
-                             num_cached_tokens=group.children[0].num_cached_tokens, prompt=group.prompt)
+                             num_cached_tokens=first.num_cached_tokens, prompt=group.prompt,
+                             prompt_logprobs=prompt_lps)
 
     # --- introspection ---------------------------------------------------------------------------
     @property

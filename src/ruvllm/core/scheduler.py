@@ -81,7 +81,9 @@ class Scheduler:
                     break
                 if self._waits_for_sibling(req):
                     continue
-                hits, hit_tokens = self.kv.get_computed_blocks(req)
+                # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+                hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None \
+                    else self.kv.get_computed_blocks(req)
                 n = req.num_tokens - hit_tokens
                 if n > budget and not cfg.enable_chunked_prefill:
                     break
@@ -99,14 +101,28 @@ class Scheduler:
 
         for req, n in scheduled:
             start = req.num_computed_tokens
+            tokens = req.all_token_ids
             out.seqs.append(ScheduledSeq(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + n],
+                token_ids=tokens[start:start + n],
                 start_position=start,
                 block_table=self.kv.block_table(req.request_id),
                 sample=start + n == req.num_tokens,
+                prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
             ))
         return out
+
+    @staticmethod
+    def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[int, list[int]] | None:
+        """Row i of the chunk predicts token start+i+1. Returns (first row, prompt tokens to score from
+        it on), skipping positions already scored before a preemption."""
+        if req.params.prompt_logprobs is None:
+            return None
+        lo = max(start + 1, 1 + len(req.prompt_logprobs))
+        hi = min(start + n + 1, req.num_prompt_tokens)
+        if lo >= hi:
+            return None
+        return lo - start - 1, req.prompt_token_ids[lo:hi]
 
     def _waits_for_sibling(self, req: Request) -> bool:
         """n > 1: later copies wait until the first has its prompt cached, then share its blocks."""
@@ -132,6 +148,8 @@ class Scheduler:
             req = self.requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_full_blocks(req)
+            if req.request_id in ro.prompt_logprobs:
+                req.prompt_logprobs.extend(ro.prompt_logprobs[req.request_id])
             if not seq.sample:
                 continue
             token = ro.sampled[req.request_id]

@@ -109,16 +109,28 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
     tokens = chosen.tolist()
     logprobs: list[dict[int, Logprob] | None] = [None] * len(reqs)
     if raw_logprobs is not None:
-        for i, n in enumerate(want_lp):
-            if n is None:
-                continue
-            row = raw_logprobs[i]
-            tok = tokens[i]
-            lp = float(row[tok])
-            entry = {tok: Logprob(tok, lp, int((row > row[tok]).sum()) + 1)}
-            if n > 0:
-                top_vals, top_ids = row.topk(n)
-                for rank, (tid, val) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
-                    entry.setdefault(tid, Logprob(tid, val, rank))
+        rows = [i for i, n in enumerate(want_lp) if n is not None]
+        entries = token_logprobs(raw_logprobs[rows], [tokens[i] for i in rows], [want_lp[i] for i in rows])
+        for i, entry in zip(rows, entries):
             logprobs[i] = entry
     return tokens, logprobs
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:
+    """For each row: the logprob and rank of `tokens[i]`, plus the row's `top_n[i]` most likely tokens."""
+    if not tokens:
+        return []
+    ids = torch.tensor(tokens, dtype=torch.long)
+    chosen = logprobs.gather(1, ids.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen_l = chosen.squeeze(1).tolist()
+    k = max(top_n)
+    top_vals, top_ids = logprobs.topk(k, dim=1) if k > 0 else (None, None)
+    out = []
+    for i, tok in enumerate(tokens):
+        entry = {tok: Logprob(tok, chosen_l[i], ranks[i])}
+        if top_n[i] > 0:
+            for rank, (tid, val) in enumerate(zip(top_ids[i, : top_n[i]].tolist(), top_vals[i, : top_n[i]].tolist()), 1):
+                entry.setdefault(tid, Logprob(tid, val, rank))
+        out.append(entry)
+    return out

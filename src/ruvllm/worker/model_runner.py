@@ -9,7 +9,7 @@ import torch
 from ruvllm.attention.metadata import build_attention_metadata
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import CacheConfig, ModelConfig
-from ruvllm.layers.sampler import sample
+from ruvllm.layers.sampler import sample, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import Request
@@ -47,36 +47,64 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     @torch.inference_mode()
-    def compute_logits(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """One forward pass over every scheduled token; logits (float32) of the rows that sample."""
+    def forward(self, so: SchedulerOutput) -> torch.Tensor:
+        """One forward pass over every scheduled token of every request: final hidden states [T, H]."""
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
         for seq in so.seqs:
             n = len(seq.token_ids)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
             seqs.append((n, seq.start_position + n, seq.block_table))
-            if seq.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(seq.request_id)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_views, meta, self.attn)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float(), sample_ids
+        return self.model(ids, pos, self.kv_views, meta, self.attn)
+
+    @staticmethod
+    def _last_rows(so: SchedulerOutput) -> tuple[list[int], list[str]]:
+        rows, ids, end = [], [], 0
+        for seq in so.seqs:
+            end += len(seq.token_ids)
+            if seq.sample:
+                rows.append(end - 1)
+                ids.append(seq.request_id)
+        return rows, ids
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)).float()
+
+    @torch.inference_mode()
+    def compute_logits(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """Logits (float32) of the rows that sample, and their request ids."""
+        rows, ids = self._last_rows(so)
+        return self._logits(self.forward(so), rows), ids
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
-        logits, sample_ids = self.compute_logits(so)
+        hidden = self.forward(so)
+        rows, sample_ids = self._last_rows(so)
+        out = ModelRunnerOutput({}, {}, self._prompt_logprobs(so, hidden, requests))
         if not sample_ids:
-            return ModelRunnerOutput({}, {})
+            return out
         reqs = [requests[rid] for rid in sample_ids]
-        tokens, logprobs = sample(logits, reqs)
-        return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(reqs, tokens)},
-            logprobs={r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None},
-        )
+        tokens, logprobs = sample(self._logits(hidden, rows), reqs)
+        out.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        out.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
+        return out
+
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
+                         requests: dict[str, Request]) -> dict[str, list]:
+        result = {}
+        start = 0
+        for seq in so.seqs:
+            if seq.prompt_logprob_targets is not None:
+                first, targets = seq.prompt_logprob_targets
+                rows = list(range(start + first, start + first + len(targets)))
+                lps = self._logits(hidden, rows).log_softmax(dim=-1)
+                n = requests[seq.request_id].params.prompt_logprobs or 0
+                result[seq.request_id] = token_logprobs(lps, targets, [n] * len(targets))
+            start += len(seq.token_ids)
+        return result

@@ -1,0 +1,43 @@
+"""The `ruvllm` command line (typer). Each command lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import typer
+
+from ruvllm import __version__
+from ruvllm.cli.common import CliState, setup_logging
+
+app = typer.Typer(name="ruvllm", help="Run and serve LLMs: offline, OpenAI-compatible, on CPU or GPU.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ruvllm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging (RUVLLM_LOG sets the level otherwise)."),
+    no_color: bool = typer.Option(False, "--no-color", help="Plain output without colours."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    setup_logging(verbose)
+    ctx.obj = CliState(verbose=verbose, color=not no_color)
+
+
+def _register() -> None:
+    # Imported here so `ruvllm --help` stays fast and each command's heavy imports stay local to it.
+    from ruvllm.cli import commands
+    commands.register(app)
+
+
+def main() -> None:
+    _register()
+    app()
+
+
+if __name__ == "__main__":
+    main()
