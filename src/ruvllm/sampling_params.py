@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,11 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -67,6 +73,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
         stops = tuple(s for s in (self.stop or []) if s)
         if any(not isinstance(s, str) for s in stops):
             raise bad("stop", "must be a string or a list of strings")

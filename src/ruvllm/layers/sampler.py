@@ -66,7 +66,8 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     ranks = torch.arange(vocab).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     drop = ranks >= k
-    probs = sorted_logits.softmax(dim=-1)
+    # top-p and min-p look at the distribution that top-k left (renormalised), as HF and vLLM do.
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep a token if the mass before it is below top_p (so the top token always stays).
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= top_p.unsqueeze(1)
