@@ -63,3 +63,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None
+    queue_time: float | None = None  # seconds from arrival to first scheduled

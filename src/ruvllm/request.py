@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,8 @@ class Request:
     # One entry per prompt token from the second on (the first has no context to be scored in).
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -47,4 +47,8 @@ def clean_errors(fn: F) -> F:
             raise
         except (RuvllmError, ValueError, OSError) as exc:
             raise fail(str(exc)) from None
+        except Exception as exc:
+            if logging.getLogger().isEnabledFor(logging.DEBUG):
+                raise  # --verbose: show the traceback
+            raise fail(f"internal error: {type(exc).__name__}: {exc} (run with --verbose for details)") from None
     return wrapper  # type: ignore[return-value]

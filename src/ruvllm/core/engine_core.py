@@ -182,12 +182,15 @@ class EngineCore:
             for child in group.children:
                 self._child_to_group.pop(child.request_id, None)
         first = group.children[0]
+        queue_time = None
+        if first.first_scheduled_time is not None:
+            queue_time = first.first_scheduled_time - first.arrival_time
         prompt_lps = None
         if first.params.prompt_logprobs is not None:
             prompt_lps = [None, *first.prompt_logprobs]
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
                              num_cached_tokens=first.num_cached_tokens, prompt=group.prompt,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, queue_time=queue_time)
 
     # --- introspection ---------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ is preempted by recompute: its blocks are freed and it rejoins the queue, to res
 from __future__ import annotations
 
 import bisect
+import time
 
 from ruvllm.config import SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
@@ -94,6 +95,7 @@ class Scheduler:
                 req.num_computed_tokens = hit_tokens
                 if req.status is RequestStatus.WAITING:
                     req.num_cached_tokens = hit_tokens
+                    req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))

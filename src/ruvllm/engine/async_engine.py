@@ -40,6 +40,7 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any] | None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._snapshot = self._take_snapshot()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ruvllm-engine", daemon=True)
         self._thread.start()
@@ -86,13 +87,29 @@ class AsyncEngine:
         self._commands.put((fn, None))
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot taken on the engine thread (safe while it runs)."""
+        """A snapshot taken on the engine thread now (waits for the current step to end)."""
         fut: Future[dict[str, Any]] = Future()
-        self._commands.put((lambda: {
-            "running": self.core.num_running, "waiting": self.core.num_waiting,
-            "free_blocks": self.core.num_free_blocks, "total_blocks": self.core.num_blocks,
-        }, fut))
-        return fut.result(timeout=30)
+        self._commands.put((self._take_snapshot, fut))
+        return fut.result(timeout=60)
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        """The snapshot the engine thread published after its latest step; never blocks."""
+        return self._snapshot
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        core = self.core
+        return {
+            "running": core.num_running, "waiting": core.num_waiting,
+            "free_blocks": core.num_free_blocks, "total_blocks": core.num_blocks,
+            "kv_usage": 1.0 - core.num_free_blocks / core.num_blocks,
+            "prefix_queries": core.kv.stats.queries, "prefix_hits": core.kv.stats.hits,
+            "preemptions": core.scheduler.num_preemptions,
+        }
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -118,6 +135,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            self._snapshot = self._take_snapshot()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
@@ -129,6 +147,7 @@ class AsyncEngine:
     def _run_command(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
         try:
             result = fn()
+            self._snapshot = self._take_snapshot()
         except BaseException as exc:
             if fut is not None:
                 fut.set_exception(exc)

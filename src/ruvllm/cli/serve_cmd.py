@@ -1,0 +1,73 @@
+"""`ruvllm serve [MODEL]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ruvllm.cli.common import CliState, clean_errors, fail
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @clean_errors
+    def serve(
+        ctx: typer.Context,
+        model: str = typer.Argument(None, help="Path, alias or Hub id (default: the embedded SmolLM2-135M)."),
+        host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+        port: int = typer.Option(8000, min=0, max=65535, help="Port to bind."),
+        max_concurrent: int = typer.Option(32, min=1, help="Sequences running at once."),
+        max_queue: int = typer.Option(256, min=0, help="Sequences that may wait beyond those; then 429."),
+        api_key: str = typer.Option(None, envvar="RUVLLM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+        served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
+        chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
+        cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
+        dtype: str = typer.Option("float32", help="Weights and activations: float32, bfloat16 or float16."),
+        max_context: int = typer.Option(None, "--max-context", min=1, help="Context length cap."),
+        block_size: int = typer.Option(16, min=1, help="Tokens per KV-cache block."),
+        kv_cache_gib: float = typer.Option(1.0, "--kv-cache-gib", min=0.001, help="KV-cache memory budget."),
+        num_blocks: int = typer.Option(None, min=1, help="KV blocks (overrides --kv-cache-gib)."),
+        max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
+        no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
+        threads: int = typer.Option(None, min=1, help="Intra-op threads (default: all cores)."),
+    ) -> None:
+        """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
+        import uvicorn
+
+        from ruvllm.cli.engine_options import EngineOptions
+        from ruvllm.engine.async_engine import AsyncEngine
+        from ruvllm.loader.hub import resolve_cli_model
+        from ruvllm.server.app import create_app
+        from ruvllm.server.config import ServerConfig
+
+        state: CliState = ctx.obj
+        console = state.console(stderr=True)
+        template = chat_template
+        if template and Path(template).is_file():
+            template = Path(template).read_text(encoding="utf-8")
+        opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
+                             no_prefix_caching, threads)
+        path = resolve_cli_model(model, cache_dir)
+        with console.status("loading model"):
+            engine = AsyncEngine(opts.to_config(path, max_concurrent))
+        core = engine.core
+        cfg = ServerConfig(host=host, port=port, api_key=api_key, max_concurrent=max_concurrent,
+                           max_queue=max_queue, chat_template=template,
+                           served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
+        kv_mib = core.runner.kv_cache.numel() * core.runner.kv_cache.element_size() / 2**20
+        console.print(f"model [bold]{cfg.served_model_name}[/bold] ({core.model_path}), "
+                      f"{core.model_config.architecture}, context {core.max_seq_len}; KV cache "
+                      f"{core.num_blocks} blocks x {block_size} tokens ({kv_mib:.0f} MiB)")
+        app = create_app(engine, cfg, owns_engine=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                               timeout_graceful_shutdown=int(cfg.graceful_shutdown_s)))
+        console.print(f"serving on http://{host}:{port}/v1  (Ctrl-C to stop)")
+        try:
+            server.run()
+        finally:
+            engine.shutdown()
+        if not server.started:
+            raise fail(f"could not start the server on {host}:{port} (is the port in use?)")

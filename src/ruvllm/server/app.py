@@ -1,0 +1,384 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
+
+Handlers only validate, submit, await and abort: the engine thread owns the model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.engine.prompts import render_chat
+from ruvllm.outputs import CompletionOutput, RequestOutput
+from ruvllm.request import Priority
+from ruvllm.sampling_params import SamplingParams
+from ruvllm.server import responses as R
+from ruvllm.server.config import ServerConfig
+from ruvllm.server.errors import APIError, error_response, install_error_handlers
+from ruvllm.server.generation import Admission, EnginePrompt, check_context, follow
+from ruvllm.server.metrics import RequestTracker, ServerMetrics
+from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   _Sampling)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _State:
+    engine: AsyncEngine
+    cfg: ServerConfig
+    metrics: ServerMetrics
+    admission: Admission
+    text_of: R.TokenText
+    created: int
+
+    @property
+    def max_len(self) -> int:
+        return self.engine.core.max_seq_len
+
+
+def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_engine:
+            engine.shutdown()  # aborts what is still in flight, so every block returns
+
+    app = FastAPI(title="ruvllm", lifespan=lifespan)
+    st = _State(engine, cfg, ServerMetrics(lambda: engine.snapshot, cfg.served_model_name),
+                Admission(cfg.max_concurrent + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
+    app.state.ruvllm = st
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if cfg.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      None, "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(503, "engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "ruvllm",
+            "max_model_len": st.max_len, "root": str(engine.core.model_path)}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(st, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = _chat_ids(st, body.messages, body.add_generation_prompt)
+        else:
+            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(st, body.model)
+        vocab = engine.core.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(st, body.model)
+        body.check_supported()
+        prompt = EnginePrompt(_chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template), None)
+        max_tokens = check_context(prompt, body.token_limit, st.max_len)
+        top_n = body.top_logprobs or 0
+        params = _params(body, max_tokens, logprobs=top_n if body.logprobs else None)
+        return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(st, body.model)
+        body.check_supported()
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(EnginePrompt(list(engine.tokenizer.encode(p)), p))
+            else:
+                prompts.append(EnginePrompt(list(p), None))
+        budgets = [check_context(p, body.token_limit, st.max_len) for p in prompts]
+        echo_lp = body.echo and body.logprobs is not None
+        params = [_params(body, b, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
+                  for b in budgets]
+        return await _serve(st, request, body, prompts, params, chat=False, top_n=body.logprobs or 0)
+
+    return app
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+def _check_model(st: _State, model: str | None) -> None:
+    if model is not None and model != st.cfg.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                            f"`{st.cfg.served_model_name}`.", "model", "model_not_found")
+
+
+def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool, template: str | None = None) -> list[int]:
+    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        return render_chat(st.engine.tokenizer, msgs, template, add_generation_prompt)
+    except APIError:
+        raise
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+
+
+def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=body.n or 1, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
+            seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos),
+            max_tokens=max_tokens, min_tokens=min(body.min_tokens or 0, max_tokens), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None
+
+
+async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePrompt],
+                 params: list[SamplingParams], chat: bool, top_n: int) -> Response:
+    n = params[0].n
+    seqs = n * len(prompts)
+    st.admission.acquire(seqs)
+    rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
+    prio = Priority[(body.priority or "normal").upper()]
+    outs = follow(st.engine, prompts, params, prio, rid)
+    tracker = st.metrics.tracker()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream_chat if chat else _stream_completion
+        return StreamingResponse(_released(st, seqs, gen(st, body, prompts, outs, n, top_n, rid, tracker, include_usage)),
+                                 media_type="text/event-stream")
+    try:
+        final = await _collect(outs, request, len(prompts), tracker)
+    finally:
+        st.admission.release(seqs)
+    if final is None:
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    if chat:
+        return JSONResponse(_chat_body(st, body, final[0], top_n, rid))
+    return JSONResponse(_completion_body(st, body, prompts, final, top_n, rid))
+
+
+async def _released(st: _State, seqs: int, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for c in chunks:
+            yield c
+    finally:
+        st.admission.release(seqs)
+
+
+async def _collect(outs: AsyncIterator[tuple[int, RequestOutput]], request: Request, num_prompts: int,
+                   tracker: RequestTracker) -> list[RequestOutput] | None:
+    """Wait for the final outputs; None if the client went away first (its requests are aborted)."""
+    final: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for i, out in outs:
+            tracker.on_output(sum(len(c.token_ids) for c in out.outputs), out.queue_time)
+            if out.finished:
+                final[i] = out
+
+    task = asyncio.create_task(consume())
+    gone = False
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                gone = True
+                break
+    finally:
+        if not task.done():
+            task.cancel()  # raises inside the output stream, which aborts every engine request
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+    if gone:
+        return None
+    results = [final[i] for i in range(num_prompts)]
+    _finish_metrics(tracker, results)
+    return results
+
+
+def _finish_metrics(tracker: RequestTracker, results: list[RequestOutput]) -> None:
+    tracker.on_finish(sum(len(r.prompt_token_ids) for r in results),
+                      sum(len(c.token_ids) for r in results for c in r.outputs),
+                      [c.finish_reason.value for r in results for c in r.outputs if c.finish_reason])
+
+
+def _reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason.value if c.finish_reason is not None else None
+
+
+def _usage(results: list[RequestOutput]) -> dict[str, int]:
+    return R.usage(sum(len(r.prompt_token_ids) for r in results),
+                   sum(len(c.token_ids) for r in results for c in r.outputs))
+
+
+def _chat_body(st: _State, body: ChatCompletionRequest, out: RequestOutput, top_n: int, rid: str) -> dict[str, Any]:
+    choices = []
+    for c in out.outputs:
+        lps = R.chat_logprobs(c.token_ids, c.logprobs or [], top_n, st.text_of) if body.logprobs else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                        "logprobs": lps, "finish_reason": _reason(c)})
+    return {"id": rid, "object": "chat.completion", "created": R.now(), "model": st.cfg.served_model_name,
+            "choices": choices, "usage": _usage([out])}
+
+
+def _completion_body(st: _State, body: CompletionRequest, prompts: list[EnginePrompt], results: list[RequestOutput],
+                     top_n: int, rid: str) -> dict[str, Any]:
+    choices = []
+    for pi, (p, out) in enumerate(zip(prompts, results)):
+        prefix = _echo_text(st, p) if body.echo else ""
+        for c in out.outputs:
+            lps = None
+            if body.logprobs is not None:
+                tokens, entries = list(c.token_ids), list(c.logprobs or [])
+                if body.echo:
+                    tokens = p.token_ids + tokens
+                    entries = list(out.prompt_logprobs or [None] * len(p.token_ids)) + entries
+                lps = R.completion_logprobs(tokens, entries, top_n, st.text_of, 0)
+            choices.append({"index": pi * len(out.outputs) + c.index, "text": prefix + c.text, "logprobs": lps,
+                            "finish_reason": _reason(c)})
+    return {"id": rid, "object": "text_completion", "created": R.now(), "model": st.cfg.served_model_name,
+            "choices": choices, "usage": _usage(results)}
+
+
+def _echo_text(st: _State, p: EnginePrompt) -> str:
+    return p.text if p.text is not None else st.engine.tokenizer.decode(p.token_ids)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Progress:
+    """Per choice: how much text and how many tokens have been sent, and whether it is done."""
+
+    def __init__(self) -> None:
+        self.text: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def delta(self, idx: int, c: CompletionOutput) -> tuple[str, list[int], int]:
+        t0, k0 = self.text.get(idx, 0), self.tokens.get(idx, 0)
+        self.text[idx], self.tokens[idx] = len(c.text), len(c.token_ids)
+        return c.text[t0:], c.token_ids[k0:], k0
+
+
+async def _stream_chat(st: _State, body: ChatCompletionRequest, prompts: list[EnginePrompt],
+                       outs: AsyncIterator[tuple[int, RequestOutput]], n: int, top_n: int, rid: str,
+                       tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": R.now(), "model": st.cfg.served_model_name}
+    extra = {"usage": None} if include_usage else {}
+    for i in range(n):
+        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}], **extra})
+    prog = _Progress()
+    last: RequestOutput | None = None
+    async with _closing(outs):
+        async for _, out in outs:
+            last = out
+            tracker.on_output(sum(len(c.token_ids) for c in out.outputs), out.queue_time)
+            for c in out.outputs:
+                if c.index in prog.done:
+                    continue
+                text, toks, k0 = prog.delta(c.index, c)
+                if not text and not toks and not c.finished:
+                    continue
+                lps = None
+                if body.logprobs and toks:
+                    lps = R.chat_logprobs(toks, (c.logprobs or [])[k0:], top_n, st.text_of)
+                delta = {"content": text} if text else {}
+                yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lps,
+                                                 "finish_reason": _reason(c)}], **extra})
+                if c.finished:
+                    prog.done.add(c.index)
+    if last is not None:
+        _finish_metrics(tracker, [last])
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage([last])})
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_completion(st: _State, body: CompletionRequest, prompts: list[EnginePrompt],
+                             outs: AsyncIterator[tuple[int, RequestOutput]], n: int, top_n: int, rid: str,
+                             tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": R.now(), "model": st.cfg.served_model_name}
+    extra = {"usage": None} if include_usage else {}
+    prog = _Progress()
+    echoed: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    async with _closing(outs):
+        async for pi, out in outs:
+            tracker.on_output(sum(len(c.token_ids) for r in [*finals.values(), out] for c in r.outputs),
+                              out.queue_time)
+            for c in out.outputs:
+                idx = pi * n + c.index
+                if idx in prog.done:
+                    continue
+                text, toks, k0 = prog.delta(idx, c)
+                lps = None
+                if body.echo and idx not in echoed:
+                    echoed.add(idx)
+                    p = prompts[pi]
+                    text = _echo_text(st, p) + text
+                    if body.logprobs is not None:
+                        plps = list(out.prompt_logprobs or [None] * len(p.token_ids))
+                        lps = R.completion_logprobs(p.token_ids + toks, plps + (c.logprobs or [])[k0:],
+                                                    top_n, st.text_of, 0)
+                elif body.logprobs is not None and toks:
+                    lps = R.completion_logprobs(toks, (c.logprobs or [])[k0:], top_n, st.text_of, 0)
+                if not text and not toks and not c.finished:
+                    continue
+                yield _sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lps,
+                                                 "finish_reason": _reason(c)}], **extra})
+                if c.finished:
+                    prog.done.add(idx)
+            if out.finished:
+                finals[pi] = out
+    results = [finals[i] for i in sorted(finals)]
+    _finish_metrics(tracker, results)
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": _usage(results)})
+    yield "data: [DONE]\n\n"
+
+
+@asynccontextmanager
+async def _closing(agen: Any) -> AsyncIterator[None]:
+    """Close the output stream on any exit (a disconnect cancels us), which aborts the requests."""
+    try:
+        yield
+    finally:
+        await agen.aclose()

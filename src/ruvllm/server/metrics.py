@@ -1,0 +1,104 @@
+"""Prometheus metrics, names prefixed `ruvllm:`, in a registry of the app's own (no global state)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's latest snapshot at scrape time (written by the engine thread after each step)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
+        self._snapshot, self._model = snapshot, model
+
+    def collect(self) -> Iterator[Any]:
+        s = self._snapshot()
+        labels = ["model_name"]
+        for name, doc, key in (
+            ("ruvllm:num_requests_running", "Requests whose sequences are in the running batch.", "running"),
+            ("ruvllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", "waiting"),
+            ("ruvllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self._model], float(s.get(key, 0)))
+            yield g
+        for name, doc, key in (
+            ("ruvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+            ("ruvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_hits"),
+            ("ruvllm:num_preemptions", "Requests preempted (by recompute) so far.", "preemptions"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self._model], float(s.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        r = self.registry
+        self.registry.register(_EngineCollector(snapshot, model))
+        lab = ["model_name"]
+        self.prompt_tokens = Counter("ruvllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
+        self.generation_tokens = Counter("ruvllm:generation_tokens", "Tokens generated.", lab, registry=r)
+        self.request_success = Counter("ruvllm:request_success", "Finished requests by finish reason.",
+                                       lab + ["finished_reason"], registry=r)
+        self.ttft = Histogram("ruvllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ruvllm:inter_token_latency_seconds", "Time between output tokens.", lab,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ruvllm:e2e_request_latency_seconds", "Arrival to finish.", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("ruvllm:request_queue_time_seconds", "Arrival to first scheduled.", lab,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Latency bookkeeping of one HTTP request across its stream of engine outputs."""
+
+    def __init__(self, m: ServerMetrics) -> None:
+        self.m = m
+        self.start = time.monotonic()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def on_output(self, num_tokens: int, queue_time: float | None) -> None:
+        now = time.monotonic()
+        new = num_tokens - self.tokens
+        if new <= 0:
+            return
+        label = self.m.model
+        if self.last is None:
+            self.m.ttft.labels(label).observe(now - self.start)
+            if queue_time is not None:
+                self.m.queue_time.labels(label).observe(queue_time)
+            new -= 1
+        else:
+            # Several tokens can arrive in one output (n > 1); spread the gap over them.
+            for _ in range(new):
+                self.m.itl.labels(label).observe((now - self.last) / new)
+        self.last = now
+        self.tokens = num_tokens
+
+    def on_finish(self, prompt_tokens: int, completion_tokens: int, reasons: list[str]) -> None:
+        label = self.m.model
+        self.m.e2e.labels(label).observe(time.monotonic() - self.start)
+        self.m.prompt_tokens.labels(label).inc(prompt_tokens)
+        self.m.generation_tokens.labels(label).inc(completion_tokens)
+        for reason in reasons:
+            self.m.request_success.labels(label, reason).inc()

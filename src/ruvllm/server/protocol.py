@@ -1,0 +1,152 @@
+"""OpenAI request bodies as pydantic models, and their translation into SamplingParams.
+
+Fields OpenAI defines that change nothing here (user, metadata, store, ...) are accepted and
+ignored; fields whose meaning we cannot honour (tools, non-text response formats, suffix) are a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from ruvllm.server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+
+
+class _Sampling(BaseModel):
+    """Sampling fields shared by chat and completions, with the extensions benchmark clients send."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int | None = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    user: str | None = None
+    # Extensions (vLLM / llama.cpp clients): not in OpenAI's schema.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    priority: Literal["low", "normal", "high", "critical"] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, val in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= val <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {val}")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") not in ("text", "input_text"):
+                raise APIError(400, f"message content of type {part.get('type')!r} is not supported "
+                                    "(text only)", "messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "only response_format type 'text' is supported", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            if any(isinstance(x, list) and not x for x in p):
+                raise APIError(400, "a token-id prompt must not be empty", "prompt")
+            return list(p)  # type: ignore[arg-type]
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids, "
+                            "or a list of token-id lists", "prompt")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[StrictInt]
