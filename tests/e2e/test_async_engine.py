@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ruvllm import LLM, AsyncEngine, SamplingParams
-from tests.e2e.conftest import novel_prompts
+from tests.conftest import novel_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
-from tests.e2e.conftest import novel_prompts
+from tests.conftest import novel_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def _tokens(outs) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ruvllm import LLM, SamplingParams
-from tests.e2e.conftest import novel_prompts
+from tests.conftest import novel_prompts
 
 PROMPT = "Write a short story about a cat who learns to fly."
 

@@ -1,4 +1,4 @@
-"""One engine on the embedded default model, shared by the end-to-end tests (loading it takes ~10 s).
+"""One engine on the embedded default model, shared by the end-to-end and server tests (loading it takes ~10 s).
 
 Every test that uses it ends by checking that it holds no request and every KV block is free."""
 
@@ -25,7 +25,7 @@ def llm(_shared_llm: LLM):
     assert engine.num_free_blocks == engine.num_blocks, "KV blocks leaked"
 
 
-BOOK = Path(__file__).resolve().parents[3] / "shared" / "data" / "pride-and-prejudice.txt"
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pride-and-prejudice.txt"
 
 
 def novel_prompts(n: int, words: int = 40) -> list[str]:

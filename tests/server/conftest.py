@@ -1,0 +1,80 @@
+"""A real server (uvicorn in a thread, real sockets) over the shared default model, for the real
+`openai` client and raw HTTP. Each server gets its own KV pool and scheduler over the loaded model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from ruvllm import LLM, CacheConfig, SchedulerConfig
+from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.server.app import create_app
+from ruvllm.server.config import ServerConfig
+
+MODEL = "smollm2-test"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: AsyncEngine
+    cfg: ServerConfig
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Until nothing runs or waits; then every block must be back in the pool."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine.stats()
+            if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(llm: LLM, **server_kwargs) -> Iterator[RunningServer]:
+    core = llm.engine.with_settings(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=32))
+    engine = AsyncEngine(core=core)
+    port = _free_port()
+    cfg = ServerConfig(port=port, served_model_name=MODEL, **server_kwargs)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    running = RunningServer(f"http://127.0.0.1:{port}", engine, cfg)
+    try:
+        yield running
+        stats = running.wait_idle()
+        assert stats["free_blocks"] == stats["total_blocks"], "KV blocks leaked"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(_shared_llm: LLM) -> Iterator[RunningServer]:
+    yield from start_server(_shared_llm)
+
+
+@pytest.fixture
+def http(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+    stats = server.wait_idle()
+    assert stats["free_blocks"] == stats["total_blocks"], "KV blocks leaked"
