@@ -58,13 +58,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     app.state.ruvllm = st
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if cfg.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      None, "invalid_api_key")
-        return await call_next(request)
+    if cfg.api_key:
+        app.add_middleware(_APIKeyMiddleware, key=cfg.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -129,6 +124,22 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         return await _serve(st, request, body, prompts, params, chat=False, top_n=body.logprobs or 0)
 
     return app
+
+
+class _APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the handlers)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if auth != self.expected:
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      None, "invalid_api_key")
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
