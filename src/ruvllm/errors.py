@@ -31,5 +31,9 @@ class UnsupportedQuantizationError(ModelLoadError):
     """A tensor uses a quantization type ruvllm cannot read."""
 
 
+class EngineShutdownError(RuvllmError):
+    """The request was aborted because the engine is shutting down."""
+
+
 class RequestError(RuvllmError, ValueError):
     """A request cannot be served as asked (prompt too long, bad token ids, ...)."""

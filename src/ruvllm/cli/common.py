@@ -32,7 +32,7 @@ def setup_logging(verbose: bool) -> None:
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print `error: message` on stderr and return the Exit to raise."""
-    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", markup=True)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {message}", markup=True)
     return typer.Exit(code)
 
 

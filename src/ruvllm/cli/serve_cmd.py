@@ -35,13 +35,12 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(None, min=1, help="Intra-op threads (default: all cores)."),
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
-        import uvicorn
-
         from ruvllm.cli.engine_options import EngineOptions
         from ruvllm.engine.async_engine import AsyncEngine
         from ruvllm.loader.hub import resolve_cli_model
         from ruvllm.server.app import create_app
         from ruvllm.server.config import ServerConfig
+        from ruvllm.server.process import serve as serve_app
 
         state: CliState = ctx.obj
         console = state.console(stderr=True)
@@ -62,12 +61,10 @@ def register(app: typer.Typer) -> None:
                       f"{core.model_config.architecture}, context {core.max_seq_len}; KV cache "
                       f"{core.num_blocks} blocks x {block_size} tokens ({kv_mib:.0f} MiB)")
         app = create_app(engine, cfg, owns_engine=True)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                               timeout_graceful_shutdown=int(cfg.graceful_shutdown_s)))
         console.print(f"serving on http://{host}:{port}/v1  (Ctrl-C to stop)")
         try:
-            server.run()
+            started = serve_app(app, engine, host, port, cfg.graceful_shutdown_s)
         finally:
             engine.shutdown()
-        if not server.started:
+        if not started:
             raise fail(f"could not start the server on {host}:{port} (is the port in use?)")

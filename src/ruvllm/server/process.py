@@ -1,0 +1,48 @@
+"""Running the app under uvicorn as a process that stops cleanly on SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ruvllm.engine.async_engine import AsyncEngine
+
+
+class GracefulServer(uvicorn.Server):
+    """On the first signal: stop accepting, give in-flight requests `drain_s` to finish, then abort
+    the rest (their streams end with an error event), and exit normally (status 0) - a signal is how
+    a server is asked to stop, not a failure. A second SIGINT forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_s = engine, drain_s
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # uvicorn would re-raise it after shutdown: exit 130 / -15
+        if not self._draining:
+            self._draining = True
+            threading.Thread(target=self._drain, name="ruvllm-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_s
+        while time.monotonic() < deadline:
+            snap = self.engine.snapshot
+            if snap["running"] == 0 and snap["waiting"] == 0:
+                return
+            time.sleep(0.05)
+        self.engine.abort_all()
+
+
+def serve(app: Any, engine: AsyncEngine, host: str, port: int, drain_s: float) -> bool:
+    """Run until stopped; False if the server could not start (e.g. the port is taken)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=int(drain_s) + 5)
+    server = GracefulServer(config, engine, drain_s)
+    server.run()
+    return server.started
