@@ -1,0 +1,203 @@
+"""Load test for any OpenAI-compatible server: N concurrent streaming clients.
+
+Every client streams /v1/completions requests (a --prompt-len token prompt cut from a public-domain
+novel, exactly --gen-len generated tokens with ignore_eos). Reports aggregate output tokens/s, time to
+first token p50/p99 and end-to-end latency, side by side for every server in one run:
+
+    # ruvllm started here on the embedded model, and a llama-server built on this machine:
+    .venv/bin/python benchmarks/serve_load.py --start-ruvllm --llama-server ~/llama.cpp/build/bin/llama-server
+    # servers already running:
+    .venv/bin/python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --peer-url http://127.0.0.1:8080
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT.parent / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+@dataclass
+class Result:
+    ttft: float
+    e2e: float
+    tokens: int
+
+
+def prompts(n: int, prompt_len: int) -> list[str]:
+    """Distinct prompts of ~prompt_len tokens of the default model's tokenizer (measured, then cut)."""
+    from ruvllm.loader import load_tokenizer, resolve_model
+    tok = load_tokenizer(resolve_model(None))
+    text = BOOK.read_text(encoding="utf-8") if BOOK.exists() else "It was a bright cold day in April. " * 4000
+    ids = tok.encode(text[30000:], add_special_tokens=False)
+    return [tok.decode(ids[i * prompt_len * 2:i * prompt_len * 2 + prompt_len]) for i in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, gen_len: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    chunks = 0
+    usage_tokens = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage_tokens = data["usage"].get("completion_tokens")
+            for choice in data.get("choices") or []:
+                if choice.get("text"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter()
+    end = time.perf_counter()
+    return Result((first or end) - start, end - start, usage_tokens or chunks)
+
+
+async def run_load(url: str, model: str, texts: list[str], concurrency: int, gen_len: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+        await one_request(client, url, model, texts[0][:200], 4)  # warm-up
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, model, texts[i], gen_len)
+                                         for i in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttfts = sorted(r.ttft for r in results)
+    return {
+        "concurrency": concurrency, "output_tok_s": sum(r.tokens for r in results) / wall,
+        "ttft_p50": statistics.median(ttfts), "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "e2e_mean": statistics.fmean(r.e2e for r in results), "tokens": sum(r.tokens for r in results),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not come up")
+
+
+def start_ruvllm(concurrency: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port),
+                             "--max-concurrent", str(max(concurrency, 1)), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url, proc)
+    return proc, url
+
+
+def start_llama_server(binary: str, concurrency: int, threads: int) -> tuple[subprocess.Popen, str]:
+    from ruvllm.loader import default_model_path
+    port = _free_port()
+    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--port", str(port), "--parallel",
+                             str(concurrency), "-c", str(512 * concurrency), "-t", str(threads), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url, proc)
+    return proc, url
+
+
+def llama_server_version(binary: str) -> str:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        return (out.stdout + out.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", help="a running ruvllm (or any) server")
+    ap.add_argument("--peer-url", help="a running peer server to compare with")
+    ap.add_argument("--start-ruvllm", action="store_true", help="start `ruvllm serve` per concurrency level")
+    ap.add_argument("--ruvllm-args", default="", help="extra arguments for the started ruvllm serve")
+    ap.add_argument("--llama-server", help="path of a llama-server binary to start on the same GGUF")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not (args.base_url or args.start_ruvllm or args.peer_url or args.llama_server):
+        ap.error("give at least one server: --base-url, --start-ruvllm, --peer-url or --llama-server")
+
+    console = Console()
+    texts = prompts(max(args.concurrency), args.prompt_len)
+    rows = []
+    for n in args.concurrency:
+        # (name, URL of a running server, or a function that starts one for this concurrency)
+        targets = []
+        if args.base_url:
+            targets.append(("ruvllm", args.base_url, None))
+        if args.start_ruvllm:
+            targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split())))
+        if args.peer_url:
+            targets.append(("peer", args.peer_url, None))
+        if args.llama_server:
+            targets.append(("llama-server", None, lambda n=n: start_llama_server(args.llama_server, n, args.threads)))
+        for name, url, start in targets:
+            proc = None
+            try:
+                if start is not None:
+                    with console.status(f"starting {name} for {n} clients"):
+                        proc, url = start()
+                with console.status(f"{name}: {n} concurrent clients"):
+                    row = asyncio.run(run_load(url, args.model, texts, n, args.gen_len))
+                row["server"] = name
+                rows.append(row)
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(timeout=60)
+
+    title = f"serve load: {args.prompt_len}-token prompts, {args.gen_len} generated (ignore_eos), streaming"
+    if args.llama_server:
+        title += f"; peer: {llama_server_version(args.llama_server)}"
+    table = Table(title=title)
+    for col in ("server", "clients", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "e2e mean (s)", "vs peer"):
+        table.add_column(col, justify="right")
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    for r in rows:
+        peer = by.get(("llama-server", r["concurrency"])) or by.get(("peer", r["concurrency"]))
+        ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}x" if r["server"] == "ruvllm" and peer else ""
+        table.add_row(r["server"], str(r["concurrency"]), f"{r['output_tok_s']:.1f}", f"{r['ttft_p50']:.2f}",
+                      f"{r['ttft_p99']:.2f}", f"{r['e2e_mean']:.2f}", ratio)
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
