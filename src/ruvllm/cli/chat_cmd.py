@@ -1,0 +1,222 @@
+"""`ruvllm chat`: an interactive, streaming chat in the terminal, with history and a few /commands.
+
+Ctrl-C while a reply streams stops that reply (the request is aborted, its KV blocks freed) and
+returns to the prompt; the text shown so far stays in the history, so the conversation the model
+sees is the one on screen. Ctrl-C or Ctrl-D at the prompt ends the chat with exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ruvllm.cli.common import CliState, clean_errors, fail
+
+if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
+    from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.sampling_params import SamplingParams
+
+PROMPT = "[bold green]>>>[/] "
+MODEL_HELP = ("Model path (GGUF file or Hugging Face folder), or a downloaded alias or Hub id; "
+              "default: the embedded SmolLM2-135M-Instruct.")
+CACHE_DIR_HELP = "Model cache for aliases and Hub ids (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm)."
+
+HELP = """\
+/help               this list
+/clear              forget the conversation (the system prompt stays)
+/system [TEXT]      set the system prompt (no TEXT: show it)
+/temp [VALUE]       set the sampling temperature, 0 = greedy (no VALUE: show it)
+/max-tokens [N]     set the longest reply in tokens (no N: show it)
+/quit, /exit        leave (so do Ctrl-D and Ctrl-C at the prompt)
+Ctrl-C while a reply streams stops it; the partial reply stays in the history."""
+
+
+@dataclass
+class ChatSession:
+    """What the chat remembers between turns; all of it can change through /commands."""
+
+    system: str | None
+    temperature: float
+    top_p: float
+    max_tokens: int
+    history: list[dict[str, str]] = field(default_factory=list)  # alternating user/assistant turns
+
+    def messages(self, user: str) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history + [{"role": "user", "content": user}]
+
+    def params(self) -> SamplingParams:
+        from ruvllm.sampling_params import SamplingParams
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
+
+
+def handle_command(session: ChatSession, line: str, console: Console) -> bool:
+    """Run one /command; False means leave. A bad value is one line of explanation, never an exit."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/help":
+        console.print(escape(HELP))
+    elif name == "/clear":
+        session.history.clear()
+        console.print("[dim]history cleared[/]")
+    elif name == "/system":
+        if arg:
+            session.system = arg
+            console.print("[dim]system prompt set[/]")
+        else:
+            console.print(f"[dim]system prompt: {escape(session.system or '(the model default)')}[/]")
+    elif name == "/temp":
+        if not arg:
+            console.print(f"[dim]temperature {session.temperature}[/]")
+            return True
+        try:
+            value = float(arg)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            console.print(f"[yellow]/temp needs a number >= 0, got {escape(arg)!r}[/]")
+        else:
+            session.temperature = value
+            console.print(f"[dim]temperature {value}[/]")
+    elif name == "/max-tokens":
+        if not arg:
+            console.print(f"[dim]max tokens {session.max_tokens}[/]")
+        elif not arg.isdigit() or int(arg) < 1:
+            console.print(f"[yellow]/max-tokens needs an integer >= 1, got {escape(arg)!r}[/]")
+        else:
+            session.max_tokens = int(arg)
+            console.print(f"[dim]max tokens {session.max_tokens}[/]")
+    else:
+        console.print(f"[yellow]unknown command {escape(name)}; /help lists them[/]")
+    return True
+
+
+@dataclass
+class _Reply:
+    text: str = ""
+    finish_reason: str | None = None
+
+
+async def _stream(engine: AsyncEngine, ids: list[int], params: SamplingParams, reply: _Reply,
+                  console: Console) -> None:
+    # `reply` is filled as we go so a Ctrl-C (which cancels this coroutine) leaves the partial text.
+    # aclosing: however we leave (cancelled, or a second Ctrl-C raised right here), the stream's
+    # cleanup runs now and aborts the request, instead of whenever the generator is collected.
+    async with contextlib.aclosing(engine.generate(ids, params)) as outputs:
+        async for out in outputs:
+            completion = out.outputs[0]
+            delta = completion.text[len(reply.text):]
+            if delta:
+                console.print(delta, end="", markup=False, highlight=False, emoji=False, soft_wrap=True)
+            reply.text = completion.text
+            reply.finish_reason = completion.finish_reason
+
+
+def _fit(session: ChatSession, tokenizer: Any, user: str, max_seq_len: int) -> tuple[list[int], int]:
+    """Render the conversation, dropping the oldest exchanges until there is room for a reply."""
+    from ruvllm.engine.prompts import render_chat
+    room = min(session.max_tokens, max_seq_len // 2)
+    dropped = 0
+    while True:
+        ids = render_chat(tokenizer, session.messages(user))
+        if len(ids) + room <= max_seq_len or not session.history:
+            return ids, dropped
+        del session.history[:2]
+        dropped += 1
+
+
+def _turn(session: ChatSession, engine: AsyncEngine, runner: asyncio.Runner, user: str, console: Console) -> None:
+    """One user message and its streamed reply; Ctrl-C anywhere in here only stops this turn."""
+    from ruvllm.errors import RuvllmError
+    reply = _Reply()
+    interrupted = False
+    try:
+        ids, dropped = _fit(session, engine.tokenizer, user, engine.core.max_seq_len)
+        if dropped:
+            console.print(f"[dim](dropped the {dropped} oldest exchange(s) to fit the context)[/]")
+        runner.run(_stream(engine, ids, session.params(), reply, console))
+    except KeyboardInterrupt:
+        interrupted = True  # asyncio.Runner cancelled the stream, which aborted the request
+    except (RuvllmError, ValueError) as exc:
+        console.print(f"\n[red]error:[/] {escape(str(exc))}")
+        return
+    console.print()
+    if interrupted:
+        console.print("[dim](stopped)[/]")
+    elif reply.finish_reason == "length":
+        console.print("[dim](cut at max tokens; /max-tokens raises it)[/]")
+    # An interrupted reply that showed nothing leaves no trace: there is nothing to continue from.
+    if reply.text or not interrupted:
+        session.history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply.text}]
+
+
+def run_chat(session: ChatSession, engine: AsyncEngine, console: Console) -> None:
+    try:
+        import readline  # noqa: F401  -- gives input() line editing and history where available
+    except ImportError:
+        pass
+    # One Runner for the whole chat: during runner.run() its SIGINT handler cancels the stream
+    # (the request is aborted) and re-raises KeyboardInterrupt; outside it Ctrl-C acts as usual.
+    with asyncio.Runner() as runner:
+        while True:
+            try:
+                line = console.input(PROMPT).strip()
+            except (EOFError, KeyboardInterrupt):
+                console.print()
+                return
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not handle_command(session, line, console):
+                    return
+                continue
+            _turn(session, engine, runner, line, console)
+
+
+def chat(
+    ctx: typer.Context,
+    model: str | None = typer.Argument(None, metavar="MODEL", help=MODEL_HELP),
+    system: str | None = typer.Option(None, "--system", help="System prompt (default: the template's own)."),
+    temperature: float = typer.Option(0.7, "--temperature", "-t", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling threshold in (0, 1]."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply in tokens."),
+    max_context: int | None = typer.Option(None, "--max-context",
+                                           help="Context length in tokens (default: the model's)."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache dtype: float32, bfloat16, float16."),
+    cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
+) -> None:
+    """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
+    state: CliState = ctx.obj or CliState()
+    console = state.console()
+    session = ChatSession(system, temperature, top_p, max_tokens)
+    session.params()  # validate the sampling flags before spending seconds on loading the model
+    if max_context is not None and max_context < 2:
+        raise fail(f"--max-context must be at least 2 tokens, got {max_context}")
+
+    from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.engine.llm import build_engine_config
+    from ruvllm.loader.hub import resolve_cli_model
+
+    config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, max_model_len=max_context)
+    with console.status("loading model…"):
+        engine = AsyncEngine(config)
+    try:
+        console.print(f"[bold]ruvllm chat[/] · {escape(engine.core.model_path.name)} · "
+                      f"context {engine.core.max_seq_len} tokens · /help for commands, Ctrl-D to leave",
+                      soft_wrap=True)
+        run_chat(session, engine, console)
+    finally:
+        engine.shutdown()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(clean_errors(chat))
