@@ -49,3 +49,12 @@ def test_bad_values_fail_in_one_line(flags: list[str], message: str) -> None:
     assert "Traceback" not in result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_bad_flag_through_the_real_entry_point_is_one_line() -> None:
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ruvllm.cli.main", "benchmark", "--concurrency", "abc"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--concurrency" in r.stderr and "Traceback" not in r.stderr

@@ -35,8 +35,23 @@ def _register() -> None:
 
 
 def main() -> None:
+    """Entry point: usage errors (a bad flag or value) are one line and exit 2, never a usage box."""
+    import sys
+
+    from typer._click import exceptions as click_exc
+
+    from ruvllm.cli.common import fail
+
     _register()
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except click_exc.UsageError as exc:
+        raise SystemExit(fail(exc.format_message(), code=2).exit_code) from None
+    except click_exc.Abort:
+        raise SystemExit(130) from None
+    except click_exc.Exit as exc:
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
