@@ -38,19 +38,18 @@ def main() -> None:
     """Entry point: usage errors (a bad flag or value) are one line and exit 2, never a usage box."""
     import sys
 
-    from typer._click import exceptions as click_exc
-
     from ruvllm.cli.common import fail
 
     _register()
     try:
         code = app(standalone_mode=False)
-    except click_exc.UsageError as exc:
-        raise SystemExit(fail(exc.format_message(), code=2).exit_code) from None
-    except click_exc.Abort:
-        raise SystemExit(130) from None
-    except click_exc.Exit as exc:
+    except typer.Abort:
+        code = 130
+    except typer.Exit as exc:
         code = exc.exit_code
+    except typer.TyperException as exc:  # click's ClickException family: usage and parameter errors
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        code = fail(message, code=getattr(exc, "exit_code", 2)).exit_code
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
                       f"{core.model_config.architecture}, context {core.max_seq_len}; KV cache "
                       f"{core.num_blocks} blocks x {block_size} tokens ({kv_mib:.0f} MiB)")
         app = create_app(engine, cfg, owns_engine=True)
-        console.print(f"serving on http://{host}:{port}/v1  (Ctrl-C to stop)")
+        console.print(f"starting the server on http://{host}:{port}/v1  (Ctrl-C stops it)")
         try:
             started = serve_app(app, engine, host, port, cfg.graceful_shutdown_s)
         finally:

@@ -44,5 +44,8 @@ def serve(app: Any, engine: AsyncEngine, host: str, port: int, drain_s: float) -
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(drain_s) + 5)
     server = GracefulServer(config, engine, drain_s)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits the process when it cannot bind; we report it ourselves
+        return False
     return server.started
