@@ -1,0 +1,75 @@
+"""Perplexity of the engine on a text file, per precision, side by side in one run.
+
+The text is cut into windows of --window tokens (no overlap); each window is one prompt scored with
+prompt logprobs (the engine's own path: paged cache, chunked prefill). Also reports greedy agreement
+with the first dtype on a few prompts (share of generated tokens identical to the reference's).
+
+    .venv/bin/python benchmarks/perplexity.py ../shared/data/pride-and-prejudice.txt --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ruvllm import LLM, SamplingParams
+
+AGREEMENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                     "The three primary colours are", "Water boils at"]
+
+
+def perplexity(llm: LLM, text: str, window: int, max_tokens: int) -> tuple[float, int]:
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
+    outs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), show_progress=True)
+    nll, count = 0.0, 0
+    for w, out in zip(windows, outs):
+        for pos in range(1, len(w)):
+            nll -= out.prompt_logprobs[pos][w[pos]].logprob
+            count += 1
+    return math.exp(nll / count), count
+
+
+def greedy(llm: LLM, n: int) -> list[list[int]]:
+    outs = llm.generate(AGREEMENT_PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=16384, help="tokens of the text to score")
+    ap.add_argument("--gen", type=int, default=32, help="tokens per prompt for greedy agreement")
+    args = ap.parse_args()
+    text = args.path.read_text(encoding="utf-8")
+    rows = []
+    reference = None
+    for dtype in args.dtypes:
+        llm = LLM(args.model, dtype=dtype, max_num_batched_tokens=2048)
+        t0 = time.perf_counter()
+        ppl, n = perplexity(llm, text, args.window, args.max_tokens)
+        seconds = time.perf_counter() - t0
+        tokens = greedy(llm, args.gen)
+        if reference is None:
+            reference = tokens
+        same = sum(a == b for r, t in zip(reference, tokens) for a, b in zip(r, t))
+        rows.append((dtype, ppl, n, seconds, same / sum(len(r) for r in reference)))
+    table = Table(title=f"perplexity on {args.path.name} ({args.window}-token windows)")
+    for col in ("dtype", "perplexity", "vs first", "tokens scored", "seconds", "greedy agreement"):
+        table.add_column(col, justify="right")
+    for dtype, ppl, n, seconds, agree in rows:
+        table.add_row(dtype, f"{ppl:.4f}", f"{100 * (ppl / rows[0][1] - 1):+.2f}%", str(n), f"{seconds:.1f}",
+                      f"{100 * agree:.1f}%")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
