@@ -59,7 +59,7 @@ def test_unknown_engine_setting() -> None:
 
 def test_bad_dtype_and_missing_model(tmp_path) -> None:
     from ruvllm import ModelNotFoundError
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be .auto. or one of"):
         LLM(dtype="float13")
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))

@@ -24,9 +24,9 @@ def test_slot_mapping_for_mixed_batch() -> None:
     assert meta.slot_mapping.tolist() == [8, 9, 10, 37, 12, 13, 14, 15, 4, 24]
 
     assert meta.decode_rows.tolist() == [3, 9]
-    assert meta.decode_slots.tolist() == [[0, 1, 2, 3, 36, 37], [24, 0, 0, 0, 0, 0]]
-    assert meta.decode_mask.shape == (2, 1, 1, 6)
-    assert meta.decode_mask[:, 0, 0].tolist() == [[True] * 6, [True] + [False] * 5]
+    assert meta.decode_block_tables.tolist() == [[0, 9], [6, 0]]
+    assert meta.decode_mask.shape == (2, 1, 1, 8)
+    assert meta.decode_mask[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] + [False] * 7]
 
     assert len(meta.prefills) == 2
     p0, p1 = meta.prefills
@@ -42,7 +42,7 @@ def test_slot_mapping_for_mixed_batch() -> None:
 def test_prefill_only_batch_has_no_decodes() -> None:
     meta = build_attention_metadata([(4, 4, [2]), (2, 6, [7, 1])], BS)
     assert meta.slot_mapping.tolist() == [8, 9, 10, 11, 4, 5]
-    assert meta.decode_rows is None and meta.decode_slots is None and meta.decode_mask is None
+    assert meta.decode_rows is None and meta.decode_block_tables is None and meta.decode_mask is None
     assert [(p.token_start, p.token_end) for p in meta.prefills] == [(0, 4), (4, 6)]
 
 

@@ -22,9 +22,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's key/value is written to
     # Sequences with one query token (decodes), attended in one padded batch.
     decode_rows: torch.Tensor | None  # [B] their rows in the flat batch
-    decode_slots: torch.Tensor | None  # [B, max_context] cache slots (padding points at slot 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_context] True where a key is real
+    # [B, max_blocks] block tables (padding: block 0). Keys are gathered a whole block at a time:
+    # one index per block_size tokens is several times cheaper than one index per token.
+    decode_block_tables: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSeq]
+    block_size: int = 16
 
 
 def build_attention_metadata(
@@ -35,7 +38,8 @@ def build_attention_metadata(
     """Slot mapping and per-sequence key gathers for a flat batch laid out in the order of `seqs`."""
     slot_chunks: list[torch.Tensor] = []
     decode_rows: list[int] = []
-    decode_slot_lists: list[torch.Tensor] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     prefills: list[PrefillSeq] = []
     row = 0
     for num_q, ctx_len, block_table in seqs:
@@ -44,7 +48,8 @@ def build_attention_metadata(
         slot_chunks.append(slots[ctx_len - num_q:])
         if num_q == 1:
             decode_rows.append(row)
-            decode_slot_lists.append(slots)
+            decode_tables.append(block_table[: (ctx_len + block_size - 1) // block_size])
+            decode_lens.append(ctx_len)
         else:
             if ctx_len == num_q:
                 mask = None  # plain causal attention over the chunk itself
@@ -57,17 +62,16 @@ def build_attention_metadata(
     slot_mapping = torch.cat(slot_chunks).to(device) if slot_chunks else torch.empty(0, dtype=torch.long)
 
     if decode_rows:
-        max_ctx = max(len(s) for s in decode_slot_lists)
-        gather = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
-        mask = torch.zeros(len(decode_rows), max_ctx, dtype=torch.bool)
-        for i, s in enumerate(decode_slot_lists):
-            gather[i, : len(s)] = s
-            mask[i, : len(s)] = True
+        max_blocks = max(len(t) for t in decode_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+        lens = torch.tensor(decode_lens, dtype=torch.long)
+        mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_slots=gather.to(device),
+            decode_block_tables=tables.to(device),
             decode_mask=mask[:, None, None, :].to(device),
             prefills=prefills,
+            block_size=block_size,
         )
-    return AttentionMetadata(slot_mapping, None, None, None, prefills)
+    return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size)

@@ -12,6 +12,7 @@ import torch
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
+from ruvllm.dtypes import resolve_dtype
 from ruvllm.engine.detokenizer import IncrementalDetokenizer
 from ruvllm.errors import RequestError
 from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
@@ -22,9 +23,6 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.worker.model_runner import ModelRunner, num_kv_blocks
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -43,9 +41,7 @@ class _Group:
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype)
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         src = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(src)

@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         cfg = self.cfg
@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, cos_sin)
         o = attn.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, cfg.head_dim ** -0.5)
         x = x + self.o_proj(o.reshape(-1, cfg.q_size))
         h = self.post_attention_layernorm(x)
@@ -78,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.for_positions(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta, attn)
+            x = layer(x, cos_sin, kv, meta, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
