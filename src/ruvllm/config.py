@@ -72,7 +72,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the CPU computes it natively (AVX-512 BF16 / AMX) or on CUDA, else fp32
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0

@@ -186,7 +186,7 @@ def benchmark(
     gen_length: int = typer.Option(64, "--gen-length", help="Generated tokens per request (EOS ignored)."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests submitted together in the batch phase."),
     fmt: str = typer.Option("table", "--format", help="table, json or csv (json and csv: stdout only)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache dtype: float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
     threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
 ) -> None:

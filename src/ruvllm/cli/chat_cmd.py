@@ -191,7 +191,7 @@ def chat(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply in tokens."),
     max_context: int | None = typer.Option(None, "--max-context",
                                            help="Context length in tokens (default: the model's)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache dtype: float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""

@@ -9,7 +9,7 @@ from ruvllm.config import CacheConfig, EngineConfig, SchedulerConfig
 
 @dataclass(frozen=True)
 class EngineOptions:
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_context: int | None = None
     block_size: int = 16
     kv_cache_gib: float = 1.0

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
         chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
-        dtype: str = typer.Option("float32", help="Weights and activations: float32, bfloat16 or float16."),
+        dtype: str = typer.Option("auto", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
         max_context: int = typer.Option(None, "--max-context", min=1, help="Context length cap."),
         block_size: int = typer.Option(16, min=1, help="Tokens per KV-cache block."),
         kv_cache_gib: float = typer.Option(1.0, "--kv-cache-gib", min=0.001, help="KV-cache memory budget."),
