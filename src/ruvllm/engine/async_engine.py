@@ -58,11 +58,17 @@ class AsyncEngine:
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids, text = encode_prompt(self.tokenizer, prompt)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._call(lambda: self.core.add_request(request_id, token_ids, params, priority, text))
+            try:
+                await self._call(lambda: self.core.add_request(request_id, token_ids, params, priority, text))
+            except Exception:
+                finished = True  # the engine refused it: nothing was added, nothing to abort
+                raise
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

@@ -20,25 +20,23 @@ class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
         self._snapshot, self._model = snapshot, model
 
+    _FAMILIES = (
+        (GaugeMetricFamily, "ruvllm:num_requests_running", "Requests in the running batch.", "running"),
+        (GaugeMetricFamily, "ruvllm:num_requests_waiting", "Requests waiting (incl. preempted).", "waiting"),
+        (GaugeMetricFamily, "ruvllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
+        (CounterMetricFamily, "ruvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+         "prefix_queries"),
+        (CounterMetricFamily, "ruvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+         "prefix_hits"),
+        (CounterMetricFamily, "ruvllm:num_preemptions", "Requests preempted (by recompute) so far.", "preemptions"),
+    )
+
     def collect(self) -> Iterator[Any]:
         s = self._snapshot()
-        labels = ["model_name"]
-        for name, doc, key in (
-            ("ruvllm:num_requests_running", "Requests whose sequences are in the running batch.", "running"),
-            ("ruvllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).", "waiting"),
-            ("ruvllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self._model], float(s.get(key, 0)))
-            yield g
-        for name, doc, key in (
-            ("ruvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
-            ("ruvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_hits"),
-            ("ruvllm:num_preemptions", "Requests preempted (by recompute) so far.", "preemptions"),
-        ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self._model], float(s.get(key, 0)))
-            yield c
+        for family, name, doc, key in self._FAMILIES:
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model], float(s.get(key, 0)))
+            yield metric
 
 
 class ServerMetrics:
