@@ -30,10 +30,18 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def _param_name(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    # pydantic unions add the branch type to the location; keep field names and indices only
-    parts = [p for p in parts if not any(c in p for c in "[]()") and not p.startswith(("function-", "tagged-"))]
-    return ".".join(parts) or None
+    """The request field at fault: `stop`, `messages.0.role`; pydantic's union-branch labels
+    (`str`, `list[int]`, `function-after[...]`) are dropped from the path."""
+    parts = [p for p in loc if p != "body"]
+    if not parts:
+        return None
+    path = [str(parts[0])]
+    for p in parts[1:]:
+        if isinstance(p, int):
+            path.append(str(p))
+        elif isinstance(p, str) and p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict"):
+            path.append(p)
+    return ".".join(path)
 
 
 def install_error_handlers(app: Any) -> None:
