@@ -143,3 +143,16 @@ def test_visible_text_never_shows_what_is_later_cut(tok, stops) -> None:
     for s in shown:
         assert final.startswith(s)
     assert shown[-1] == final
+
+
+def test_prompt_ending_inside_a_character_keeps_it(tok) -> None:
+    """Token-id prompts can end between the bytes of one character; the output completes it."""
+    ids = enc(tok, TEXTS[0])
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i]))
+    d = IncrementalDetokenizer(tok, ids[:cut])
+    for t in ids[cut:]:
+        d.add(t)
+    full = tok.decode(ids)
+    clean = max(k for k in range(cut + 1) if not tok.decode(ids[:k]).endswith("\ufffd"))
+    assert tok.decode(ids[:clean]) + d.text == full  # nothing lost, nothing doubled
+    assert "\ufffd" not in d.text

@@ -28,7 +28,12 @@ class IncrementalDetokenizer:
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = len(self._tokens)
+        # A prompt (given as token ids) may end inside a character: leave those bytes unread, so the
+        # character appears in the output once generated tokens complete it.
+        read = len(self._tokens)
+        while read > 0 and self._decode(self._tokens[:read]).endswith("\ufffd"):
+            read -= 1
+        self._read_offset = read
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
