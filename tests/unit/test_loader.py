@@ -322,3 +322,19 @@ def test_hf_missing_shard(tmp_path: Path) -> None:
     shutil.move(shard, tmp_path / "elsewhere")
     with pytest.raises(CorruptModelError, match=str(shard)):
         iter_weights(resolve_model(tmp_path), torch.float32)
+
+
+def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 default_src: ModelSource) -> None:
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path))
+    first = load_tokenizer(default_src)  # converted from GGUF metadata, then written to the cache
+    folders = list((tmp_path / "tokenizers").iterdir())
+    assert len(folders) == 1 and (folders[0] / "tokenizer.json").is_file()
+    second = load_tokenizer(default_src)  # read back from the cache
+    text = "café 日本語 <|im_start|>user\nHi<|im_end|>"
+    assert second.encode(text) == first.encode(text)
+    assert second.chat_template == first.chat_template and second.eos_token_id == first.eos_token_id
+    (folders[0] / "tokenizer.json").write_text("{broken")
+    assert load_tokenizer(default_src).encode(text) == first.encode(text)  # a corrupt cache is rebuilt
+    json.loads((folders[0] / "tokenizer.json").read_text())  # the rebuilt cache is valid again
+    assert load_tokenizer(default_src).encode(text) == first.encode(text)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ruvllm.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 
 def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -18,6 +25,15 @@ def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Built from GGUF metadata by transformers (~5-7 s: it parses the whole vocabulary), then kept as
+    a Hugging Face tokenizer folder in the model cache, so later loads of the same file take ~0.2 s."""
+    cached = _cache_folder(path)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("rebuilding unreadable tokenizer cache %s", cached)
+            shutil.rmtree(cached, ignore_errors=True)
     try:
         # transformers rebuilds the tokenizer (and usually the chat template) from GGUF metadata.
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -29,4 +45,33 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         field = open_reader(path).get_field("tokenizer.chat_template")
         if field is not None:
             tok.chat_template = field.contents()
+    if cached is not None:
+        _save(tok, cached)
     return tok
+
+
+def _cache_folder(path: Path) -> Path | None:
+    """Keyed by the file's identity (path, size, mtime) and the transformers version that converted it."""
+    import transformers
+
+    from ruvllm.loader.hub import resolve_cache_dir
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return resolve_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _save(tok: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Write next to the target, then rename: a concurrent loader never sees half a folder."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # a read-only or full cache only costs speed
+        log.debug("tokenizer cache not written: %s", e)
