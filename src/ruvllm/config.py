@@ -75,6 +75,6 @@ class EngineConfig:
     dtype: str = "auto"  # bf16 where the CPU computes it natively (AVX-512 BF16 / AMX) or on CUDA, else fp32
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
-    seed: int = 0
+    seed: int = 0  # seeds the sampling of requests that bring no seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -101,3 +101,14 @@ def test_prompts_as_token_ids_and_text_agree(llm: LLM) -> None:
     by_ids = llm.generate([llm.tokenizer.encode("Hello there")], params)[0]
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.prompt == "Hello there" and by_ids.prompt is None
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(llm: LLM) -> None:
+    from ruvllm import EngineConfig
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)  # no per-request seed
+    runs = []
+    for _ in range(2):
+        engine = llm.engine.with_settings()
+        engine.runner.generator.manual_seed(EngineConfig().seed)  # what a fresh engine starts with
+        runs.append(LLM.from_engine(engine).generate([PROMPT, "Tell me about dogs."], params))
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

@@ -76,8 +76,12 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-    """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs."""
+def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator | None = None
+           ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs.
+
+    Rows without a seed draw from `generator` (the engine's, seeded from its config), or torch's
+    global generator when none is given."""
     want_lp = [r.params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
@@ -101,7 +105,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
             )
         probs = sub.softmax(dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=generator)
         for j, r in enumerate(sub_reqs):
             if r.generator is not None:
                 noise[j].exponential_(generator=r.generator)

@@ -34,8 +34,10 @@ def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> i
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, block_size: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.model = model
+        # Unseeded requests sample from this, so a whole engine run reproduces from EngineConfig.seed.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
@@ -90,7 +92,7 @@ class ModelRunner:
         if not sample_ids:
             return out
         reqs = [requests[rid] for rid in sample_ids]
-        tokens, logprobs = sample(self._logits(hidden, rows), reqs)
+        tokens, logprobs = sample(self._logits(hidden, rows), reqs, self.generator)
         out.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
         out.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
         return out
