@@ -75,6 +75,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (called for every request every step)."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

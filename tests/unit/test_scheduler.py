@@ -391,3 +391,13 @@ def test_everything_is_freed_after_a_mixed_workload(prefix: bool) -> None:
         check_seqs(s, so)
     assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
     assert s.kv.num_free_blocks == 12
+
+
+def test_token_slice_equals_slicing_all_tokens() -> None:
+    from ruvllm.request import Request
+    from ruvllm.sampling_params import SamplingParams
+    r = Request("s", [1, 2, 3, 4], SamplingParams())
+    r.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert r.token_slice(start, end) == r.all_token_ids[start:end]

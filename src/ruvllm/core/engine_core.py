@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +35,6 @@ class _Group:
     detoks: list[IncrementalDetokenizer]
     prompt: str | None = None
     finished: bool = False
-    seen: set[int] = field(default_factory=set)
 
 
 class EngineCore:

@@ -103,10 +103,9 @@ class Scheduler:
 
         for req, n in scheduled:
             start = req.num_computed_tokens
-            tokens = req.all_token_ids
             out.seqs.append(ScheduledSeq(
                 request_id=req.request_id,
-                token_ids=tokens[start:start + n],
+                token_ids=req.token_slice(start, start + n),
                 start_position=start,
                 block_table=self.kv.block_table(req.request_id),
                 sample=start + n == req.num_tokens,

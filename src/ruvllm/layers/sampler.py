@@ -49,9 +49,7 @@ def apply_bans_and_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
         p = r.params
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            if int(ids.max()) >= logits.shape[1] or int(ids.min()) < 0:
-                continue  # out-of-vocabulary ids are rejected at admission; never index out of range
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)  # checked against the vocab on admission
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         if len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(r.eos_token_ids))
