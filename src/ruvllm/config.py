@@ -69,6 +69,34 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
 
 
+QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How linear weights are held.
+
+    auto: as stored, where a packed kernel can run it: when the engine computes in bf16, GGUF 4-bit
+          types (Q4_0, Q4_1, Q4_K) stay int4 and Q8_0 becomes per-channel int8. Everything else,
+          and everything when computing in fp32, is dense in the engine's dtype.
+    none: every weight dense in the engine's dtype (GGUF dequantized exactly).
+    bf16 / f16: every weight dense in that dtype.
+    int8: per-output-channel round-to-nearest int8.  int4: group-wise int4 (`group_size` inputs per
+          group); GGUF 4-bit weights whose groups match keep their own codes.
+    Modules named in `keep_16bit` stay dense (by default the embeddings and the LM head).
+    """
+
+    method: str = "auto"
+    group_size: int = 32
+    keep_16bit: tuple[str, ...] = ("embed_tokens", "lm_head")
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {self.method!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
@@ -76,5 +104,6 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
+    quantization: QuantConfig = field(default_factory=QuantConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ruvllm.config import QuantConfig
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -35,3 +37,15 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def resolve_model_dtype(name: str, quantization: QuantConfig, device: str = "cpu") -> torch.dtype:
+    """The model's compute dtype. Dense 16-bit quantization names one; "auto" follows it, and an
+    explicit dtype that contradicts it is an error rather than a silent choice."""
+    dense = {"bf16": torch.bfloat16, "f16": torch.float16}.get(quantization.method)
+    if dense is None:
+        return resolve_dtype(name, device)
+    if name != "auto" and resolve_dtype(name, device) != dense:
+        raise ValueError(f"dtype {name!r} contradicts quantization {quantization.method!r} "
+                         "(dense 16-bit weights compute in their own dtype); drop one of them")
+    return dense

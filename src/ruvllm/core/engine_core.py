@@ -12,11 +12,12 @@ import torch
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
-from ruvllm.dtypes import resolve_dtype
+from ruvllm.dtypes import resolve_model_dtype
 from ruvllm.engine.detokenizer import IncrementalDetokenizer
 from ruvllm.errors import RequestError
 from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
-from ruvllm.models.registry import build_model
+from ruvllm.models.registry import build_model, weight_bytes
+from ruvllm.quant.plan import quantizes_weights
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 from ruvllm.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class _Group:
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_model_dtype(config.dtype, config.quantization)
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         src = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(src)
@@ -48,10 +49,13 @@ class EngineCore:
         self.tokenizer = load_tokenizer(src)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        model = build_model(mc, iter_weights(src, self.dtype), str(src.path), self.max_model_len, self.dtype)
+        quant = config.quantization
+        weights = iter_weights(src, self.dtype, keep_quantized=quantizes_weights(quant, self.dtype))
+        model = build_model(mc, weights, str(src.path), self.max_model_len, self.dtype, quant=quant)
+        self.weight_bytes = weight_bytes(model)
         self._start(model, config)
-        log.info("model %s: %s, %d layers, max_model_len %d", src.path, mc.architecture, mc.num_layers,
-                 self.max_model_len)
+        log.info("model %s: %s, %d layers, max_model_len %d, quantization %s, weights %.1f MiB", src.path,
+                 mc.architecture, mc.num_layers, self.max_model_len, quant.method, self.weight_bytes / 2**20)
 
     def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """Everything per-run around a loaded model: KV pool, scheduler, runner."""
@@ -73,6 +77,7 @@ class EngineCore:
         """A new engine over the same loaded model and tokenizer, with its own KV pool and scheduler."""
         clone = object.__new__(EngineCore)
         clone.dtype, clone.model_config, clone.model_path = self.dtype, self.model_config, self.model_path
+        clone.weight_bytes = self.weight_bytes
         clone.tokenizer, clone.max_model_len = self.tokenizer, self.max_model_len
         config = dataclasses.replace(self.config, cache=cache or self.config.cache,
                                      scheduler=scheduler or self.config.scheduler)

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from ruvllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.prompts import encode_prompt, normalize_prompts, render_chat
 from ruvllm.outputs import RequestOutput
@@ -17,17 +17,26 @@ from ruvllm.sampling_params import SamplingParams
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """Flat keyword settings (as vLLM's LLM takes them) sorted into the per-concern configs."""
-    parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    """Flat keyword settings (as vLLM's LLM takes them) sorted into the per-concern configs.
+
+    `quantization` is a method name ("int4", ...) or a whole QuantConfig; `group_size` and
+    `keep_16bit` go to the QuantConfig."""
+    quant = kwargs.pop("quantization", None)
+    parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}, QuantConfig: {}}
+    if isinstance(quant, QuantConfig):
+        parts[QuantConfig] = dataclasses.asdict(quant)
+    elif quant is not None:
+        parts[QuantConfig]["method"] = quant
     for key, value in kwargs.items():
         for cls in parts:
-            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler"):
+            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "method"):
                 parts[cls][key] = value
                 break
         else:
             raise TypeError(f"unknown engine setting {key!r}")
     return EngineConfig(model=model, cache=CacheConfig(**parts[CacheConfig]),
-                        scheduler=SchedulerConfig(**parts[SchedulerConfig]), **parts[EngineConfig])
+                        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                        quantization=QuantConfig(**parts[QuantConfig]), **parts[EngineConfig])
 
 
 class LLM:

@@ -21,6 +21,7 @@ from ruvllm.errors import ModelNotFoundError, NotAModelError
 from ruvllm.loader import gguf_file, hf_folder
 from ruvllm.loader.default_model import default_model_path
 from ruvllm.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+from ruvllm.quant.weights import QuantizedWeight
 
 __all__ = [
     "ModelSource",
@@ -80,13 +81,15 @@ def load_model_config(src: ModelSource) -> ModelConfig:
     return hf_folder.load_config(src.path)
 
 
-def iter_weights(src: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: ModelSource, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (Hugging Face name, tensor) pairs, one tensor in memory at a time.
 
     When the model ties its embeddings, no lm_head.weight is yielded: use embed_tokens.
+    keep_quantized: GGUF tensors with a packed kernel come as QuantizedWeight (their own codes).
     """
     if src.format == "gguf":
-        return gguf_file.iter_weights(src.path, dtype)
+        return gguf_file.iter_weights(src.path, dtype, keep_quantized)
     return hf_folder.iter_weights(src.path, dtype)
 
 

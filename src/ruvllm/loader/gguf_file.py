@@ -15,6 +15,8 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from ruvllm.config import ModelConfig
+from ruvllm.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_quantized
+from ruvllm.quant.weights import QuantizedWeight
 from ruvllm.errors import (
     CorruptModelError,
     ModelLoadError,
@@ -240,8 +242,20 @@ def _dequantize(t: ReaderTensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized(t: ReaderTensor, path: Path) -> QuantizedWeight:
+    shape = (int(t.shape[1]), int(t.shape[0]))
+    try:
+        return gguf_quantized(t.data, t.tensor_type, shape)
+    except ValueError as e:  # block data of the wrong size for the shape
+        raise CorruptModelError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
+
+
+def iter_weights(path: Path, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) for every tensor, dequantized and cast to dtype.
+
+    With keep_quantized, 2-D tensors of the types with a packed kernel (Q4_0, Q4_1, Q4_K, Q8_0)
+    come as QuantizedWeight instead, holding the file's own codes.
 
     The file is checked eagerly, so a bad file raises here rather than midway through loading.
     """
@@ -255,20 +269,27 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
             )
         if hf_name(t.name) is None and t.name != ROPE_FREQS_TENSOR:
             raise UnsupportedArchitectureError(f"{path}: unexpected tensor {t.name} for a {config.architecture} model")
-    return _generate(reader, config, path, dtype)
+    return _generate(reader, config, path, dtype, keep_quantized)
 
 
 def _generate(
-    reader: GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader: GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:  # rope_freqs.weight, already folded into config.rope_scaling
             continue
-        tensor = _dequantize(t, path)
+        heads = None
         if config.architecture == "llama":
             if t.name.endswith((".attn_q.weight", ".attn_q.bias")):
-                tensor = _unpermute_rope_rows(tensor, config.num_heads)
+                heads = config.num_heads
             elif t.name.endswith((".attn_k.weight", ".attn_k.bias")):
-                tensor = _unpermute_rope_rows(tensor, config.num_kv_heads)
+                heads = config.num_kv_heads
+        if keep_quantized and t.tensor_type in KEPT_GGUF_TYPES and len(t.shape) == 2:
+            qw = _quantized(t, path)
+            yield name, qw if heads is None else qw.map_rows(lambda r, h=heads: _unpermute_rope_rows(r, h))
+            continue
+        tensor = _dequantize(t, path)
+        if heads is not None:
+            tensor = _unpermute_rope_rows(tensor, heads)
         yield name, tensor.to(dtype)

@@ -14,9 +14,12 @@ from torch import nn
 
 from ruvllm.attention.backend import AttentionBackend
 from ruvllm.attention.metadata import AttentionMetadata
-from ruvllm.config import ModelConfig
+from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.errors import CorruptModelError
 from ruvllm.layers.rotary import RotaryEmbedding
+from ruvllm.quant.linear import QuantLinear
+from ruvllm.quant.plan import Weight, final_form, keeps_16bit
+from ruvllm.quant.weights import QuantizedWeight, concat_rows
 
 
 class RMSNorm(nn.Module):
@@ -84,43 +87,81 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if hasattr(self, "lm_head"):
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
 
     # --- weights -------------------------------------------------------------------------------
-    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        """Copy Hugging Face-named tensors into our (fused) parameters; every parameter must be set."""
+    def _target(self, name: str) -> tuple[str, int | None, int]:
+        """Our parameter for a Hugging Face tensor name, the row offset into it (fused q/k/v and
+        gate/up), and the number of rows the tensor should have there (for fused pieces)."""
         cfg = self.cfg
-        fused = {  # HF projection -> (our parameter, row offset)
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", cfg.q_size),
-            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size),
+        fused = {  # HF projection -> (our module, row offset, rows)
+            "q_proj": ("qkv_proj", 0, cfg.q_size), "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
+            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
-        params = dict(self.named_parameters())
-        filled: dict[str, int] = {}
+        parts = name.split(".")
+        if len(parts) >= 5 and parts[0] == "layers" and parts[3] in fused:
+            target, offset, rows = fused[parts[3]]
+            return f"layers.{parts[1]}.{target}.{parts[4]}", offset, rows
+        return ".".join(p for p in parts if p not in ("self_attn", "mlp")), None, 0
+
+    def load_weights(self, weights: Iterable[tuple[str, Weight]], source: str, quant: QuantConfig,
+                     dtype: torch.dtype, device: torch.device) -> None:
+        """Fill the (meta-device) model from Hugging Face-named tensors, fusing q/k/v and gate/up.
+
+        Each parameter is materialized only when all its pieces have arrived, in its final form:
+        a linear's weight becomes dense or a QuantLinear as `quant` decides, so a dense copy of a
+        quantized model never exists.
+        """
+        cfg = self.cfg
+        expected = {n: tuple(p.shape) for n, p in self.named_parameters()}
+        pending: dict[str, dict[int, Weight]] = {}
+        done: set[str] = set()
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model."):]
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
                 continue
-            if "rotary_emb" in name:
-                continue
-            parts = name.split(".")
-            if len(parts) >= 5 and parts[0] == "layers" and parts[3] in fused:
-                target, offset = fused[parts[3]]
-                pname = f"layers.{parts[1]}.{target}.{parts[4]}"
-            else:
-                pname = ".".join(p for p in parts if p not in ("self_attn", "mlp"))
-                offset = None
-            param = params.get(pname)
-            if param is None:
+            pname, offset, rows = self._target(name)
+            if pname not in expected or pname in done:
                 raise CorruptModelError(f"{source}: unexpected tensor {name!r}")
-            dest = param.data if offset is None else param.data[offset:offset + tensor.shape[0]]
-            if dest.shape != tensor.shape:
+            want = expected[pname] if offset is None else (rows, *expected[pname][1:])
+            if tuple(tensor.shape) != want:
                 raise CorruptModelError(
-                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[pname] = filled.get(pname, 0) + tensor.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+            pieces = pending.setdefault(pname, {})
+            pieces[offset or 0] = tensor
+            if sum(p.shape[0] for p in pieces.values()) == expected[pname][0]:
+                del pending[pname]
+                done.add(pname)
+                ordered = [pieces[k] for k in sorted(pieces)]
+                self._install(pname, ordered, quant, dtype, device)
+        missing = [n for n in expected if n not in done]
         if missing:
             raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
+        if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4"):
+            form = final_form(quant, "lm_head", self.embed_tokens.weight.data, dtype)
+            self.lm_head = QuantLinear(form)
+
+    def _install(self, pname: str, pieces: list[Weight], quant: QuantConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        module_name, attr = pname.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if len(pieces) == 1:
+            weight = pieces[0]
+        elif all(isinstance(p, QuantizedWeight) for p in pieces):
+            weight = concat_rows(pieces)
+        else:  # mixed stored types (rare): fuse in float
+            weight = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in pieces])
+        if attr == "weight" and isinstance(module, nn.Linear):
+            weight = final_form(quant, module_name, weight, dtype)
+            if isinstance(weight, QuantizedWeight):
+                parent_name, _, child = module_name.rpartition(".")
+                self.get_submodule(parent_name).register_module(child, QuantLinear(weight, module.bias))
+                return
+        elif isinstance(weight, QuantizedWeight):
+            weight = weight.dequantize()
+        setattr(module, attr, nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False))

@@ -6,16 +6,18 @@ from collections.abc import Iterable
 
 import torch
 
-from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig, QuantConfig
 from ruvllm.errors import UnsupportedArchitectureError
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.models.llama import LlamaForCausalLM
+from ruvllm.quant.plan import Weight
 
 _MODELS = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 
 
-def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], source: str,
-                max_positions: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, Weight]], source: str,
+                max_positions: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                quant: QuantConfig | None = None) -> LlamaForCausalLM:
     cls = _MODELS.get(cfg.architecture)
     if cls is None:
         raise UnsupportedArchitectureError(f"{source}: unsupported architecture {cfg.architecture!r}")
@@ -23,6 +25,12 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], s
     # Built on the meta device so no memory is spent on random initial weights; loading fills them.
     with torch.device("meta"):
         model = cls(cfg, rope)
-    model = model.to(dtype).to_empty(device=device)
-    model.load_hf_weights(weights, source)
+    model.load_weights(weights, source, quant or QuantConfig(), dtype, torch.device(device))
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's weights: dense parameters plus packed quantized ones."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = sum(b.numel() * b.element_size() for b in model.buffers())
+    return dense + packed

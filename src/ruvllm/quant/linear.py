@@ -1,0 +1,52 @@
+"""Linear layers over packed int8/int4 weights, using PyTorch's own weight-only matmul kernels.
+
+The kernels take activations in bf16 (fed fp32 they are 15-25x slower, ../shared/notes), so the
+layer computes in bf16 whatever the model's dtype and returns the model's dtype. Each output row
+is computed the same way whatever the number of rows, so results do not depend on batch size
+(tests/unit/test_quant.py checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ruvllm.quant.weights import QuantizedWeight
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if qw.codes.device.type != "cpu":
+            raise NotImplementedError("packed int8/int4 weights run on CPU only so far")
+        if qw.kind == "int8" and qw.group_size:
+            raise ValueError("the int8 kernel takes one scale per output channel, not per group")
+        self.kind = qw.kind
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.group_size
+        if qw.kind == "int8":
+            self.register_buffer("packed", qw.codes.contiguous())
+            self.register_buffer("scales", qw.scales.to(COMPUTE_DTYPE))
+        else:
+            # inner_k_tiles is ignored by the CPU packing; 2 is a valid value for every K we take.
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                qw.codes.to(torch.int32).contiguous(), 2))
+            self.register_buffer("scales", torch.stack(
+                [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.nbytes = qw.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = x.to(COMPUTE_DTYPE).reshape(-1, self.in_features)
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(xq, self.packed, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"

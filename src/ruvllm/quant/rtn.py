@@ -1,0 +1,44 @@
+"""Round-to-nearest quantization of float weights (no calibration data)."""
+
+from __future__ import annotations
+
+import torch
+
+from ruvllm.quant.weights import INT4_GROUP_SIZES, QuantizedWeight
+
+
+# Scales are rounded to the dtype the kernels read them in (bf16) before the codes are chosen, so
+# the codes are the nearest ones under the scales actually used.
+SCALE_DTYPE = torch.bfloat16
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(SCALE_DTYPE).float()
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8, one scale per output channel (row)."""
+    w = w.float()
+    scale = _rounded(w.abs().amax(dim=1).clamp(min=1e-8) / 127.0)
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", codes, scale)
+
+
+def check_int4_group(k: int, group_size: int, name: str = "weight") -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the input size {k} of {name}")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32, name: str = "weight") -> QuantizedWeight:
+    """Asymmetric int4 per group of `group_size` inputs: the group's [min, max] spread over 0..15."""
+    n, k = w.shape
+    check_int4_group(k, group_size, name)
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = _rounded(((hi - lo) / 15.0).clamp(min=1e-8))
+    # (q - 8) * scale + zero == lo + q * scale
+    zero = _rounded(lo + 8.0 * scale)
+    codes = torch.round((g - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight("int4", codes.reshape(n, k), scale, zero, group_size)

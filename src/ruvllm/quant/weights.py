@@ -1,0 +1,67 @@
+"""A quantized weight matrix in the one layout our packed matmuls take, whatever it came from.
+
+int8: w = q * scale (q in [-127, 127]), one scale per output channel, or per group of `group_size`
+      inputs (llama.cpp's Q8_0; the packed int8 matmul takes per-channel scales only).
+int4: groups of `group_size` along the input dimension, w = (q - 8) * scale + zero (q in [0, 15]).
+That int4 form is the one PyTorch's packed int4 matmul computes; it holds llama.cpp's Q4_0
+(zero = 0), Q4_1 (zero = min + 8 * d) and Q4_K sub-blocks exactly, before scales are rounded to
+the activation dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 kernels accept
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    kind: Literal["int8", "int4"]
+    codes: torch.Tensor  # [N, K]: int8 for int8, uint8 holding 0..15 for int4
+    scales: torch.Tensor  # float32: [N] (per channel) or [N, K // group_size]
+    zeros: torch.Tensor | None = None  # float32 [N, K // group_size]; int4 only
+    group_size: int = 0  # 0: per output channel (int8 only)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight takes once packed (int4: two codes per byte), scales included."""
+        n, k = self.shape
+        code_bytes = n * k if self.kind == "int8" else n * k // 2
+        extra = self.scales.numel() * 2 + (self.zeros.numel() * 2 if self.zeros is not None else 0)
+        return code_bytes + extra
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix these codes stand for."""
+        g = self.group_size
+        if self.kind == "int8":
+            scale = self.scales[:, None] if g == 0 else self.scales.repeat_interleave(g, dim=1)
+            return self.codes.float() * scale
+        scale = self.scales.repeat_interleave(g, dim=1)
+        zero = self.zeros.repeat_interleave(g, dim=1)
+        return (self.codes.float() - 8.0) * scale + zero
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """Apply one row reordering (a function of a [N, ...] tensor) to codes, scales and zeros alike."""
+        return QuantizedWeight(self.kind, fn(self.codes), fn(self.scales),
+                               None if self.zeros is None else fn(self.zeros), self.group_size)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along the output dimension (q, k, v -> qkv). All parts must share kind and groups."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.kind, p.group_size, p.shape[1]) != (first.kind, first.group_size, first.shape[1]):
+            raise ValueError(f"cannot fuse {p.kind}/g{p.group_size}/K={p.shape[1]} with "
+                             f"{first.kind}/g{first.group_size}/K={first.shape[1]}")
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           zeros, first.group_size)
