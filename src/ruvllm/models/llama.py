@@ -47,9 +47,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attn: AttentionBackend) -> torch.Tensor:
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, fused q/k/v projection, (q/k norm,) RoPE: q [T, Hq, D], k and v [T, Hkv, D]."""
         cfg = self.cfg
         h = self.input_layernorm(x)
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -58,9 +58,11 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos_sin)
-        o = attn.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, cfg.head_dim ** -0.5)
-        x = x + self.o_proj(o.reshape(-1, cfg.q_size))
+        q, k = RotaryEmbedding.apply(q, k, (cos, sin))
+        return q, k, v.contiguous()
+
+    def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        x = x + self.o_proj(o.reshape(-1, self.cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -81,9 +83,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rope.for_positions(positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv, meta, attn)
+        cos, sin = self.rope.for_positions(positions)
+        scale = self.cfg.head_dim ** -0.5
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            q, k, v = layer.attention_inputs(x, cos, sin)
+            o = attn.forward(q, k, v, k_cache, v_cache, meta, scale)
+            x = layer.attention_output_and_mlp(x, o)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

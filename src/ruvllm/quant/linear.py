@@ -39,7 +39,7 @@ class QuantLinear(nn.Module):
         self.nbytes = qw.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = x.to(COMPUTE_DTYPE).reshape(-1, self.in_features)
+        xq = x.to(COMPUTE_DTYPE).reshape(-1, self.in_features).contiguous()
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xq, self.packed, self.scales)
         else:

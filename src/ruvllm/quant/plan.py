@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ruvllm.config import QuantConfig
-from ruvllm.quant.rtn import quantize_int4, quantize_int8
-from ruvllm.quant.weights import QuantizedWeight
+from ruvllm.quant.rtn import check_int4_group, quantize_int4, quantize_int8
+from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -34,6 +38,12 @@ def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) 
         return quantize_int8(_dense(weight, torch.float32))
     if as_stored:
         return weight
+    check_int4_group(weight.shape[1], cfg.group_size, name)
+    if weight.shape[0] % INT4_ROWS_MULTIPLE:
+        # The packed int4 layout needs whole tiles of rows; such a layer stays int8 rather than fail.
+        log.warning("%s: %d output rows are not a multiple of %d; kept as int8 instead of int4",
+                    name, weight.shape[0], INT4_ROWS_MULTIPLE)
+        return quantize_int8(_dense(weight, torch.float32))
     # int4: a file's own 4-bit codes are kept when their groups are the ones asked for.
     if isinstance(weight, QuantizedWeight) and weight.kind == "int4" and weight.group_size == cfg.group_size:
         return weight

@@ -16,6 +16,14 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(SCALE_DTYPE).float()
 
 
+def _round_up(t: torch.Tensor) -> torch.Tensor:
+    """Round to SCALE_DTYPE, upwards (a scale rounded down could leave a group's ends off the grid)."""
+    r = t.to(SCALE_DTYPE)
+    low = r.float() < t
+    r[low] = torch.nextafter(r[low], torch.full_like(r[low], float("inf")))
+    return r.float()
+
+
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8, one scale per output channel (row)."""
     w = w.float()
@@ -37,8 +45,10 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, name: str = "weight") -
     check_int4_group(k, group_size, name)
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = _rounded(((hi - lo) / 15.0).clamp(min=1e-8))
-    # (q - 8) * scale + zero == lo + q * scale
-    zero = _rounded(lo + 8.0 * scale)
+    # The zero point is rounded first; the scale is then the smallest bf16 value whose grid around
+    # that zero still reaches both ends of the group, so every weight lies within half a step.
+    zero = _rounded(lo + 8.0 * (hi - lo) / 15.0)
+    need = torch.maximum((zero - lo) / 8.0, (hi - zero) / 7.0).clamp(min=1e-8)
+    scale = _round_up(need)
     codes = torch.round((g - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.uint8)
     return QuantizedWeight("int4", codes.reshape(n, k), scale, zero, group_size)

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 kernels accept
+INT4_ROWS_MULTIPLE = 16  # the packed int4 layout tiles output rows by 16
 
 
 @dataclass(frozen=True)
