@@ -16,13 +16,35 @@ def _shared_llm() -> LLM:
     return LLM(dtype="float32", num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
 
 
-@pytest.fixture
-def llm(_shared_llm: LLM):
-    _shared_llm.engine.kv.pool.reset_prefix_cache()
-    yield _shared_llm
-    engine = _shared_llm.engine
+@pytest.fixture(scope="session")
+def _default_llm() -> LLM:
+    """The engine as a user gets it: default dtype and quantization (on this CPU: bf16, GGUF weights
+    kept as packed int4, the compiled attention kernel)."""
+    return LLM(num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
+
+
+def _checked(engine_llm: LLM):
+    engine_llm.engine.kv.pool.reset_prefix_cache()
+    yield engine_llm
+    engine = engine_llm.engine
     assert not engine.has_unfinished
     assert engine.num_free_blocks == engine.num_blocks, "KV blocks leaked"
+
+
+@pytest.fixture
+def llm(_shared_llm: LLM):
+    yield from _checked(_shared_llm)
+
+
+@pytest.fixture
+def default_llm(_default_llm: LLM):
+    yield from _checked(_default_llm)
+
+
+@pytest.fixture(params=["float32", "default"])
+def precision_llm(request: pytest.FixtureRequest):
+    """Each invariant holds at the fp32 reference precision and at the default (quantized) one."""
+    yield from _checked(request.getfixturevalue("_shared_llm" if request.param == "float32" else "_default_llm"))
 
 
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pride-and-prejudice.txt"

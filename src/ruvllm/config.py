@@ -97,6 +97,9 @@ class QuantConfig:
             raise ValueError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
 
 
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
@@ -105,5 +108,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
     quantization: QuantConfig = field(default_factory=QuantConfig)
+    # Attention: "auto" uses our compiled CPU kernel when it builds, "torch" plain PyTorch ops.
+    attention: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")

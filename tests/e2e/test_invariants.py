@@ -1,5 +1,7 @@
 """The engine's invariants on the real default model: isolation, batch invariance, prefix-cache hit ==
-miss, chunked == unchunked, preempted-and-resumed == uninterrupted, and every block returned."""
+miss, chunked == unchunked, preempted-and-resumed == uninterrupted, and every block returned.
+
+Output-equality invariants run twice: at the fp32 reference precision and at the default one."""
 
 from __future__ import annotations
 
@@ -17,71 +19,71 @@ def _alone(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> lis
     return [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
 
 
-def test_isolation_request_after_others_equals_alone(llm: LLM) -> None:
+def test_isolation_request_after_others_equals_alone(precision_llm: LLM) -> None:
     prompts = novel_prompts(4)
-    first = _alone(llm, prompts[:1])[0]
-    llm.generate(prompts[1:], SamplingParams(temperature=0.9, max_tokens=30, seed=3))
-    llm.generate(prompts[2:], GREEDY)
-    assert _alone(llm, prompts[:1])[0] == first
+    first = _alone(precision_llm, prompts[:1])[0]
+    precision_llm.generate(prompts[1:], SamplingParams(temperature=0.9, max_tokens=30, seed=3))
+    precision_llm.generate(prompts[2:], GREEDY)
+    assert _alone(precision_llm, prompts[:1])[0] == first
 
 
-def test_batch_invariance_16_concurrent(llm: LLM) -> None:
+def test_batch_invariance_16_concurrent(precision_llm: LLM) -> None:
     prompts = novel_prompts(16)
-    alone = _alone(llm, prompts)
-    together = _tokens(llm.generate(prompts, GREEDY))
+    alone = _alone(precision_llm, prompts)
+    together = _tokens(precision_llm.generate(prompts, GREEDY))
     assert together == alone
 
 
-def test_mixed_lengths_and_join_mid_flight(llm: LLM) -> None:
+def test_mixed_lengths_and_join_mid_flight(precision_llm: LLM) -> None:
     """Requests with different prompt and output lengths leave at different steps; later ones join."""
     prompts = [p[: 20 + 15 * i] for i, p in enumerate(novel_prompts(6, words=60))]
     params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)]
-    alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    assert _tokens(llm.generate(prompts, params)) == alone
+    alone = [precision_llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert _tokens(precision_llm.generate(prompts, params)) == alone
 
 
-def test_prefix_cache_hit_equals_miss(llm: LLM) -> None:
+def test_prefix_cache_hit_equals_miss(precision_llm: LLM) -> None:
     shared = novel_prompts(1, words=120)[0]
     prompts = [shared + " And so", shared + " Then she"]
-    miss = _alone(llm, prompts[:1])
-    stats = llm.engine.kv.stats
+    miss = _alone(precision_llm, prompts[:1])
+    stats = precision_llm.engine.kv.stats
     hits_before = stats.hits
-    outs = llm.generate(prompts, GREEDY)
+    outs = precision_llm.generate(prompts, GREEDY)
     assert stats.hits > hits_before, "the shared prefix was not served from the cache"
     assert outs[0].num_cached_tokens > 0 and outs[0].num_cached_tokens % 16 == 0
     assert outs[0].outputs[0].token_ids == miss[0]
-    llm.engine.kv.pool.reset_prefix_cache()
-    assert _alone(llm, prompts[1:]) == [outs[1].outputs[0].token_ids]
+    precision_llm.engine.kv.pool.reset_prefix_cache()
+    assert _alone(precision_llm, prompts[1:]) == [outs[1].outputs[0].token_ids]
 
 
 def _variant(llm: LLM, **sched) -> LLM:
     return LLM.from_engine(llm.engine.with_settings(scheduler=SchedulerConfig(**sched)))
 
 
-def test_chunked_prefill_equals_unchunked(llm: LLM) -> None:
+def test_chunked_prefill_equals_unchunked(precision_llm: LLM) -> None:
     prompts = novel_prompts(4, words=150)
-    whole = _tokens(llm.generate(prompts, GREEDY))
-    chunked = _variant(llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
+    whole = _tokens(precision_llm.generate(prompts, GREEDY))
+    chunked = _variant(precision_llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
     assert _tokens(chunked.generate(prompts, GREEDY)) == whole
     assert chunked.engine.num_free_blocks == chunked.engine.num_blocks
 
 
-def test_preempted_and_resumed_equals_uninterrupted(llm: LLM) -> None:
+def test_preempted_and_resumed_equals_uninterrupted(precision_llm: LLM) -> None:
     prompts = novel_prompts(8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = _tokens(llm.generate(prompts, params))
+    expected = _tokens(precision_llm.generate(prompts, params))
     # 8 sequences of ~90 tokens need ~48 blocks; 20 blocks force preemption by recompute.
-    tiny = LLM.from_engine(llm.engine.with_settings(cache=CacheConfig(num_blocks=20)))
+    tiny = LLM.from_engine(precision_llm.engine.with_settings(cache=CacheConfig(num_blocks=20)))
     assert _tokens(tiny.generate(prompts, params)) == expected
     assert tiny.engine.scheduler.num_preemptions > 0
     assert tiny.engine.num_free_blocks == tiny.engine.num_blocks
 
 
-def test_sampled_requests_resume_identically_after_preemption(llm: LLM) -> None:
+def test_sampled_requests_resume_identically_after_preemption(precision_llm: LLM) -> None:
     prompts = novel_prompts(6)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11)
-    expected = _tokens(llm.generate(prompts, params))
-    tiny = LLM.from_engine(llm.engine.with_settings(cache=CacheConfig(num_blocks=16)))
+    expected = _tokens(precision_llm.generate(prompts, params))
+    tiny = LLM.from_engine(precision_llm.engine.with_settings(cache=CacheConfig(num_blocks=16)))
     assert _tokens(tiny.generate(prompts, params)) == expected
     assert tiny.engine.scheduler.num_preemptions > 0
 

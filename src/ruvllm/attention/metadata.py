@@ -28,6 +28,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSeq]
     block_size: int = 16
+    # Per query row, for kernels that read the cache in place: the row's sequence (its row in
+    # block_tables) and how many keys it attends to (its position + 1). block_tables: [S, max_blocks].
+    block_tables: torch.Tensor | None = None
+    row_seq: torch.Tensor | None = None
+    row_ctx: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -75,3 +80,28 @@ def build_attention_metadata(
             block_size=block_size,
         )
     return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size)
+
+
+def build_paged_kernel_metadata(
+    seqs: list[tuple[int, int, list[int]]],  # (num_query_tokens, context_len_after_step, block_table)
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """What a kernel reading the cache in place needs: slots to write, and per query row its
+    sequence and context length. No per-step gathers or masks are built."""
+    tables = [t[: (ctx + block_size - 1) // block_size] for _, ctx, t in seqs]
+    width = max((len(t) for t in tables), default=0)
+    slots: list[int] = []
+    row_seq: list[int] = []
+    row_ctx: list[int] = []
+    for i, ((num_q, ctx, _), table) in enumerate(zip(seqs, tables)):
+        row_seq.extend([i] * num_q)
+        row_ctx.extend(range(ctx - num_q + 1, ctx + 1))
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - num_q, ctx))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        decode_rows=None, decode_block_tables=None, decode_mask=None, prefills=[], block_size=block_size,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
+        row_seq=torch.tensor(row_seq, dtype=torch.long, device=device),
+        row_ctx=torch.tensor(row_ctx, dtype=torch.long, device=device),
+    )

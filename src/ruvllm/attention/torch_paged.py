@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -9,12 +11,21 @@ from ruvllm.attention.metadata import AttentionMetadata
 
 
 class TorchPagedAttention:
-    """Decodes attend in one padded SDPA call; prompt chunks one SDPA call each."""
+    """With `kernel` (our compiled CPU kernel, attention/csrc): every query row, decode or prompt,
+    in one call that reads the paged cache in place, each row computed the same way however the
+    step was composed. Without it (no compiler): prompt chunks in one SDPA call each over their
+    gathered context, decodes as two batched matmuls over keys gathered block by block."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor] | None = None) -> None:
+        self.kernel = kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        if self.kernel is not None:
+            return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_ctx,
+                               meta.block_size, scale)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         if meta.decode_rows is not None:

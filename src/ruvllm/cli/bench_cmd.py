@@ -25,6 +25,7 @@ import typer
 from rich.table import Table
 
 from ruvllm.cli.common import CliState, clean_errors, fail
+from ruvllm.cli.engine_options import QUANTIZATION_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.core.engine_core import EngineCore
@@ -135,6 +136,7 @@ def summarize(core: EngineCore, s: Settings, dtype: str, source: str, its: list[
     ttfts = [t for it in its for t in it.ttfts_s]
     return {
         "model": str(core.model_path), "dtype": dtype, "prompt_source": source,
+        "quantization": core.config.quantization.method, "weight_mib": round(core.weight_bytes / 2**20, 1),
         "prompt_length": s.prompt_length, "gen_length": s.gen_length, "concurrency": s.concurrency,
         "warmup": s.warmup, "iterations": s.iterations,
         "prefill_latency_ms": round(1000 * statistics.fmean(it.prefill_s for it in its), 3),
@@ -166,7 +168,7 @@ def render(report: dict[str, Any], fmt: str, state: CliState) -> None:
         writer.writerow(report)
         typer.echo(buf.getvalue(), nl=False)
     else:
-        table = Table(title=f"{Path(report['model']).name} · {report['dtype']} · prompt {report['prompt_length']} · "
+        table = Table(title=f"{Path(report['model']).name} · {report['dtype']} · {report['quantization']} · prompt {report['prompt_length']} · "
                             f"gen {report['gen_length']} · concurrency {report['concurrency']} · "
                             f"{report['iterations']} iteration(s)")
         table.add_column("metric")
@@ -189,6 +191,8 @@ def benchmark(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
     threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
+    quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
 ) -> None:
     """Measure prefill latency, time to first token, decode and batch throughput, and peak memory."""
     state: CliState = ctx.obj or CliState()
@@ -209,6 +213,7 @@ def benchmark(
     # this workload rather than the default 1 GiB pool.
     blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, num_threads=threads,
+                                 quantization=quantization, group_size=group_size,
                                  enable_prefix_caching=False, num_blocks=blocks,
                                  max_num_seqs=concurrency)
     err = state.console(stderr=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
+from ruvllm.cli.engine_options import QUANTIZATION_HELP
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -33,6 +34,8 @@ def register(app: typer.Typer) -> None:
         max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
         no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
         threads: int = typer.Option(None, min=1, help="Intra-op threads (default: all cores)."),
+        quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
+        group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
         from ruvllm.cli.engine_options import EngineOptions
@@ -48,7 +51,7 @@ def register(app: typer.Typer) -> None:
         if template and Path(template).is_file():
             template = Path(template).read_text(encoding="utf-8")
         opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
-                             no_prefix_caching, threads)
+                             no_prefix_caching, threads, quantization, group_size)
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):
             engine = AsyncEngine(opts.to_config(path, max_concurrent))

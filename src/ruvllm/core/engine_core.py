@@ -65,7 +65,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, self.model_config, cache.block_size, self.num_blocks, self.dtype,
-                                  seed=config.seed)
+                                  seed=config.seed, attention=config.attention)
         # A sequence can never outgrow the pool, so a request running alone always fits.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * cache.block_size)
         self.eos_token_ids = self._eos_ids()

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from ruvllm.attention.metadata import build_attention_metadata
+from ruvllm.attention.cpu_kernels import paged_attention
+from ruvllm.attention.metadata import build_attention_metadata, build_paged_kernel_metadata
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import CacheConfig, ModelConfig
 from ruvllm.layers.sampler import sample, token_logprobs
@@ -34,14 +35,16 @@ def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> i
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, block_size: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0,
+                 attention: str = "auto") -> None:
         self.model = model
         # Unseeded requests sample from this, so a whole engine run reproduces from EngineConfig.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
-        self.attn = TorchPagedAttention()
+        kernel = paged_attention() if attention == "auto" and self.device.type == "cpu" else None
+        self.attn = TorchPagedAttention(kernel)
         shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
@@ -59,7 +62,8 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
             seqs.append((n, seq.start_position + n, seq.block_table))
-        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        build = build_paged_kernel_metadata if self.attn.kernel is not None else build_attention_metadata
+        meta = build(seqs, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, pos, self.kv_views, meta, self.attn)

@@ -1,0 +1,50 @@
+"""Our C++ CPU kernels (csrc/), compiled on first use with the machine's C++ compiler.
+
+Built once per source version and CPU (torch's extension cache, ~35 s on 2 cores), then loaded
+in well under a second. Where no compiler is present or the build fails, callers get None and
+keep the plain PyTorch path, which computes the same thing more slowly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+
+
+def _cpu_tag() -> str:
+    """-march=native code must not be reused on another CPU sharing the same cache folder."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    return load(name=f"ruvllm_paged_attention_{_cpu_tag()}", sources=[str(_CSRC / "paged_attention.cpp")],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@functools.cache
+def paged_attention() -> Callable[..., torch.Tensor] | None:
+    """The compiled paged-attention kernel, or None (with one warning) when it cannot be built."""
+    try:
+        return _extension().paged_attention
+    except Exception as e:  # no compiler, no headers, a build error: fall back, say why once
+        log.warning("C++ attention kernel unavailable, using the PyTorch path (%s: %s)", type(e).__name__,
+                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
