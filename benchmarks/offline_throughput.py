@@ -1,10 +1,12 @@
 """Offline throughput: ruvllm vs transformers' generate on the same prompts and the same GGUF weights.
 
 Each (engine, concurrency) cell runs in its own process so peak memory is that cell's alone.
+An engine is `transformers` or `ruvllm[:QUANTIZATION]` (e.g. ruvllm:auto, the default packed GGUF
+weights, and ruvllm:none, dequantized); ruvllm computes in --dtype, transformers in --hf-dtype.
 Prompts are cut from a public-domain novel to exactly --prompt-len tokens; every request generates
 exactly --gen-len tokens (ignore_eos). Prints a table; --json writes the rows.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--concurrency 1 8 32] [--json out.json]
+    .venv/bin/python benchmarks/offline_throughput.py --engines ruvllm:auto ruvllm:none transformers
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * length * 3:i * length * 3 + length] for i in range(n)]
 
 
-def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
+def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str, quantization: str = "auto") -> dict:
     from ruvllm import LLM, SamplingParams
-    llm = LLM(dtype=dtype, max_num_seqs=max(n, 1), max_num_batched_tokens=2048)
+    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(n, 1), max_num_batched_tokens=2048)
     prompts = make_prompts(llm.tokenizer, n, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -76,8 +78,11 @@ def run_transformers(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
 
 
 def child(args: argparse.Namespace) -> None:
-    fn = run_ruvllm if args.engine == "ruvllm" else run_transformers
-    row = fn(args.n, args.prompt_len, args.gen_len, args.dtype)
+    if args.engine.startswith("ruvllm"):
+        quant = args.engine.partition(":")[2] or "auto"
+        row = run_ruvllm(args.n, args.prompt_len, args.gen_len, args.dtype, quant)
+    else:
+        row = run_transformers(args.n, args.prompt_len, args.gen_len, args.hf_dtype)
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(row))
 
@@ -87,10 +92,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--engines", nargs="+", default=["ruvllm", "transformers"])
+    ap.add_argument("--dtype", default="auto", help="ruvllm's dtype")
+    ap.add_argument("--hf-dtype", default="float32", help="transformers' dtype")
+    ap.add_argument("--engines", nargs="+", default=["ruvllm:auto", "ruvllm:none", "transformers"])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--child", choices=["ruvllm", "transformers"], dest="engine", help=argparse.SUPPRESS)
+    ap.add_argument("--child", dest="engine", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
@@ -101,7 +107,7 @@ def main() -> None:
     for n in args.concurrency:
         for engine in args.engines:
             cmd = [sys.executable, __file__, "--child", engine, "--n", str(n), "--prompt-len", str(args.prompt_len),
-                   "--gen-len", str(args.gen_len), "--dtype", args.dtype]
+                   "--gen-len", str(args.gen_len), "--dtype", args.dtype, "--hf-dtype", args.hf_dtype]
             with console.status(f"{engine} at {n} sequences"):
                 proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -112,13 +118,14 @@ def main() -> None:
             row.update(engine=engine, concurrency=n, tok_s=row["tokens"] / row["seconds"])
             rows.append(row)
 
-    table = Table(title=f"offline throughput: {args.prompt_len}-token prompts, {args.gen_len} generated, {args.dtype}")
+    table = Table(title=f"offline throughput: {args.prompt_len}-token prompts, {args.gen_len} generated; "
+                        f"ruvllm dtype {args.dtype}, transformers {args.hf_dtype}")
     for col in ("engine", "seqs", "output tok/s", "TTFT mean (s)", "peak RSS (MiB)", "ruvllm / transformers"):
         table.add_column(col, justify="right")
     by = {(r["engine"], r["concurrency"]): r for r in rows}
     for r in rows:
         ref = by.get(("transformers", r["concurrency"]))
-        ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if r["engine"] == "ruvllm" and ref else ""
+        ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if r["engine"].startswith("ruvllm") and ref else ""
         table.add_row(r["engine"], str(r["concurrency"]), f"{r['tok_s']:.1f}", f"{r['ttft_s']:.2f}",
                       f"{r['peak_rss_mib']:.0f}", ratio)
     console.print(table)

@@ -1,10 +1,13 @@
 """Perplexity of the engine on a text file, per precision, side by side in one run.
 
+A precision is fp32, bf16 (dense bf16 weights), or a quantization method (auto, none, int8, int4,
+int4-g64, int4-g128: bf16 compute); e.g. `--precisions fp32 bf16 auto int8 int4-g128`.
+
 The text is cut into windows of --window tokens (no overlap); each window is one prompt scored with
 prompt logprobs (the engine's own path: paged cache, chunked prefill). Also reports greedy agreement
-with the first dtype on a few prompts (share of generated tokens identical to the reference's).
+with the first precision on a few prompts (share of generated tokens identical to the reference's).
 
-    .venv/bin/python benchmarks/perplexity.py ../shared/data/pride-and-prejudice.txt --dtypes float32 bfloat16
+    .venv/bin/python benchmarks/perplexity.py ../shared/data/pride-and-prejudice.txt --precisions fp32 bf16 auto
 """
 
 from __future__ import annotations
@@ -40,11 +43,24 @@ def greedy(llm: LLM, n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def engine_settings(precision: str) -> dict:
+    """LLM keyword settings for a precision name."""
+    if precision in ("fp32", "float32"):
+        return {"dtype": "float32", "quantization": "none"}
+    if precision in ("bf16", "bfloat16"):
+        return {"dtype": "bfloat16", "quantization": "none"}
+    method, _, group = precision.partition("-g")
+    settings = {"dtype": "bfloat16", "quantization": method}
+    if group:
+        settings["group_size"] = int(group)
+    return settings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "auto"])
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16384, help="tokens of the text to score")
     ap.add_argument("--gen", type=int, default=32, help="tokens per prompt for greedy agreement")
@@ -52,8 +68,8 @@ def main() -> None:
     text = args.path.read_text(encoding="utf-8")
     rows = []
     reference = None
-    for dtype in args.dtypes:
-        llm = LLM(args.model, dtype=dtype, max_num_batched_tokens=2048)
+    for precision in args.precisions:
+        llm = LLM(args.model, max_num_batched_tokens=2048, **engine_settings(precision))
         t0 = time.perf_counter()
         ppl, n = perplexity(llm, text, args.window, args.max_tokens)
         seconds = time.perf_counter() - t0
@@ -61,12 +77,12 @@ def main() -> None:
         if reference is None:
             reference = tokens
         same = sum(a == b for r, t in zip(reference, tokens) for a, b in zip(r, t))
-        rows.append((dtype, ppl, n, seconds, same / sum(len(r) for r in reference)))
+        rows.append((precision, ppl, n, seconds, same / sum(len(r) for r in reference)))
     table = Table(title=f"perplexity on {args.path.name} ({args.window}-token windows)")
-    for col in ("dtype", "perplexity", "vs first", "tokens scored", "seconds", "greedy agreement"):
+    for col in ("precision", "perplexity", "vs first", "tokens scored", "seconds", "greedy agreement"):
         table.add_column(col, justify="right")
-    for dtype, ppl, n, seconds, agree in rows:
-        table.add_row(dtype, f"{ppl:.4f}", f"{100 * (ppl / rows[0][1] - 1):+.2f}%", str(n), f"{seconds:.1f}",
+    for precision, ppl, n, seconds, agree in rows:
+        table.add_row(precision, f"{ppl:.4f}", f"{100 * (ppl / rows[0][1] - 1):+.2f}%", str(n), f"{seconds:.1f}",
                       f"{100 * agree:.1f}%")
     Console().print(table)
 

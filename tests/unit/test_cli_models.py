@@ -337,6 +337,204 @@ def test_info_default_model() -> None:
         assert line in result.output, result.output
 
 
+# ------------------------------------------------------------------ info --quantization: the memory estimate
+
+_LINEAR_GGUF = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+
+
+def _default_model_bytes(method: str, group_size: int = 32) -> int:
+    """Weight bytes of the default model loaded with `method`, worked out here from the GGUF tensor
+    shapes: decoder linears packed (int8: a byte per weight + a 2-byte scale per row; int4: half a
+    byte per weight + a 2-byte scale and a 2-byte zero per group), everything else dense."""
+    from gguf import GGMLQuantizationType
+
+    from ruvllm.loader import gguf_file
+
+    bf16 = _computes_in_bf16()
+    elem = 2 if bf16 else 4
+    if method == "auto" and bf16:  # the file's Q4_1 codes kept: int4 in groups of 32
+        method, group_size = "int4", 32
+    total = 0
+    for t in gguf_file.open_reader(resolve_model(None).path).tensors:
+        if t.name == gguf_file.ROPE_FREQS_TENSOR:
+            continue
+        numel, rows = int(t.n_elements), int(t.shape[1]) if len(t.shape) == 2 else 0
+        if not _LINEAR_GGUF.fullmatch(t.name) or method in ("auto", "none"):
+            total += elem * numel
+        elif method == "int8":
+            total += numel + 2 * rows
+        else:
+            assert method == "int4" and rows % 16 == 0 and t.tensor_type == GGMLQuantizationType.Q4_1
+            total += numel // 2 + 4 * (numel // group_size)
+    return total
+
+
+def _computes_in_bf16() -> bool:
+    from ruvllm.dtypes import resolve_dtype
+
+    return resolve_dtype("auto") == torch.bfloat16
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _estimate_line(output: str, key: str) -> str:
+    line = next((line for line in output.splitlines() if line.startswith(key + ":")), None)
+    assert line is not None, output
+    return line[len(key) + 1:].strip()
+
+
+@pytest.mark.parametrize("method", ["int8", "none", "auto", "int4"])
+def test_info_quantization_estimate(method: str) -> None:
+    plain = invoke("info")
+    result = invoke("info", "-q", method)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(plain.output)  # the usual lines first, unchanged
+    before = _estimate_line(result.output, "weights as loaded (auto)")
+    after = _estimate_line(result.output, f"weights with {method}" + (" g32" if method == "int4" else ""))
+    want_before, want_after = _default_model_bytes("auto"), _default_model_bytes(method)
+    assert before.startswith(_mib(want_before) + " ("), result.output
+    assert after.startswith(_mib(want_after) + " ("), result.output
+    if _computes_in_bf16():
+        assert _mib(want_before) == "117.3 MiB"  # what the engine logs at load (docs/quantization.md)
+        assert _mib(_default_model_bytes("none")) == "256.6 MiB"  # 2 bytes x 134,515,008 parameters
+        assert _mib(_default_model_bytes("int8")) == "155.6 MiB"
+        assert "120 int4 g32" in before
+        change = {"none": "2.19x larger", "int8": "1.33x larger", "auto": "the same size", "int4": "the same size"}
+        assert change[method] in after
+    assert _estimate_line(result.output, "KV cache") == "unchanged by weight quantization"
+    elem = 2 if _computes_in_bf16() else 4
+    per_token = 2 * 30 * 3 * 64 * elem  # 2 (K, V) x layers x KV heads x head dim x bytes
+    assert _estimate_line(result.output, "KV bytes per token").startswith(f"{per_token:,} (")
+    tokens = (2**30 // (per_token * 16)) * 16  # whole 16-token blocks in the default 1 GiB
+    assert _estimate_line(result.output, "KV tokens in 1 GiB").startswith(f"{tokens:,} ")
+
+
+def test_info_quantization_int4_group_64() -> None:
+    result = invoke("info", "-q", "int4", "--group-size", "64")
+    assert result.exit_code == 0, result.output
+    after = _estimate_line(result.output, "weights with int4 g64")
+    assert after.startswith(_mib(_default_model_bytes("int4", 64)) + " ("), result.output
+    assert "120 int4 g64" in after
+
+
+def test_info_quantization_auto_matches_a_real_load() -> None:
+    from ruvllm.config import QuantConfig
+    from ruvllm.dtypes import resolve_model_dtype
+    from ruvllm.models.registry import build_model, weight_bytes
+    from ruvllm.quant.plan import quantizes_weights
+
+    quant = QuantConfig()
+    dtype = resolve_model_dtype("auto", quant)
+    src = resolve_model(None)
+    weights = iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype))
+    model = build_model(load_model_config(src), weights, str(src.path), 16, dtype, quant=quant)  # seconds
+    loaded = weight_bytes(model)  # what EngineCore.weight_bytes reports
+    result = invoke("info", "-q", "auto")
+    assert _estimate_line(result.output, "weights as loaded (auto)").startswith(_mib(loaded) + " ("), result.output
+    assert loaded == _default_model_bytes("auto")
+
+
+@pytest.mark.parametrize("method", ["none", "int8", "int4"])
+def test_info_quantization_hf_folder_matches_a_real_load(tiny_repo: Path, method: str) -> None:
+    from ruvllm.config import QuantConfig
+    from ruvllm.dtypes import resolve_model_dtype
+    from ruvllm.models.registry import build_model, weight_bytes
+
+    result = invoke("info", str(tiny_repo), "-q", method, "--group-size", "32")
+    if method == "int4":  # hidden size 16: no int4 group size divides it, and the load fails the same way
+        assert_one_line_error(result, "int4 group size 32 does not divide the input size 16")
+        return
+    quant = QuantConfig(method)
+    dtype = resolve_model_dtype("auto", quant)
+    src = resolve_model(tiny_repo)
+    model = build_model(load_model_config(src), iter_weights(src, dtype), str(src.path), 16, dtype, quant=quant)
+    assert result.exit_code == 0, result.output
+    after = _estimate_line(result.output, f"weights with {method}")
+    assert after.startswith(_mib(weight_bytes(model)) + " ("), result.output
+    assert ("8 int8" if method == "int8" else "8 dense") in after  # 2 layers x (qkv, o, gate_up, down)
+
+
+def test_info_quantization_not_downloaded(tmp_path: Path) -> None:
+    result = invoke("info", "qwen", "-q", "int8", "--cache-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "memory estimate: needs the model's files (not downloaded)" in result.output
+
+
+def test_estimate_fuses_like_the_loader() -> None:
+    """q/k/v pieces stored in different GGUF types (as in Q4_K_M files) become per-channel int8,
+    as the loader fuses them (quant.plan.fuse_pieces)."""
+    import dataclasses
+
+    from ruvllm.cli.models_cmd import _estimate_weights, _file_tensors
+    from ruvllm.config import QuantConfig
+
+    if not _computes_in_bf16():
+        pytest.skip("auto keeps GGUF codes packed only when computing in bf16")
+    src = resolve_model(None)
+    cfg, tensors = load_model_config(src), _file_tensors(src)
+
+    def with_v0(packed: tuple[str, int] | None) -> list:
+        return [dataclasses.replace(t, packed=packed) if t.name == "model.layers.0.self_attn.v_proj.weight" else t
+                for t in tensors]
+
+    auto = _estimate_weights(cfg, tensors, QuantConfig(), "x")
+    mixed = _estimate_weights(cfg, with_v0(None), QuantConfig(), "x")  # e.g. a Q6_K attn_v
+    rows, k = cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size
+    int8_bytes, int4_bytes = rows * k + 2 * rows, rows * k // 2 + 4 * rows * k // 32
+    assert mixed.total - auto.total == int8_bytes - int4_bytes
+    assert mixed.linears == {"int4 g32": 119, "int8": 1}
+    q8 = _estimate_weights(cfg, with_v0(("int8", 32)), QuantConfig(), "x")  # a Q8_0 attn_v
+    assert q8.total == mixed.total and q8.linears == mixed.linears
+    assert _estimate_weights(cfg, with_v0(("int8", 32)), QuantConfig("none"), "x").total == \
+        _estimate_weights(cfg, tensors, QuantConfig("none"), "x").total  # dequantized: no packed pieces
+
+
+def test_info_quantization_bad_settings_are_one_line() -> None:
+    assert_one_line_error(invoke("info", "-q", "bogus"), "bogus", "auto, none, bf16, f16, int8, int4")
+    assert_one_line_error(invoke("info", "-q", "int4", "--group-size", "48"), "48")
+    # 128 is a valid group size, but does not divide the 576 inputs of the default model's projections
+    assert_one_line_error(invoke("info", "-q", "int4", "--group-size", "128"), "128", "576", "layers.0.")
+    assert_one_line_error(invoke("info", "--group-size", "64"), "--quantization")
+
+
+def test_planned_form_agrees_with_final_form() -> None:
+    """`info -q` plans each weight from shapes alone; the loader's final_form must make the same choice."""
+    from ruvllm.config import QUANTIZATION_METHODS, QuantConfig
+    from ruvllm.quant.plan import final_form, planned_form
+    from ruvllm.quant.rtn import quantize_int4, quantize_int8
+    from ruvllm.quant.weights import QuantizedWeight, estimate_bytes
+
+    torch.manual_seed(0)
+    forms = 0
+    for rows in (64, 40):  # 40: not a multiple of 16, int4 falls back to int8
+        w = torch.randn(rows, 128) * 0.05
+        q8 = quantize_int8(w)
+        q8_g32 = QuantizedWeight("int8", q8.codes, q8.scales[:, None].repeat(1, 4), None, 32)  # like GGUF Q8_0
+        for stored in (w, quantize_int4(w, 32), q8_g32, q8):
+            packed = (stored.kind, stored.group_size) if isinstance(stored, QuantizedWeight) else None
+            for method in QUANTIZATION_METHODS:
+                for group_size in (32, 64, 256):  # 256 does not divide 128
+                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        for name in ("layers.0.qkv_proj", "lm_head"):
+                            cfg = QuantConfig(method, group_size)
+                            try:
+                                out = final_form(cfg, name, stored, dtype)
+                            except ValueError as e:
+                                with pytest.raises(ValueError, match=re.escape(str(e))):
+                                    planned_form(cfg, name, packed, (rows, 128), dtype)
+                                continue
+                            kind, group = planned_form(cfg, name, packed, (rows, 128), dtype)
+                            if isinstance(out, QuantizedWeight):
+                                assert (out.kind, out.group_size) == (kind, group)
+                                assert out.nbytes == estimate_bytes(kind, rows, 128, group)
+                            else:
+                                assert kind == "dense" and out.dtype == dtype
+                            forms += 1
+    assert forms > 500
+
+
 def test_info_alias_not_downloaded(tmp_path: Path) -> None:
     result = invoke("info", "phi", "--cache-dir", str(tmp_path))
     assert result.exit_code == 0, result.output

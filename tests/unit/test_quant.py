@@ -16,7 +16,7 @@ from ruvllm.dtypes import resolve_model_dtype
 from ruvllm.engine.llm import build_engine_config
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8, gguf_quantized
 from ruvllm.quant.linear import QuantLinear
-from ruvllm.quant.plan import final_form, quantizes_weights
+from ruvllm.quant.plan import final_form, fuse_pieces, quantizes_weights
 from ruvllm.quant.rtn import quantize_int4, quantize_int8
 from ruvllm.quant.weights import QuantizedWeight, concat_rows
 
@@ -470,3 +470,21 @@ def test_int4_rows_not_a_multiple_of_16_fall_back_to_int8() -> None:
     out = final_form(QuantConfig("int4", keep_16bit=()), "layers.0.odd_proj", w, torch.bfloat16)
     assert isinstance(out, QuantizedWeight) and out.kind == "int8"
     QuantLinear(out)(torch.randn(2, 64))
+
+
+def test_fuse_pieces_packed_differently_become_int8() -> None:
+    # A Q4_K file whose attn_v is Q8_0 (or Q6_K, handed over as float): one fused qkv must still load.
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(32, 64) * 0.05 for _ in range(3))
+    same = fuse_pieces([quantize_int4(q, 32), quantize_int4(k, 32)])
+    assert same.kind == "int4" and same.shape == (64, 64)
+    for v_piece in (quantize_int8(v), v):
+        fused = fuse_pieces([quantize_int4(q, 32), quantize_int4(k, 32), v_piece])
+        assert isinstance(fused, QuantizedWeight) and fused.kind == "int8" and fused.group_size == 0
+        assert fused.shape == (96, 64)
+        ref = torch.cat([quantize_int4(q, 32).dequantize(), quantize_int4(k, 32).dequantize(),
+                         v_piece.dequantize() if isinstance(v_piece, QuantizedWeight) else v])
+        step = fused.scales[:, None]
+        assert ((fused.dequantize() - ref).abs() <= step / 2 + 1e-6).all()
+    dense = fuse_pieces([q, k, v])
+    assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([q, k, v]))

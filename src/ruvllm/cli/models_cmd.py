@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -24,7 +25,7 @@ from ruvllm.loader import hub
 if TYPE_CHECKING:
     import torch
 
-    from ruvllm.config import ModelConfig
+    from ruvllm.config import ModelConfig, QuantConfig
     from ruvllm.loader import ModelSource
 
 # Hugging Face class names for the architectures ruvllm runs (config.json "architectures").
@@ -170,11 +171,23 @@ def _default_row(long: bool) -> list[str]:
 def info_cmd(
     model: Optional[str] = typer.Argument(None, help="Alias, Hub id, path, or `default` (the default when omitted)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", "-q", metavar="METHOD",
+        help="Also estimate weight and KV-cache memory as loaded (auto) and with METHOD: "
+             "auto, none, bf16, f16, int8, int4."),
+    group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
 ) -> None:
     """Describe a model: architecture, parameters, context length, quantization, files, disk use.
 
     Reads only local files (file headers, never the weights); never touches the network.
     """
+    quant = None
+    if quantization is not None:
+        from ruvllm.config import QuantConfig
+
+        quant = QuantConfig(quantization, group_size)  # an unknown method or group size: one-line error
+    elif group_size != 32:
+        raise ValueError("--group-size applies only with --quantization/-q")
     ref = hub.lookup(model, cache_dir)
     rows: list[tuple[str, str]] = [("model", ref.name)]
     if ref.kind == "default":
@@ -190,6 +203,8 @@ def info_cmd(
         if ref.path is None:
             rows += _not_downloaded_rows(ref)
             _print_rows(rows)
+            if quant is not None:
+                typer.echo("\nmemory estimate: needs the model's files (not downloaded)")
             return
         rows.append(("downloaded", "yes"))
         rows.append(("revision", f"{ref.revision} ({(ref.commit or '?')[:12]})"))
@@ -199,7 +214,12 @@ def info_cmd(
         path = ref.path
     rows.append(("path", str(path)))
     rows += _describe(path)
+    # Computed before anything is printed, so a group size that does not fit is one error line.
+    estimate = _estimate_rows(path, quant) if quant is not None else None
     _print_rows(rows)
+    if estimate is not None:
+        typer.echo("\nmemory estimate (from tensor shapes; no weights read):")
+        _print_rows(estimate)
 
 
 def _not_downloaded_rows(ref: hub.ModelRef) -> list[tuple[str, str]]:
@@ -323,6 +343,167 @@ def _hf_rows(folder: Path) -> list[tuple[str, str]]:
         ("context length", str(cfg.get("max_position_embeddings", "?"))),
         ("quantization", f"{quant_text} (tensors: {', '.join(f'{k} x{v}' for k, v in dtypes.most_common())})"),
     ]
+
+
+# ------------------------------------------------------------------ info --quantization: memory estimate
+
+
+@dataclass(frozen=True)
+class _FileTensor:
+    name: str  # Hugging Face name
+    shape: tuple[int, ...]  # torch order: (out_features, in_features) for a matrix
+    packed: tuple[str, int] | None  # (kind, group) of the file's own codes a loader can hand over; None: float
+
+
+def _file_tensors(src: ModelSource) -> list[_FileTensor]:
+    """The weights the loader yields, from headers only: GGUF tensor list, safetensors headers."""
+    import torch
+
+    from ruvllm.loader import iter_weights
+
+    # Only its eager checks (tensor types it cannot read, missing shards): the generator is never run.
+    iter_weights(src, torch.float32)
+    if src.format == "gguf":
+        from ruvllm.loader import gguf_file
+        from ruvllm.quant.gguf_blocks import INT4_GGUF_TYPES, KEPT_GGUF_TYPES
+
+        out = []
+        for t in gguf_file.open_reader(src.path).tensors:
+            name = gguf_file.hf_name(t.name)
+            if name is None:  # rope_freqs.weight: folded into the config
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+            packed = None
+            if t.tensor_type in KEPT_GGUF_TYPES and len(shape) == 2:
+                packed = ("int4" if t.tensor_type in INT4_GGUF_TYPES else "int8", 32)  # gguf_blocks: groups of 32
+            out.append(_FileTensor(name, shape, packed))
+        return out
+    from ruvllm.loader import hf_folder
+
+    tied = hf_folder.load_config(src.path).tie_word_embeddings
+    return [
+        _FileTensor(name, tuple(int(d) for d in entry.get("shape", ())), None)
+        for file in _weight_files(src.path)
+        for name, entry in _safetensors_header(file).items()
+        # the same skips as _hf_rows and hf_folder.iter_weights
+        if name != "__metadata__" and not (tied and name == "lm_head.weight")
+        and not name.endswith("rotary_emb.inv_freq")
+    ]
+
+
+@dataclass
+class _WeightEstimate:
+    dtype: torch.dtype
+    total: int = 0
+    linears: Counter[str] = field(default_factory=Counter)  # form -> count of (fused) linear weights
+
+
+def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: QuantConfig, source: str) -> _WeightEstimate:
+    """Bytes of the model's weights once loaded with `quant`, following LlamaForCausalLM.load_weights:
+    the same fused parameters (q/k/v, gate/up), each linear weight in quant.plan's form, the rest dense."""
+    import torch
+    from torch import nn
+
+    from ruvllm.dtypes import resolve_model_dtype
+    from ruvllm.layers.rotary import RotaryEmbedding
+    from ruvllm.models.llama import LlamaForCausalLM
+    from ruvllm.quant.plan import fused_stored_form, keeps_16bit, planned_form, quantizes_weights
+    from ruvllm.quant.weights import estimate_bytes
+
+    dtype = resolve_model_dtype("auto", quant)
+    elem = _element_size(dtype)
+    rope = RotaryEmbedding(cfg.head_dim, 1, cfg.rope_theta, cfg.rope_scaling, dtype)  # one position: tiny
+    with torch.device("meta"):  # shapes only: no weight memory is allocated
+        model = LlamaForCausalLM(cfg, rope)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    keep_packed = quantizes_weights(quant, dtype)
+    pieces: dict[str, list[_FileTensor]] = {}  # in the order the loader completes them (file order)
+    for t in tensors:
+        name = t.name.removeprefix("model.")
+        pname, _, _ = model._target(name)
+        if pname not in expected:
+            raise CorruptModelError(f"{source}: unexpected tensor {name!r}")
+        pieces[pname] = pieces.pop(pname, []) + [t]
+    missing = [n for n in expected if n not in pieces]
+    if missing:
+        raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
+
+    est = _WeightEstimate(dtype)
+
+    def add_linear(module_name: str, stored: tuple[str, int] | None, shape: tuple[int, ...]) -> None:
+        n, k = shape
+        kind, group = planned_form(quant, module_name, stored, (n, k), dtype)
+        if kind == "dense":
+            est.total += n * k * elem
+            est.linears[f"dense {str(dtype).removeprefix('torch.')}"] += 1
+        else:
+            est.total += estimate_bytes(kind, n, k, group)  # type: ignore[arg-type]
+            est.linears[f"int4 g{group}" if kind == "int4" else "int8"] += 1
+
+    for pname in pieces:
+        shape = expected[pname]
+        module_name, attr = pname.rsplit(".", 1)
+        if attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear):
+            stored = fused_stored_form([t.packed if keep_packed else None for t in pieces[pname]])
+            add_linear(module_name, stored, shape)
+        else:  # embeddings, norms, biases: dense in the compute dtype
+            est.total += math.prod(shape) * elem
+    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4"):
+        add_linear("lm_head", None, expected["embed_tokens.weight"])  # a packed copy of the embeddings
+    return est
+
+
+def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
+    """`info -q`: weight and KV-cache memory as the engine would load the model (auto) and with `quant`."""
+    from ruvllm.config import CacheConfig, QuantConfig
+    from ruvllm.loader import load_model_config, resolve_model
+    from ruvllm.worker.model_runner import kv_bytes_per_block, num_kv_blocks
+
+    src = resolve_model(path)
+    cfg = load_model_config(src)
+    tensors = _file_tensors(src)
+    before = _estimate_weights(cfg, tensors, QuantConfig(), str(src.path))
+    after = _estimate_weights(cfg, tensors, quant, str(src.path))
+    method = quant.method + (f" g{quant.group_size}" if quant.method == "int4" else "")
+
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    def both(fn: Any, same: bool = before.dtype == after.dtype) -> str:
+        """One value, or the two when the compute dtype differs."""
+        if same:
+            return fn(after.dtype)
+        return f"{fn(before.dtype)} as loaded, {fn(after.dtype)} with {quant.method}"
+
+    def linears(est: _WeightEstimate) -> str:
+        return "linear layers: " + ", ".join(f"{n} {form}" for form, n in sorted(est.linears.items()))
+
+    ratio = max(before.total, after.total) / min(before.total, after.total)
+    if after.total == before.total:
+        change = "the same size"
+    else:  # under 1.01x: in percent, where "1.00x" would hide the difference
+        change = f"{ratio:.2f}x" if ratio >= 1.01 else f"{abs(after.total - before.total) / before.total:.1%}"
+        change += " smaller" if after.total < before.total else " larger"
+    cache = CacheConfig()
+    same_kv = _element_size(before.dtype) == _element_size(after.dtype)  # the KV cache is held in the compute dtype
+    dims = f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
+    return [
+        ("compute dtype", both(name) + " (embeddings, norms and biases are dense in it)"),
+        ("weights as loaded (auto)", f"{before.total / 2**20:.1f} MiB ({linears(before)})"),
+        (f"weights with {method}", f"{after.total / 2**20:.1f} MiB ({change}; {linears(after)})"),
+        ("KV cache", "unchanged by weight quantization" + ("" if same_kv else "; it is held in the compute dtype")),
+        ("KV bytes per token", both(lambda d: f"{kv_bytes_per_block(cfg, 1, d):,}", same_kv)
+         + f" ({dims} x {both(lambda d: f'{_element_size(d)} bytes', same_kv)})"),
+        (f"KV tokens in {cache.kv_cache_memory_bytes / 2**30:g} GiB",
+         both(lambda d: f"{num_kv_blocks(cfg, cache, d) * cache.block_size:,}", same_kv)
+         + " (the default --kv-cache-gib)"),
+    ]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 # ------------------------------------------------------------------ export

@@ -18,8 +18,8 @@ from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.errors import CorruptModelError
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.quant.linear import QuantLinear
-from ruvllm.quant.plan import Weight, final_form, keeps_16bit
-from ruvllm.quant.weights import QuantizedWeight, concat_rows
+from ruvllm.quant.plan import Weight, final_form, fuse_pieces, keeps_16bit
+from ruvllm.quant.weights import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -155,12 +155,7 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device) -> None:
         module_name, attr = pname.rsplit(".", 1)
         module = self.get_submodule(module_name)
-        if len(pieces) == 1:
-            weight = pieces[0]
-        elif all(isinstance(p, QuantizedWeight) for p in pieces):
-            weight = concat_rows(pieces)
-        else:  # mixed stored types (rare): fuse in float
-            weight = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in pieces])
+        weight = fuse_pieces(pieces)
         if attr == "weight" and isinstance(module, nn.Linear):
             weight = final_form(quant, module_name, weight, dtype)
             if isinstance(weight, QuantizedWeight):

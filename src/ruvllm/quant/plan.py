@@ -8,7 +8,7 @@ import torch
 
 from ruvllm.config import QuantConfig
 from ruvllm.quant.rtn import check_int4_group, quantize_int4, quantize_int8
-from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, QuantizedWeight
+from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, QuantizedWeight, concat_rows
 
 log = logging.getLogger(__name__)
 
@@ -24,30 +24,71 @@ def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:
     return cfg.method in ("int4", "int8") or (cfg.method == "auto" and dtype == torch.bfloat16)
 
 
-def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) -> Weight:
-    """The form a linear layer's (fused) weight is kept in: a dense tensor or a QuantizedWeight."""
-    as_stored = cfg.method == "auto" and dtype == torch.bfloat16  # the packed kernels compute in bf16
+def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, shape: tuple[int, int],
+                 dtype: torch.dtype) -> tuple[str, int]:
+    """What final_form makes of a weight, from its shape and stored form alone (no tensor needed).
+
+    `stored`: (kind, group_size) of the QuantizedWeight a loader hands over, None for a float tensor.
+    Returns ("dense", 0) (dense in `dtype`), ("int8", 0) (per channel) or ("int4", group_size), and
+    raises final_form's ValueError for an int4 group size that does not divide the input size.
+    Keep it in step with final_form (tests/unit/test_cli_models.py compares the two).
+    """
+    as_stored = cfg.method == "auto" and dtype == torch.bfloat16
     if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4")):
+        return ("dense", 0)
+    if as_stored and stored is None:
+        return ("dense", 0)
+    if cfg.method == "int8" or (as_stored and stored is not None and stored[0] == "int8"):
+        return ("int8", 0)
+    if as_stored and stored is not None:
+        return stored
+    check_int4_group(shape[1], cfg.group_size, name)
+    if shape[0] % INT4_ROWS_MULTIPLE:
+        return ("int8", 0)
+    return ("int4", cfg.group_size)
+
+
+def fused_stored_form(forms: list[tuple[str, int] | None]) -> tuple[str, int] | None:
+    """Stored form of a fused weight (q/k/v, gate/up) from its pieces' forms (None: float).
+
+    Pieces packed alike keep that form. Pieces packed differently (a Q4_K file with a Q8_0 or Q6_K
+    attn_v) are fused in float and held as per-channel int8, the packed form that loses least;
+    only all-float pieces stay float."""
+    if all(f is not None for f in forms) and len(set(forms)) == 1:
+        return forms[0]
+    return ("int8", 0) if any(f is not None for f in forms) else None
+
+
+def fuse_pieces(pieces: list[Weight]) -> Weight:
+    """The fused weight whose stored form is fused_stored_form of the pieces'."""
+    if len(pieces) == 1:
+        return pieces[0]
+    forms = [(p.kind, p.group_size) if isinstance(p, QuantizedWeight) else None for p in pieces]
+    stored = fused_stored_form(forms)
+    if stored is not None and stored == forms[0] and None not in forms:
+        return concat_rows(pieces)  # type: ignore[arg-type]
+    dense = torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in pieces])
+    return dense if stored is None else quantize_int8(dense)
+
+
+def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) -> Weight:
+    """The form a linear layer's (fused) weight is kept in: a dense tensor or a QuantizedWeight,
+    as planned_form decides from the weight's stored form."""
+    stored = (weight.kind, weight.group_size) if isinstance(weight, QuantizedWeight) else None
+    kind, group = planned_form(cfg, name, stored, tuple(weight.shape), dtype)
+    if kind == "dense":
         return _dense(weight, dtype)
-    if as_stored and not isinstance(weight, QuantizedWeight):
-        return weight.to(dtype)
-    if cfg.method == "int8" or (as_stored and weight.kind == "int8"):
-        if isinstance(weight, QuantizedWeight) and weight.kind == "int8" and weight.group_size == 0:
+    if kind == "int8":
+        if stored == ("int8", 0):
             return weight
+        if cfg.method == "int4":
+            log.warning("%s: %d output rows are not a multiple of %d; kept as int8 instead of int4",
+                        name, weight.shape[0], INT4_ROWS_MULTIPLE)
         # Group-wise int8 (GGUF Q8_0) is re-quantized per channel: the packed kernel takes no groups.
         return quantize_int8(_dense(weight, torch.float32))
-    if as_stored:
+    if stored == ("int4", group):  # a file's own 4-bit codes, kept when their groups are the ones asked for
         return weight
-    check_int4_group(weight.shape[1], cfg.group_size, name)
-    if weight.shape[0] % INT4_ROWS_MULTIPLE:
-        # The packed int4 layout needs whole tiles of rows; such a layer stays int8 rather than fail.
-        log.warning("%s: %d output rows are not a multiple of %d; kept as int8 instead of int4",
-                    name, weight.shape[0], INT4_ROWS_MULTIPLE)
-        return quantize_int8(_dense(weight, torch.float32))
-    # int4: a file's own 4-bit codes are kept when their groups are the ones asked for.
-    if isinstance(weight, QuantizedWeight) and weight.kind == "int4" and weight.group_size == cfg.group_size:
-        return weight
-    return quantize_int4(_dense(weight, torch.float32), cfg.group_size, name)
+    return quantize_int4(_dense(weight, torch.float32), group, name)
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

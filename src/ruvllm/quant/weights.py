@@ -20,6 +20,23 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 kernels accept
 INT4_ROWS_MULTIPLE = 16  # the packed int4 layout tiles output rows by 16
 
 
+def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: int = 0) -> int:
+    """Bytes an [n, k] weight takes in the packed layout, from its shape alone (no tensor needed).
+
+    int8: n*k one-byte codes, plus a 2-byte (bf16) scale per output channel (group_size 0) or per
+    group of `group_size` inputs. int4: n*k/2 bytes (two codes per byte), plus a 2-byte scale and a
+    2-byte zero point per group: what QuantizedWeight.nbytes counts, and QuantLinear's buffers hold.
+    """
+    if kind == "int8":
+        scales = n if group_size == 0 else n * (k // group_size)
+        return n * k + 2 * scales
+    if kind == "int4":
+        if group_size <= 0:
+            raise ValueError("int4 weights need a group size")
+        return n * k // 2 + 2 * 2 * n * (k // group_size)
+    raise ValueError(f"unknown quantized kind {kind!r}")
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     kind: Literal["int8", "int4"]

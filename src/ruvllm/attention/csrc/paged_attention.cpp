@@ -8,9 +8,9 @@
 // decode, part of a long prompt, recomputed after preemption, or behind a prefix-cache hit. So a
 // request's output does not depend on how its tokens were split into steps or what shared them.
 //
-// Work is split into tasks of (up to kTile consecutive rows of one sequence) x (one KV head);
-// within a task each key and value row is loaded once and used by every row of the tile (and by
-// the query heads that share the KV head), which is what keeps prompt chunks fast.
+// Work is split into tasks of up to kTile consecutive rows of one sequence; within a task each
+// cache slot (all KV heads of one token, contiguous) is loaded once per pass and used by every row
+// of the tile and every query head, which keeps prompt chunks fast and reads memory in order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -56,15 +56,17 @@ __attribute__((noinline)) void axpy(float p, const float* x, float* y, int64_t n
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
 }
 
+// The file is built with -ffast-math so this exp loop vectorizes (glibc's vector expf); no input
+// here is inf or NaN (the max starts from s[0], masked keys are never stored).
 __attribute__((noinline)) void softmax_inplace(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float mx = s[0];
+  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
   float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
+  for (int64_t t = 0; t < n; ++t) sum += s[t];
   const float inv = 1.f / sum;
+#pragma omp simd
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
@@ -84,58 +86,60 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t slot_stride = hkv * dim;  // cache rows are [slot, kv_head, dim]
+  const int64_t slot_stride = hkv * dim;  // cache rows are [slot, kv_head, dim]: one slot is contiguous
   const float fscale = static_cast<float>(scale);
-  const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * hkv;
+  const int64_t num_tasks = static_cast<int64_t>(tiles.size());
 
+  // One task per tile, all heads: each cache slot (every KV head of one token) is read once per
+  // pass as one contiguous run.
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, row(dim), scores;
+    std::vector<float> qf, acc, slot_row(slot_stride), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task / hkv];
-      const int64_t h = task % hkv;
+      const Tile& tile = tiles[task];
       const int64_t rows = tile.row_end - tile.row_begin;
       const int64_t* table = tables + tile.seq * max_blocks;
       int64_t ctx_max = 0;
       for (int64_t r = tile.row_begin; r < tile.row_end; ++r) ctx_max = std::max(ctx_max, row_ctx[r]);
-      const int64_t heads = rows * group;  // (row, query head) pairs of this task
+      const int64_t heads = rows * hq;  // (row, query head) pairs of this task
       qf.resize(heads * dim);
       acc.assign(heads * dim, 0.f);
       scores.resize(heads * ctx_max);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g)
-          load_row(qp + ((tile.row_begin + r) * hq + h * group + g) * dim, qf.data() + (r * group + g) * dim, dim);
+      for (int64_t r = 0; r < rows; ++r) load_row(qp + (tile.row_begin + r) * hq * dim, qf.data() + r * hq * dim, hq * dim);
 
-      for (int64_t t = 0; t < ctx_max; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(kp + slot * slot_stride + h * dim, row.data(), dim);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t >= row_ctx[tile.row_begin + r]) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t i = r * group + g;
-            scores[i * ctx_max + t] = dot(qf.data() + i * dim, row.data(), dim) * fscale;
+      for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
+        const T* kblock = kp + table[b] * block_size * slot_stride;
+        for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
+          load_row(kblock + j * slot_stride, slot_row.data(), slot_stride);
+          for (int64_t r = 0; r < rows; ++r) {
+            if (t >= row_ctx[tile.row_begin + r]) continue;
+            for (int64_t qh = 0; qh < hq; ++qh) {
+              const int64_t i = r * hq + qh;
+              scores[i * ctx_max + t] = dot(qf.data() + i * dim, slot_row.data() + (qh / group) * dim, dim) * fscale;
+            }
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g)
-          softmax_inplace(scores.data() + (r * group + g) * ctx_max, row_ctx[tile.row_begin + r]);
-      for (int64_t t = 0; t < ctx_max; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(vp + slot * slot_stride + h * dim, row.data(), dim);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t >= row_ctx[tile.row_begin + r]) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t i = r * group + g;
-            axpy(scores[i * ctx_max + t], row.data(), acc.data() + i * dim, dim);
+        for (int64_t qh = 0; qh < hq; ++qh)
+          softmax_inplace(scores.data() + (r * hq + qh) * ctx_max, row_ctx[tile.row_begin + r]);
+      for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
+        const T* vblock = vp + table[b] * block_size * slot_stride;
+        for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
+          load_row(vblock + j * slot_stride, slot_row.data(), slot_stride);
+          for (int64_t r = 0; r < rows; ++r) {
+            if (t >= row_ctx[tile.row_begin + r]) continue;
+            for (int64_t qh = 0; qh < hq; ++qh) {
+              const int64_t i = r * hq + qh;
+              axpy(scores[i * ctx_max + t], slot_row.data() + (qh / group) * dim, acc.data() + i * dim, dim);
+            }
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g) {
-          T* dst = op + ((tile.row_begin + r) * hq + h * group + g) * dim;
-          const float* src = acc.data() + (r * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
-        }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = op + (tile.row_begin + r) * hq * dim;
+        const float* src = acc.data() + r * hq * dim;
+        for (int64_t d = 0; d < hq * dim; ++d) dst[d] = static_cast<T>(src[d]);
+      }
     }
   });
 }
