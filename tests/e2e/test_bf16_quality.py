@@ -21,7 +21,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:
 
 @pytest.fixture(scope="module")
 def bf16_llm(_shared_llm: LLM) -> LLM:
-    return LLM(dtype="bfloat16", num_blocks=256)
+    # The default precision on this CPU: bf16 compute with the GGUF's Q4_1 codes kept packed
+    # (quantization "auto"), i.e. the same weights transformers dequantizes, held differently.
+    llm = LLM(dtype="bfloat16", num_blocks=256)
+    assert llm.engine.config.quantization.method == "auto"
+    return llm
 
 
 def test_greedy_matches_transformers_bf16_except_near_ties(bf16_llm: LLM) -> None:
