@@ -1,7 +1,7 @@
 """Our C++ CPU kernels (csrc/), compiled on first use with the machine's C++ compiler.
 
-Built once per source version and CPU (torch's extension cache, ~35 s on 2 cores), then loaded
-in well under a second. Where no compiler is present or the build fails, callers get None and
+Built once per source version and CPU (torch's extension cache, ~35 s on 2 cores; needs a C++
+compiler, and ninja, which is a dependency), then loaded in well under a second. Where no compiler is present or the build fails, callers get None and
 keep the plain PyTorch path, which computes the same thing more slowly.
 """
 
@@ -36,6 +36,7 @@ def _extension():
 
     # -ffast-math lets the softmax's exp loop vectorize; the kernel keeps inf and NaN out of it.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+    log.info("loading the C++ attention kernel (compiled on first use: ~35 s once per version and CPU)")
     return load(name=f"ruvllm_paged_attention_{_cpu_tag()}", sources=[str(_CSRC / "paged_attention.cpp")],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
