@@ -15,8 +15,9 @@ ATOL = 2e-4
 DECODE_STEPS = 32
 
 
-def _check(src, prompt: list[int], chunk: int | None = None) -> None:
-    ref = hf_reference(src)
+def _check(src, prompt: list[int], chunk: int | None = None, reference=None) -> None:
+    """`reference`: a folder whose tensors transformers loads instead of src's (a dense twin)."""
+    ref = hf_reference(reference or src)
     # The continuation is transformers' own greedy choice, fed back token by token to both models.
     with torch.no_grad():
         full = ref.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,

@@ -380,15 +380,31 @@ def _file_tensors(src: ModelSource) -> list[_FileTensor]:
         return out
     from ruvllm.loader import hf_folder
 
-    tied = hf_folder.load_config(src.path).tie_word_embeddings
-    return [
-        _FileTensor(name, tuple(int(d) for d in entry.get("shape", ())), None)
-        for file in _weight_files(src.path)
-        for name, entry in _safetensors_header(file).items()
-        # the same skips as _hf_rows and hf_folder.iter_weights
-        if name != "__metadata__" and not (tied and name == "lm_head.weight")
-        and not name.endswith("rotary_emb.inv_freq")
-    ]
+    from ruvllm.quant.checkpoints import checkpoint_quant
+    from ruvllm.quant.weights import INT4_GROUP_SIZES, INT4_ROWS_MULTIPLE
+
+    config = hf_folder.load_config(src.path)
+    scheme = checkpoint_quant(hf_folder.read_config_json(src.path), str(src.path))
+    out = []
+    for file in _weight_files(src.path):
+        for name, entry in _safetensors_header(file).items():
+            # the same skips as _hf_rows and hf_folder.iter_weights
+            if name == "__metadata__" or (config.tie_word_embeddings and name == "lm_head.weight") \
+                    or name.endswith("rotary_emb.inv_freq"):
+                continue
+            shape = tuple(int(d) for d in entry.get("shape", ()))
+            prefix, _, leaf = name.rpartition(".")
+            if scheme is None:
+                out.append(_FileTensor(name, shape, None))
+            elif leaf == "qweight":  # one GPTQ/AWQ layer: [K/8, N] (GPTQ) or [K, N/8] (AWQ) int32 words
+                n, k = (shape[1], shape[0] * 8) if scheme.method == "gptq" else (shape[1] * 8, shape[0])
+                group = k if scheme.group_size == -1 else scheme.group_size
+                fits = group in INT4_GROUP_SIZES and n % INT4_ROWS_MULTIPLE == 0  # else int8 (act order: unseen here)
+                out.append(_FileTensor(f"{prefix}.weight", (n, k), ("int4", group) if fits else ("int8", 0)))
+            elif leaf not in scheme.parts and not (leaf == "bias" and not (
+                    config.attention_bias and prefix.endswith(("q_proj", "k_proj", "v_proj")))):
+                out.append(_FileTensor(name, shape, None))  # (GPTQ's zero biases are dropped by the loader)
+    return out
 
 
 @dataclass

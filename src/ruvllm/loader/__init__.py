@@ -86,11 +86,11 @@ def iter_weights(src: ModelSource, dtype: torch.dtype,
     """Yield (Hugging Face name, tensor) pairs, one tensor in memory at a time.
 
     When the model ties its embeddings, no lm_head.weight is yielded: use embed_tokens.
-    keep_quantized: GGUF tensors with a packed kernel come as QuantizedWeight (their own codes).
+    keep_quantized: GGUF tensors with a packed kernel, and GPTQ/AWQ layers, come as QuantizedWeight.
     """
     if src.format == "gguf":
         return gguf_file.iter_weights(src.path, dtype, keep_quantized)
-    return hf_folder.iter_weights(src.path, dtype)
+    return hf_folder.iter_weights(src.path, dtype, keep_quantized)
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:

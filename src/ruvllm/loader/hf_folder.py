@@ -12,6 +12,8 @@ from safetensors import SafetensorError, safe_open
 
 from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ruvllm.errors import CorruptModelError, NotAModelError, UnsupportedArchitectureError
+from ruvllm.quant.checkpoints import assemble, checkpoint_quant
+from ruvllm.quant.weights import QuantizedWeight
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -144,21 +146,45 @@ def _shards(folder: Path) -> dict[Path, list[str] | None]:
     raise NotAModelError(f"{folder}: no {SINGLE_WEIGHTS_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
 
 
-def iter_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: Path, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) one at a time, so peak memory stays near one tensor.
 
-    config.json and the shard list are checked eagerly; tensor data is read lazily.
+    config.json and the shard list are checked eagerly; tensor data is read lazily. GPTQ/AWQ
+    checkpoints yield each quantized layer as `<layer>.weight`: a QuantizedWeight with
+    keep_quantized, else its exact float values in dtype.
     """
-    tied = load_config(folder).tie_word_embeddings
+    config = load_config(folder)
+    scheme = checkpoint_quant(read_config_json(folder), str(folder / CONFIG_FILE))
     shards = _shards(folder)
     for file in shards:
         if not file.is_file():
             raise CorruptModelError(f"{file}: listed in {INDEX_FILE} but missing")
-    return _generate(shards, tied, dtype)
+    raw_dtype = None if scheme is not None else dtype  # quantized parts keep their integer types
+    stream = _generate(shards, config.tie_word_embeddings, raw_dtype)
+    if scheme is None:
+        return stream
+    return _cast_dense(_drop_zero_biases(assemble(stream, scheme, str(folder), keep_quantized), config), dtype)
+
+
+def _drop_zero_biases(stream: Iterator[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """GPTQ exporters write an all-zero bias for every layer; ours has biases only on q/k/v of
+    models with attention_bias. A zero bias is a no-op, so those are dropped, not refused."""
+    for name, tensor in stream:
+        if name.endswith(".bias") and isinstance(tensor, torch.Tensor) and not tensor.any():
+            qkv = name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+            if not (qkv and config.attention_bias):
+                continue
+        yield name, tensor
+
+
+def _cast_dense(stream: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
+    for name, tensor in stream:
+        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)
 
 
 def _generate(
-    shards: dict[Path, list[str] | None], tied: bool, dtype: torch.dtype
+    shards: dict[Path, list[str] | None], tied: bool, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for file, names in shards.items():
         try:
@@ -167,6 +193,7 @@ def _generate(
                     # Tied checkpoints sometimes still store lm_head; callers use embed_tokens for it.
                     if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                         continue
-                    yield name, f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor if dtype is None else tensor.to(dtype)
         except SafetensorError as e:
             raise CorruptModelError(f"{file}: unreadable safetensors file ({e})") from None

@@ -1,0 +1,126 @@
+"""Hugging Face GPTQ and AWQ checkpoints (`quantization_config` in config.json) read into our int4 layout.
+
+Both store, per linear layer, int4 codes packed eight to an int32, int4 zero points packed the
+same way, and fp16 scales per group of input channels; a weight is w = (q - z) * s. In our form,
+w = (q - 8) * scale + zero, so scale = s and zero = (8 - z) * s: exact.
+- GPTQ: `qweight` [K/8, N] packs along the input dimension (bits 4j..4j+3 of row i hold input
+  8i + j); `qzeros` [G, N/8] packs along the output dimension; `g_idx` [K] gives each input's group.
+  The original ("gptq", v1) format stores zero points minus one; "gptq_v2" stores them as they are.
+- AWQ (GEMM): `qweight` [K, N/8] and `qzeros` [G, N/8] pack along the output dimension, with the
+  eight columns of an int32 in the order 0, 2, 4, 6, 1, 3, 5, 7; no g_idx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ruvllm.errors import CorruptModelError, UnsupportedQuantizationError
+from ruvllm.quant.rtn import quantize_int8
+from ruvllm.quant.weights import INT4_GROUP_SIZES, QuantizedWeight
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+# Position, within an AWQ int32, of each of the eight output columns it holds.
+_AWQ_COLUMN_TO_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    method: str  # "gptq" or "awq"
+    group_size: int  # -1: one group over all inputs
+    zero_offset: int  # added to stored zero points (GPTQ v1 stores z - 1)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
+
+
+def checkpoint_quant(config: dict[str, Any], source: str) -> CheckpointQuant | None:
+    """The scheme named by config.json's quantization_config, or None for a plain checkpoint."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("gptq", "awq"):
+        raise UnsupportedQuantizationError(f"{source}: quantization method {method!r} is not supported "
+                                           "(supported checkpoints: gptq, awq)")
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if bits != 4:
+        raise UnsupportedQuantizationError(f"{source}: {method} with {bits}-bit weights is not supported (4 only)")
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise UnsupportedQuantizationError(f"{source}: AWQ version {qc.get('version')!r} is not supported (gemm only)")
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    offset = 1 if method == "gptq" and str(qc.get("checkpoint_format", "gptq")).lower() == "gptq" else 0
+    return CheckpointQuant(method, group, offset)
+
+
+def _unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> eight 4-bit values each, expanded along `dim` (low nibble first)."""
+    nib = (packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 0xF  # [..., 8]
+    if dim == 0:
+        return nib.permute(0, 2, 1).reshape(packed.shape[0] * 8, packed.shape[1])
+    return nib.reshape(packed.shape[0], packed.shape[1] * 8)
+
+
+def to_quantized(scheme: CheckpointQuant, parts: dict[str, torch.Tensor],
+                 name: str) -> QuantizedWeight | torch.Tensor:
+    """One layer's parts -> an int4 QuantizedWeight when its groups fit our kernels, else the exact
+    float weight [N, K] (act-order g_idx, per-channel or odd group sizes)."""
+    try:
+        scales = parts["scales"].float()  # [G, N]
+        if scheme.method == "gptq":
+            codes = _unpack(parts["qweight"], 0)  # [K, N]
+            zeros = _unpack(parts["qzeros"], 1) + scheme.zero_offset  # [G, N]
+        else:
+            order = torch.tensor(_AWQ_COLUMN_TO_NIBBLE)
+            n8 = parts["qweight"].shape[1]
+            codes = _unpack(parts["qweight"], 1).view(-1, n8, 8)[:, :, order].reshape(-1, n8 * 8)
+            g8 = parts["qzeros"].shape[1]
+            zeros = _unpack(parts["qzeros"], 1).view(-1, g8, 8)[:, :, order].reshape(-1, g8 * 8)
+        k, n = codes.shape
+        groups = scales.shape[0]
+        if zeros.shape != (groups, n) or scales.shape[1] != n or k % groups:
+            raise ValueError(f"qweight {tuple(codes.shape)}, qzeros {tuple(zeros.shape)}, scales {tuple(scales.shape)}")
+        group = k // groups
+        in_order = torch.arange(k) // group
+        g_idx = parts.get("g_idx")
+        if g_idx is not None and g_idx.numel() != k:
+            raise ValueError(f"g_idx has {g_idx.numel()} entries for {k} inputs")
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise CorruptModelError(f"{name}: malformed {scheme.method} tensors ({e})") from None
+    if (g_idx is None or torch.equal(g_idx.long(), in_order)) and group in INT4_GROUP_SIZES and n % 16 == 0:
+        # [K, N] -> our [N, K] rows; scale and zero per (row, group).
+        return QuantizedWeight("int4", codes.t().to(torch.uint8).contiguous(), scales.t().contiguous(),
+                               ((8 - zeros.float()) * scales).t().contiguous(), group)
+    gi = in_order if g_idx is None else g_idx.long()
+    return ((codes.float() - zeros.float()[gi]) * scales[gi]).t().contiguous()
+
+
+def assemble(stream: Iterator[tuple[str, torch.Tensor]], scheme: CheckpointQuant, source: str,
+             keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Pass plain tensors through; gather each quantized layer's parts and yield `<layer>.weight`:
+    packed (int4, or per-channel int8 when the groups do not fit, the packed form that loses least)
+    with keep_quantized, else its exact float values."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in stream:
+        prefix, _, part = name.rpartition(".")
+        if part not in scheme.parts:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if all(p in parts for p in scheme.parts):
+            del pending[prefix]
+            weight = to_quantized(scheme, parts, f"{source}: {prefix}")
+            if not keep_quantized:
+                weight = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+            elif not isinstance(weight, QuantizedWeight):
+                weight = quantize_int8(weight)
+            yield f"{prefix}.weight", weight
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        missing = [p for p in scheme.parts if p not in parts]
+        raise CorruptModelError(f"{source}: {prefix} lacks {', '.join(missing)} of its {scheme.method} tensors")
