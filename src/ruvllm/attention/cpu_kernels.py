@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 
 
-def _cpu_tag() -> str:
-    """-march=native code must not be reused on another CPU sharing the same cache folder."""
+def _build_tag(source: Path) -> str:
+    """-march=native code must not be reused on another CPU sharing the same cache folder, and two
+    checkouts with different kernel sources must not rebuild over each other: both go in the name."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(flags.encode() + source.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
@@ -37,7 +38,8 @@ def _extension():
     # -ffast-math lets the softmax's exp loop vectorize; the kernel keeps inf and NaN out of it.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
     log.info("loading the C++ attention kernel (compiled on first use: ~35 s once per version and CPU)")
-    return load(name=f"ruvllm_paged_attention_{_cpu_tag()}", sources=[str(_CSRC / "paged_attention.cpp")],
+    source = _CSRC / "paged_attention.cpp"
+    return load(name=f"ruvllm_paged_attention_{_build_tag(source)}", sources=[str(source)],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

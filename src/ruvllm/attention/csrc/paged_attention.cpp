@@ -186,5 +186,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Attention over a paged KV cache for every query row of a step");
+  // The GIL is released for the call (as torch's own ops do), so the server's asyncio thread and
+  // signal handlers run while attention computes.
+  m.def("paged_attention", &paged_attention, "Attention over a paged KV cache for every query row of a step",
+        py::call_guard<py::gil_scoped_release>());
 }
