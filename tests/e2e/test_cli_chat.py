@@ -35,6 +35,9 @@ class Terminal:
             # New session (start_new_session), then take the pty as its terminal: only then does
             # the line discipline turn a written ^C into SIGINT for the child.
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # A person's terminal starts programs with SIGINT at its default; a test run started in
+            # the background by a non-interactive shell (CI) ignores it, and the child would inherit that.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
                                      start_new_session=True, preexec_fn=controlling_tty)
