@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ruvllm.quant.weights import KERNEL_DTYPE as COMPUTE_DTYPE
 from ruvllm.quant.weights import QuantizedWeight
-
-COMPUTE_DTYPE = torch.bfloat16
 
 
 class QuantLinear(nn.Module):
@@ -36,7 +35,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", torch.stack(
                 [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.nbytes = qw.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every

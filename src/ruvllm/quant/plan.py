@@ -8,7 +8,7 @@ import torch
 
 from ruvllm.config import QuantConfig
 from ruvllm.quant.rtn import check_int4_group, quantize_int4, quantize_int8
-from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, QuantizedWeight, concat_rows
+from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, KERNEL_DTYPE, QuantizedWeight, concat_rows
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def keeps_16bit(cfg: QuantConfig, name: str) -> bool:
 
 def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:
     """Whether a loader should hand over its quantized blocks instead of dequantizing them."""
-    return cfg.method in ("int4", "int8") or (cfg.method == "auto" and dtype == torch.bfloat16)
+    return cfg.method in ("int4", "int8") or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
 
 
 def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, shape: tuple[int, int],
@@ -33,7 +33,7 @@ def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, sh
     raises final_form's ValueError for an int4 group size that does not divide the input size.
     Keep it in step with final_form (tests/unit/test_cli_models.py compares the two).
     """
-    as_stored = cfg.method == "auto" and dtype == torch.bfloat16
+    as_stored = cfg.method == "auto" and dtype == KERNEL_DTYPE
     if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4")):
         return ("dense", 0)
     if as_stored and stored is None:

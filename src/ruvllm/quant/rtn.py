@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from ruvllm.quant.weights import INT4_GROUP_SIZES, QuantizedWeight
+from ruvllm.quant.weights import INT4_GROUP_SIZES, KERNEL_DTYPE, QuantizedWeight
 
 
 # Scales are rounded to the dtype the kernels read them in (bf16) before the codes are chosen, so
 # the codes are the nearest ones under the scales actually used.
-SCALE_DTYPE = torch.bfloat16
 
 
 def _rounded(t: torch.Tensor) -> torch.Tensor:
-    return t.to(SCALE_DTYPE).float()
+    return t.to(KERNEL_DTYPE).float()
 
 
 def _round_up(t: torch.Tensor) -> torch.Tensor:
-    """Round to SCALE_DTYPE, upwards (a scale rounded down could leave a group's ends off the grid)."""
-    r = t.to(SCALE_DTYPE)
+    """Round to KERNEL_DTYPE, upwards (a scale rounded down could leave a group's ends off the grid)."""
+    r = t.to(KERNEL_DTYPE)
     low = r.float() < t
     r[low] = torch.nextafter(r[low], torch.full_like(r[low], float("inf")))
     return r.float()

@@ -18,6 +18,8 @@ import torch
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 kernels accept
 INT4_ROWS_MULTIPLE = 16  # the packed int4 layout tiles output rows by 16
+# The packed kernels take activations, scales and zero points in bf16 (fed fp32 they are 15-25x slower).
+KERNEL_DTYPE = torch.bfloat16
 
 
 def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: int = 0) -> int:
