@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ruvllm.attention.metadata import build_attention_metadata
+from ruvllm.attention.metadata import build_attention_metadata, build_paged_kernel_metadata
 from ruvllm.attention.torch_paged import TorchPagedAttention
 
 BS = 4
@@ -105,3 +105,13 @@ def test_torch_paged_attention_matches_dense_causal_reference(seed: int) -> None
             slot = table[pos // BS] * BS + pos % BS
             assert torch.equal(k_cache[slot], fk[pos]) and torch.equal(v_cache[slot], fv[pos])
         row += n
+
+
+def test_kernel_metadata_rows_and_slots() -> None:
+    # A decode at position 5 (table [2, 3]), then a 3-token chunk at positions 7..9 across a block
+    # boundary (table [7, 1, 9]): each row's sequence, its context length, and the slot written.
+    meta = build_paged_kernel_metadata([(1, 6, [2, 3]), (3, 10, [7, 1, 9, 4])], BS)
+    assert meta.row_seq.tolist() == [0, 1, 1, 1]
+    assert meta.row_ctx.tolist() == [6, 8, 9, 10]
+    assert meta.slot_mapping.tolist() == [3 * BS + 1, 1 * BS + 3, 9 * BS + 0, 9 * BS + 1]
+    assert meta.block_tables.tolist() == [[2, 3, 0], [7, 1, 9]]  # only the blocks the context uses, padded

@@ -10,6 +10,14 @@ from ruvllm.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    def build_metadata(
+        self,
+        seqs: list[tuple[int, int, list[int]]],  # (query tokens, context length after the step, block table)
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:  # built once per step, shared by all layers
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

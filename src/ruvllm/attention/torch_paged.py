@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ruvllm.attention.metadata import AttentionMetadata
+from ruvllm.attention.metadata import AttentionMetadata, build_attention_metadata, build_paged_kernel_metadata
 
 
 class TorchPagedAttention:
@@ -18,6 +18,12 @@ class TorchPagedAttention:
 
     def __init__(self, kernel: Callable[..., torch.Tensor] | None = None) -> None:
         self.kernel = kernel
+
+    def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
+                       device: torch.device | str) -> AttentionMetadata:
+        """The step's metadata in the form this backend reads (the kernel needs no gathers or masks)."""
+        build = build_paged_kernel_metadata if self.kernel is not None else build_attention_metadata
+        return build(seqs, block_size, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -7,7 +7,6 @@ import logging
 import torch
 
 from ruvllm.attention.cpu_kernels import paged_attention
-from ruvllm.attention.metadata import build_attention_metadata, build_paged_kernel_metadata
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import CacheConfig, ModelConfig
 from ruvllm.layers.sampler import sample, token_logprobs
@@ -62,8 +61,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
             seqs.append((n, seq.start_position + n, seq.block_table))
-        build = build_paged_kernel_metadata if self.attn.kernel is not None else build_attention_metadata
-        meta = build(seqs, self.block_size, self.device)
+        meta = self.attn.build_metadata(seqs, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, pos, self.kv_views, meta, self.attn)

@@ -106,35 +106,29 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
       scores.resize(heads * ctx_max);
       for (int64_t r = 0; r < rows; ++r) load_row(qp + (tile.row_begin + r) * hq * dim, qf.data() + r * hq * dim, hq * dim);
 
-      for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
-        const T* kblock = kp + table[b] * block_size * slot_stride;
-        for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
-          load_row(kblock + j * slot_stride, slot_row.data(), slot_stride);
-          for (int64_t r = 0; r < rows; ++r) {
-            if (t >= row_ctx[tile.row_begin + r]) continue;
-            for (int64_t qh = 0; qh < hq; ++qh) {
-              const int64_t i = r * hq + qh;
-              scores[i * ctx_max + t] = dot(qf.data() + i * dim, slot_row.data() + (qh / group) * dim, dim) * fscale;
+      // Walk the context slot by slot through the block table, loading each slot (all KV heads)
+      // once from `cache`, and hand every (row, query head) that sees it to `use`.
+      auto for_each_visible = [&](const T* cache, auto&& use) {
+        for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
+          const T* block = cache + table[b] * block_size * slot_stride;
+          for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
+            load_row(block + j * slot_stride, slot_row.data(), slot_stride);
+            for (int64_t r = 0; r < rows; ++r) {
+              if (t >= row_ctx[tile.row_begin + r]) continue;
+              for (int64_t qh = 0; qh < hq; ++qh) use(r * hq + qh, t, slot_row.data() + (qh / group) * dim);
             }
           }
         }
-      }
+      };
+      for_each_visible(kp, [&](int64_t i, int64_t t, const float* key) {
+        scores[i * ctx_max + t] = dot(qf.data() + i * dim, key, dim) * fscale;
+      });
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t qh = 0; qh < hq; ++qh)
           softmax_inplace(scores.data() + (r * hq + qh) * ctx_max, row_ctx[tile.row_begin + r]);
-      for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
-        const T* vblock = vp + table[b] * block_size * slot_stride;
-        for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
-          load_row(vblock + j * slot_stride, slot_row.data(), slot_stride);
-          for (int64_t r = 0; r < rows; ++r) {
-            if (t >= row_ctx[tile.row_begin + r]) continue;
-            for (int64_t qh = 0; qh < hq; ++qh) {
-              const int64_t i = r * hq + qh;
-              axpy(scores[i * ctx_max + t], slot_row.data() + (qh / group) * dim, acc.data() + i * dim, dim);
-            }
-          }
-        }
-      }
+      for_each_visible(vp, [&](int64_t i, int64_t t, const float* value) {
+        axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
+      });
       for (int64_t r = 0; r < rows; ++r) {
         T* dst = op + (tile.row_begin + r) * hq * dim;
         const float* src = acc.data() + r * hq * dim;
