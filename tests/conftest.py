@@ -4,6 +4,15 @@ Every test that uses it ends by checking that it holds no request and every KV b
 
 from __future__ import annotations
 
+# Triton's CPU interpreter is chosen when kernels are decorated (triton.jit, at import of
+# ruvllm.layers.triton_kernels), so without a GPU it must be switched on before anything imports them.
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest

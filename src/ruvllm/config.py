@@ -39,17 +39,24 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Memory budget for the KV pool. Ignored when num_blocks is given.
-    kv_cache_memory_bytes: int = 1 << 30
+    # Memory budget for the KV pool. Ignored when num_blocks is given. None: 1 GiB on CPU; on CUDA
+    # what a profiled warm-up leaves of gpu_memory_utilization x the GPU's memory.
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
 
@@ -97,19 +104,23 @@ class QuantConfig:
             raise ValueError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
 
 
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
+    device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # bf16 where the CPU computes it natively (AVX-512 BF16 / AMX) or on CUDA, else fp32
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
     quantization: QuantConfig = field(default_factory=QuantConfig)
-    # Attention: "auto" uses our compiled CPU kernel when it builds, "torch" plain PyTorch ops.
+    # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it
+    # builds); "torch" plain PyTorch ops; "triton" forces the Triton kernel (on CPU: interpreted, tests only).
     attention: str = "auto"
+    # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -8,63 +8,26 @@ import pytest
 import torch
 
 from ruvllm.attention.cpu_kernels import paged_attention
+from tests.unit.paged_reference import BLOCK, random_step, reference_attention
 
 kernel = paged_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler to build the kernel")
 
-BLOCK = 16
-# (first position of this step's rows, number of rows): decodes, prompt chunks behind a cached or
-# earlier-chunked prefix, a whole prompt, a one-token context, and a chunk longer than one tile.
-SEQS = [(36, 1), (10, 20), (0, 5), (0, 1), (47, 1), (3, 40)]
-
-
-def _step(dtype: torch.dtype, hq: int, hkv: int, dim: int = 64, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    k_cache = torch.randn(num_blocks * BLOCK, hkv, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks * BLOCK, hkv, dim, generator=g).to(dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-monotonic blocks
-    tables, row_seq, row_ctx = [], [], []
-    for i, (start, n) in enumerate(SEQS):
-        nblk = (start + n + BLOCK - 1) // BLOCK
-        tables.append([free.pop() for _ in range(nblk)])
-        row_seq += [i] * n
-        row_ctx += list(range(start + 1, start + n + 1))
-    width = max(len(t) for t in tables)
-    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(row_seq), hq, dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, tables_t, torch.tensor(row_seq), torch.tensor(row_ctx)
-
-
-def _reference(q, k_cache, v_cache, tables, row_seq, row_ctx, scale):
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k_cache.shape[1]
-    for r in range(q.shape[0]):
-        ctx = int(row_ctx[r])
-        pos = torch.arange(ctx)
-        slots = tables[row_seq[r]][pos // BLOCK] * BLOCK + pos % BLOCK
-        k = k_cache[slots].double().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_cache[slots].double().repeat_interleave(group, dim=1)
-        p = (torch.einsum("hd,thd->ht", q[r].double(), k) * scale).softmax(-1)
-        out[r] = torch.einsum("ht,thd->hd", p, v)
-    return out
-
-
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(dtype: torch.dtype, hq: int, hkv: int) -> None:
-    q, kc, vc, tables, row_seq, row_ctx = _step(dtype, hq, hkv)
+    q, kc, vc, tables, row_seq, row_ctx = random_step(dtype, hq, hkv)
     scale = q.shape[-1] ** -0.5
     out = kernel(q, kc, vc, tables, row_seq, row_ctx, BLOCK, scale)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: one rounding of outputs of magnitude ~1
-    torch.testing.assert_close(out.double(), _reference(q, kc, vc, tables, row_seq, row_ctx, scale),
+    torch.testing.assert_close(out.double(), reference_attention(q, kc, vc, tables, row_seq, row_ctx, scale),
                                atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_is_the_same_alone_or_in_any_company(dtype: torch.dtype) -> None:
-    q, kc, vc, tables, row_seq, row_ctx = _step(dtype, 9, 3, seed=1)
+    q, kc, vc, tables, row_seq, row_ctx = random_step(dtype, 9, 3, seed=1)
     together = kernel(q, kc, vc, tables, row_seq, row_ctx, BLOCK, 0.125)
     for r in range(q.shape[0]):  # each row as a lone decode
         s = int(row_seq[r])
@@ -80,7 +43,7 @@ def test_each_row_is_the_same_alone_or_in_any_company(dtype: torch.dtype) -> Non
 
 
 def test_kernel_rejects_bad_input() -> None:
-    q, kc, vc, tables, row_seq, row_ctx = _step(torch.float32, 4, 2)
+    q, kc, vc, tables, row_seq, row_ctx = random_step(torch.float32, 4, 2)
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel(q.bfloat16(), kc, vc, tables, row_seq, row_ctx, BLOCK, 0.125)
     with pytest.raises(RuntimeError, match="int64"):

@@ -33,6 +33,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     row_seq: torch.Tensor | None = None
     row_ctx: torch.Tensor | None = None
+    # Tiles of consecutive query rows of one sequence, for kernels that take several rows per
+    # program (the Triton kernel): each tile's sequence, first flat row and number of rows.
+    tile_seq: torch.Tensor | None = None
+    tile_start: torch.Tensor | None = None
+    tile_len: torch.Tensor | None = None
+    num_tiles: int = 0
 
 
 def build_attention_metadata(
@@ -86,22 +92,36 @@ def build_paged_kernel_metadata(
     seqs: list[tuple[int, int, list[int]]],  # (num_query_tokens, context_len_after_step, block_table)
     block_size: int,
     device: torch.device | str = "cpu",
+    tile_tokens: int = 0,
 ) -> AttentionMetadata:
     """What a kernel reading the cache in place needs: slots to write, and per query row its
-    sequence and context length. No per-step gathers or masks are built."""
+    sequence and context length. No per-step gathers or masks are built. With `tile_tokens`, also
+    the tiles of at most that many consecutive query rows of one sequence."""
     tables = [t[: (ctx + block_size - 1) // block_size] for _, ctx, t in seqs]
     width = max((len(t) for t in tables), default=0)
     slots: list[int] = []
     row_seq: list[int] = []
     row_ctx: list[int] = []
+    tiles: list[tuple[int, int, int]] = []
     for i, ((num_q, ctx, _), table) in enumerate(zip(seqs, tables)):
+        if tile_tokens:
+            first = len(row_seq)
+            tiles.extend((i, first + s, min(tile_tokens, num_q - s)) for s in range(0, num_q, tile_tokens))
         row_seq.extend([i] * num_q)
         row_ctx.extend(range(ctx - num_q + 1, ctx + 1))
         slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - num_q, ctx))
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots),
         decode_rows=None, decode_block_tables=None, decode_mask=None, prefills=[], block_size=block_size,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
-        row_seq=torch.tensor(row_seq, dtype=torch.long, device=device),
-        row_ctx=torch.tensor(row_ctx, dtype=torch.long, device=device),
+        block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+        row_seq=tensor(row_seq),
+        row_ctx=tensor(row_ctx),
     )
+    if tile_tokens:
+        meta.tile_seq, meta.tile_start, meta.tile_len = (tensor([t[j] for t in tiles]) for j in range(3))
+        meta.num_tiles = len(tiles)
+    return meta

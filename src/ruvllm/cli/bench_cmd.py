@@ -25,7 +25,7 @@ import typer
 from rich.table import Table
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.core.engine_core import EngineCore
@@ -193,6 +193,7 @@ def benchmark(
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
     quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
     group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
 ) -> None:
     """Measure prefill latency, time to first token, decode and batch throughput, and peak memory."""
     state: CliState = ctx.obj or CliState()
@@ -213,7 +214,7 @@ def benchmark(
     # this workload rather than the default 1 GiB pool.
     blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, num_threads=threads,
-                                 quantization=quantization, group_size=group_size,
+                                 quantization=quantization, group_size=group_size, device=device,
                                  enable_prefix_caching=False, num_blocks=blocks,
                                  max_num_seqs=concurrency)
     err = state.console(stderr=True)

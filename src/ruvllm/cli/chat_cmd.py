@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.engine.async_engine import AsyncEngine
@@ -196,6 +196,7 @@ def chat(
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
     quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
     group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
     state: CliState = ctx.obj or CliState()
@@ -210,7 +211,7 @@ def chat(
     from ruvllm.loader.hub import resolve_cli_model
 
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, max_model_len=max_context,
-                                 quantization=quantization, group_size=group_size)
+                                 quantization=quantization, group_size=group_size, device=device)
     with console.status("loading model…"):
         engine = AsyncEngine(config)
     try:

@@ -471,7 +471,7 @@ def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: Quant
 
 def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
     """`info -q`: weight and KV-cache memory as the engine would load the model (auto) and with `quant`."""
-    from ruvllm.config import CacheConfig, QuantConfig
+    from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, QuantConfig
     from ruvllm.loader import load_model_config, resolve_model
     from ruvllm.worker.model_runner import kv_bytes_per_block, num_kv_blocks
 
@@ -500,7 +500,7 @@ def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
     else:  # under 1.01x: in percent, where "1.00x" would hide the difference
         change = f"{ratio:.2f}x" if ratio >= 1.01 else f"{abs(after.total - before.total) / before.total:.1%}"
         change += " smaller" if after.total < before.total else " larger"
-    cache = CacheConfig()
+    cache = CacheConfig(kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
     same_kv = _element_size(before.dtype) == _element_size(after.dtype)  # the KV cache is held in the compute dtype
     dims = f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
     return [

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -29,13 +29,18 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("auto", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
         max_context: int = typer.Option(None, "--max-context", min=1, help="Context length cap."),
         block_size: int = typer.Option(16, min=1, help="Tokens per KV-cache block."),
-        kv_cache_gib: float = typer.Option(1.0, "--kv-cache-gib", min=0.001, help="KV-cache memory budget."),
+        kv_cache_gib: float = typer.Option(None, "--kv-cache-gib", min=0.001,
+                                           help="KV-cache memory budget (default: 1 GiB on CPU; on CUDA what "
+                                                "--gpu-memory-utilization leaves after a profiled warm-up)."),
         num_blocks: int = typer.Option(None, min=1, help="KV blocks (overrides --kv-cache-gib)."),
         max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
         no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
         threads: int = typer.Option(None, min=1, help="Intra-op threads (default: all cores)."),
         quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
         group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
+        device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+        gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", min=0.01, max=1.0,
+                                                     help="Share of the GPU's memory the engine may use (CUDA)."),
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
         from ruvllm.cli.engine_options import EngineOptions
@@ -51,7 +56,7 @@ def register(app: typer.Typer) -> None:
         if template and Path(template).is_file():
             template = Path(template).read_text(encoding="utf-8")
         opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
-                             no_prefix_caching, threads, quantization, group_size)
+                             no_prefix_caching, threads, quantization, group_size, device, gpu_memory_utilization)
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):
             engine = AsyncEngine(opts.to_config(path, max_concurrent))

@@ -5,23 +5,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
+from ruvllm.device import resolve_device
 from ruvllm.dtypes import resolve_model_dtype
 from ruvllm.engine.detokenizer import IncrementalDetokenizer
 from ruvllm.errors import RequestError
 from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from ruvllm.models.registry import build_model, weight_bytes
-from ruvllm.quant.plan import quantizes_weights
+from ruvllm.quant.plan import quantization_for_device, quantizes_weights
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.worker.model_runner import ModelRunner, num_kv_blocks
+from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
+from ruvllm.worker.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +45,49 @@ class _Group:
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
-        self.dtype = resolve_model_dtype(config.dtype, config.quantization)
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        config = config or EngineConfig()
         src = resolve_model(config.model)
-        self.model_config: ModelConfig = load_model_config(src)
-        self.model_path = src.path
-        self.tokenizer = load_tokenizer(src)
-        mc = self.model_config
+        self._load(config, load_model_config(src), load_tokenizer(src), src.path,
+                   lambda dtype, quant: iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype)))
+
+    @classmethod
+    def from_weights(cls, model_config: ModelConfig, weights: Callable[[torch.dtype], Iterable[tuple[str, Any]]],
+                     tokenizer: Any, config: EngineConfig, name: str = "in-memory") -> EngineCore:
+        """An engine over weights that come from code rather than a file (benchmarks on random
+        models shaped like large ones): `weights(dtype)` yields Hugging Face-named tensors."""
+        core = object.__new__(cls)
+        core._load(config, model_config, tokenizer, Path(name), lambda dtype, quant: weights(dtype))
+        return core
+
+    def _load(self, config: EngineConfig, mc: ModelConfig, tokenizer: Any, path: Path,
+              weights: Callable[[torch.dtype, QuantConfig], Iterable[tuple[str, Any]]]) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        quant = quantization_for_device(config.quantization, self.device)
+        self.dtype = resolve_model_dtype(config.dtype, quant, self.device.type)
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.model_config = mc
+        self.model_path = path
+        self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        quant = config.quantization
-        weights = iter_weights(src, self.dtype, keep_quantized=quantizes_weights(quant, self.dtype))
-        model = build_model(mc, weights, str(src.path), self.max_model_len, self.dtype, quant=quant)
+        if self.device.type == "cuda":
+            check_weights_fit(mc, self.dtype, self.device, config.cache.gpu_memory_utilization)
+        model = build_model(mc, weights(self.dtype, quant), str(path), self.max_model_len, self.dtype, self.device,
+                            quant=quant)
         self.weight_bytes = weight_bytes(model)
         self._start(model, config)
-        log.info("model %s: %s, %d layers, max_model_len %d, quantization %s, weights %.1f MiB", src.path,
-                 mc.architecture, mc.num_layers, self.max_model_len, quant.method, self.weight_bytes / 2**20)
+        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
+                 mc.architecture, mc.num_layers, self.max_model_len, str(self.dtype).removeprefix("torch."),
+                 self.device, quant.method, self.weight_bytes / 2**20)
 
     def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """Everything per-run around a loaded model: KV pool, scheduler, runner."""
         self.config = config
         cache = config.cache
-        self.num_blocks = num_kv_blocks(self.model_config, cache, self.dtype)
+        self.runner = self._runner(model, config)
+        self.num_blocks = self.runner.num_blocks
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.model_config, cache.block_size, self.num_blocks, self.dtype,
-                                  seed=config.seed, attention=config.attention)
         # A sequence can never outgrow the pool, so a request running alone always fits.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * cache.block_size)
         self.eos_token_ids = self._eos_ids()
@@ -73,10 +95,28 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
 
+    def _runner(self, model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
+        """The model runner with its KV pool: sized as configured, or on CUDA by profiling a warm-up
+        (worker/gpu_memory.py); then, on CUDA, the decode graphs are captured."""
+        cache, sched, mc = config.cache, config.scheduler, self.model_config
+        profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
+        warm_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-warm_tokens // cache.block_size) if profiled else num_kv_blocks(mc, cache, self.dtype)
+        runner = ModelRunner(model, mc, cache.block_size, blocks, self.dtype, self.device,
+                             seed=config.seed, attention=config.attention)
+        if profiled:
+            profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
+            runner.allocate_kv_cache(kv_blocks_from_profile(
+                profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.max_model_len))
+        if self.device.type == "cuda" and config.cuda_graphs:
+            runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
+        return runner
+
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> EngineCore:
         """A new engine over the same loaded model and tokenizer, with its own KV pool and scheduler."""
         clone = object.__new__(EngineCore)
         clone.dtype, clone.model_config, clone.model_path = self.dtype, self.model_config, self.model_path
+        clone.device = self.device
         clone.weight_bytes = self.weight_bytes
         clone.tokenizer, clone.max_model_len = self.tokenizer, self.max_model_len
         config = dataclasses.replace(self.config, cache=cache or self.config.cache,

@@ -12,13 +12,13 @@ import torch
 from ruvllm.request import Logprob, Request
 
 
-def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
+    return out.to(device)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -26,21 +26,21 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties()]
     if not rows:
         return
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device
     sub = logits[rows]
-    out_ids = _pad([reqs[i].output_token_ids for i in rows], vocab)
-    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype)
+    out_ids = _pad([reqs[i].output_token_ids for i in rows], vocab, dev)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
-    rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
-    if (rep != 1.0).any():
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool)
-        seen.scatter_(1, _pad([reqs[i].prompt_token_ids for i in rows], vocab), True)
+    rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], dtype=logits.dtype, device=dev).unsqueeze(1)
+    if any(reqs[i].params.repetition_penalty != 1.0 for i in rows):
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, _pad([reqs[i].prompt_token_ids for i in rows], vocab, dev), True)
         seen = seen[:, :vocab] | (counts > 0)
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
-    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
-    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], dtype=logits.dtype).unsqueeze(1)
+    freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], dtype=logits.dtype, device=dev).unsqueeze(1)
+    pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], dtype=logits.dtype, device=dev).unsqueeze(1)
     sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
     logits[rows] = sub
 
@@ -49,8 +49,8 @@ def apply_bans_and_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
         p = r.params
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)  # checked against the vocab on admission
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=logits.device)  # checked on admission
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if banned:
@@ -61,7 +61,7 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     """Mask (to -inf) tokens outside each row's top-k / top-p nucleus / min-p floor."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     drop = ranks >= k
     # top-p and min-p look at the distribution that top-k left (renormalised), as HF and vLLM do.
@@ -83,30 +83,35 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
     want_lp = [r.params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
-    logits = logits.clone()
-    apply_bans_and_bias(logits, reqs)
-    apply_penalties(logits, reqs)
+    if any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens or r.params.needs_penalties()
+           for r in reqs):
+        logits = logits.clone()  # the caller's logits stay as the model gave them
+        apply_bans_and_bias(logits, reqs)
+        apply_penalties(logits, reqs)
 
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
-    greedy = temps == 0
+    dev = logits.device
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        rows = (~greedy).nonzero().squeeze(1)
-        sub = logits[rows] / temps[rows].unsqueeze(1)
-        sub_reqs = [reqs[i] for i in rows.tolist()]
+    sampled = [i for i, r in enumerate(reqs) if r.params.temperature != 0]
+    if sampled:
+        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        sub_reqs = [reqs[i] for i in sampled]
+        temps = torch.tensor([r.params.temperature for r in sub_reqs], dtype=logits.dtype, device=dev)
+        sub = logits[rows] / temps.unsqueeze(1)
         if any(r.params.needs_truncation() for r in sub_reqs):
             sub = truncate(
                 sub,
-                torch.tensor([r.params.top_k for r in sub_reqs]),
-                torch.tensor([r.params.top_p for r in sub_reqs], dtype=logits.dtype),
-                torch.tensor([r.params.min_p for r in sub_reqs], dtype=logits.dtype),
+                torch.tensor([r.params.top_k for r in sub_reqs], device=dev),
+                torch.tensor([r.params.top_p for r in sub_reqs], dtype=logits.dtype, device=dev),
+                torch.tensor([r.params.min_p for r in sub_reqs], dtype=logits.dtype, device=dev),
             )
         probs = sub.softmax(dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p.
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for j, r in enumerate(sub_reqs):
             if r.generator is not None:
-                noise[j].exponential_(generator=r.generator)
+                # A seeded request's generator lives on the CPU: its draws are the same on any device.
+                row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator)
+                noise[j] = row.to(dev)
         chosen[rows] = (probs / noise).argmax(dim=-1)
 
     tokens = chosen.tolist()
@@ -123,7 +128,7 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int]) 
     """For each row: the logprob and rank of `tokens[i]`, plus the row's `top_n[i]` most likely tokens."""
     if not tokens:
         return []
-    ids = torch.tensor(tokens, dtype=torch.long)
+    ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
     chosen = logprobs.gather(1, ids.unsqueeze(1))
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     chosen_l = chosen.squeeze(1).tolist()

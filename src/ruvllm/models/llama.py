@@ -16,6 +16,7 @@ from ruvllm.attention.backend import AttentionBackend
 from ruvllm.attention.metadata import AttentionMetadata
 from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.errors import CorruptModelError
+from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.plan import Weight, final_form, fuse_pieces, keeps_16bit
@@ -33,9 +34,10 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # q, k and v (and gate and up) fused: one matmul instead of three (two) per layer.
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
@@ -47,33 +49,42 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norm, fused q/k/v projection, (q/k norm,) RoPE: q [T, Hq, D], k and v [T, Hkv, D]."""
-        cfg = self.cfg
-        h = self.input_layernorm(x)
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused q/k/v projection of the normed input, (q/k norm,) RoPE: q [T, Hq, D], k and v [T, Hkv, D]."""
+        cfg, ops = self.cfg, self.ops
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, (cos, sin))
+            q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
+        q, k = ops.rope(q, k, cos, sin)
         return q, k, v.contiguous()
 
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
+
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's first half from its input x: norm, then qkv()."""
+        return self.qkv(self.ops.rms_norm(x, self.input_layernorm.weight, self.cfg.rms_norm_eps), cos, sin)
+
     def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        x = x + self.o_proj(o.reshape(-1, self.cfg.q_size))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        """The layer's second half: the layer's output from its input x and the attention output o."""
+        h, x = self.ops.add_rms_norm(self.o_proj(o.reshape(-1, self.cfg.q_size)), x,
+                                     self.post_attention_layernorm.weight, self.cfg.rms_norm_eps)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops = ops or torch_ops()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -82,14 +93,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
+        # The residual stream is carried beside each sublayer's output and added inside the next
+        # norm (one fused kernel on GPU); in the torch ops this is the same arithmetic as
+        # attention_inputs / attention_output_and_mlp.
+        ops, eps = self.ops, self.cfg.rms_norm_eps
         x = self.embed_tokens(input_ids)
+        residual = None
         cos, sin = self.rope.for_positions(positions)
         scale = self.cfg.head_dim ** -0.5
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            q, k, v = layer.attention_inputs(x, cos, sin)
+            h, residual = ops.add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
+            q, k, v = layer.qkv(h, cos, sin)
             o = attn.forward(q, k, v, k_cache, v_cache, meta, scale)
-            x = layer.attention_output_and_mlp(x, o)
-        return self.norm(x)
+            h, residual = ops.add_rms_norm(layer.o_proj(o.reshape(-1, self.cfg.q_size)), residual,
+                                           layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp(h)
+        return ops.add_rms_norm(x, residual, self.norm.weight, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "lm_head"):

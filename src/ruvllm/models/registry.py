@@ -8,6 +8,7 @@ import torch
 
 from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig, QuantConfig
 from ruvllm.errors import UnsupportedArchitectureError
+from ruvllm.layers.ops import select_ops
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.quant.plan import Weight
@@ -24,7 +25,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, Weight]], source:
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
     # Built on the meta device so no memory is spent on random initial weights; loading fills them.
     with torch.device("meta"):
-        model = cls(cfg, rope)
+        model = cls(cfg, rope, select_ops(torch.device(device)))
     model.load_weights(weights, source, quant or QuantConfig(), dtype, torch.device(device))
     return model.eval()
 

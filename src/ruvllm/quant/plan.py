@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -17,6 +18,19 @@ Weight = torch.Tensor | QuantizedWeight
 
 def keeps_16bit(cfg: QuantConfig, name: str) -> bool:
     return any(part in cfg.keep_16bit for part in name.split("."))
+
+
+def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConfig:
+    """The packed kernels (quant/linear.py) are PyTorch's CPU ones, so on CUDA "auto" means dense
+    weights, and int8/int4 are refused rather than silently run dense."""
+    if device.type == "cpu":
+        return cfg
+    if cfg.method == "auto":
+        return dataclasses.replace(cfg, method="none")
+    if cfg.method in ("int8", "int4"):
+        raise ValueError(f"quantization {cfg.method!r} runs on CPU only so far; on {device.type} use "
+                         "auto, none, bf16 or f16")
+    return cfg
 
 
 def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:

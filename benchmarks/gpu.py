@@ -1,0 +1,240 @@
+"""GPU benchmark on random-weight models shaped like Llama-3.2-1B and Llama-3-8B (bf16, created on the device).
+
+For each model, in one run:
+  * batch-1 decode: tokens/s, and the share of the memory-bandwidth roofline it reaches
+    (weight + KV bytes read per step / step time / copy bandwidth measured in this run);
+  * time to first token of a 2,000-token prompt;
+  * offline throughput: output tokens/s over N sequences with random input and output lengths
+    in [100, 1024] (ignore_eos), and on the first M of them the same for transformers' `generate`
+    (batches of sequences sorted by output length; a batch generates its longest output, and only
+    the requested tokens are counted) beside ruvllm on exactly those M.
+
+    python benchmarks/gpu.py [--models 1b 8b] [--num-seqs 256] [--hf-seqs 64] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ruvllm import SamplingParams
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ruvllm.core.engine_core import EngineCore
+from ruvllm.models.random_weights import random_weights, word_tokenizer
+
+LLAMA3_ROPE_1B = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+MODELS = {
+    "1b": ("Llama-3.2-1B", ModelConfig("llama", 128256, 2048, 8192, 16, 32, 8, 64, 1e-5, 500000.0, 131072, True,
+                                       rope_scaling=LLAMA3_ROPE_1B, eos_token_ids=(0,))),
+    "8b": ("Llama-3-8B", ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, False,
+                                     eos_token_ids=(0,))),
+}
+
+
+@dataclass
+class Row:
+    model: str
+    metric: str
+    ruvllm: float
+    transformers: float | None = None
+    note: str = ""
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read and written."""
+    src = torch.randn(2**28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * src.numel() * 4 * n / (time.perf_counter() - start)
+    del src, dst
+    return bw
+
+
+def make_engine(cfg: ModelConfig, max_num_seqs: int, max_tokens: int) -> EngineCore:
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
+                          cache=CacheConfig(gpu_memory_utilization=0.9),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs))
+    return EngineCore.from_weights(cfg, lambda dt: random_weights(cfg, dt, "cuda"), word_tokenizer(cfg.vocab_size),
+                                   config, name="random")
+
+
+def run_to_end(core: EngineCore, requests: list[tuple[list[int], int]], tag: str) -> tuple[float, dict[str, float]]:
+    """Submit all, step until done. Returns the wall time and each request's first-token time."""
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(requests):
+        core.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+    first: dict[str, float] = {}
+    while core.has_unfinished:
+        for out in core.step():
+            if out.request_id not in first and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, first
+
+
+def decode_one(core: EngineCore, prompt_len: int, gen: int, vocab: int) -> tuple[float, float]:
+    """Batch-1 decode: seconds per token after the first, and the mean context length."""
+    prompt = [random.randrange(1, vocab) for _ in range(prompt_len)]
+    core.add_request("solo", prompt, SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))
+    times = []
+    while core.has_unfinished:
+        core.step()
+        times.append(time.perf_counter())
+    per_token = (times[-1] - times[0]) / (len(times) - 1)
+    return per_token, prompt_len + gen / 2
+
+
+def graph_replay_seconds(core: EngineCore) -> float | None:
+    """GPU time of the batch-1 decode graph (forward only), timed with CUDA events over many replays."""
+    graphs = core.runner.graphs
+    if graphs is None:
+        return None
+    graphs.reset_inputs()  # padding rows only: the replays write nothing but the scratch block
+    graph, _ = graphs.graphs[1]
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    n = 200
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def hf_throughput(name: str, cfg: ModelConfig, requests: list[tuple[list[int], int]], batch: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                         rope_scaling=cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings,
+                         tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=0, eos_token_id=0,
+                         torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    state = dict(random_weights(cfg, torch.bfloat16, "cuda"))
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg, device="cuda")
+    model.eval()
+    order = sorted(requests, key=lambda r: r[1])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(order), batch):
+            chunk = order[i:i + batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device="cuda")
+            n = max(o for _, o in chunk)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            tokens += sum(o for _, o in chunk)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model, state
+    return tokens / elapsed
+
+
+def bench_model(key: str, args: argparse.Namespace, bandwidth: float) -> list[Row]:
+    name, cfg = MODELS[key]
+    rows: list[Row] = []
+    rng = random.Random(0)
+    requests = [([rng.randrange(1, cfg.vocab_size) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+                for _ in range(args.num_seqs)]
+    t0 = time.perf_counter()
+    core = make_engine(cfg, args.max_num_seqs, args.max_num_batched_tokens)
+    print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s, {core.num_blocks} KV blocks, "
+          f"weights {core.weight_bytes / 2**30:.2f} GiB", flush=True)
+
+    decode_one(core, 128, 16, cfg.vocab_size)  # warm-up
+    per_token, ctx = decode_one(core, 512, 256, cfg.vocab_size)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    bytes_per_step = core.weight_bytes + ctx * kv_per_token
+    share = bytes_per_step / per_token / bandwidth
+    rows.append(Row(name, "batch-1 decode tok/s", 1 / per_token,
+                    note=f"{per_token * 1e3:.2f} ms/token; {share:.0%} of roofline "
+                         f"({bytes_per_step / 2**30:.2f} GiB/step at {bandwidth / 1e12:.2f} TB/s)"))
+    replay = graph_replay_seconds(core)
+    if replay is not None:
+        rows.append(Row(name, "batch-1 forward on the GPU (us)", replay * 1e6,
+                        note=f"the decode graph replayed alone; {bytes_per_step / replay / bandwidth:.0%} of "
+                             "roofline; the rest of a step is host work (schedule, inputs, sampling)"))
+
+    ttft = []
+    for i in range(3):
+        prompt = [rng.randrange(1, cfg.vocab_size) for _ in range(2000)]
+        _, first = run_to_end(core, [(prompt, 1)], f"ttft{i}-")
+        ttft.append(next(iter(first.values())))
+    rows.append(Row(name, "TTFT, 2000-token prompt (ms)", sorted(ttft)[1] * 1e3,
+                    note=f"median of 3; token budget {args.max_num_batched_tokens}/step"))
+
+    subset = requests[:args.hf_seqs]
+    elapsed, _ = run_to_end(core, requests, "all")
+    out_tokens = sum(o for _, o in requests)
+    rows.append(Row(name, f"offline, {len(requests)} seqs: output tok/s", out_tokens / elapsed,
+                    note=f"{out_tokens} tokens in {elapsed:.1f} s"))
+    sub_rate = None
+    if subset:
+        elapsed, _ = run_to_end(core, subset, "sub")
+        sub_rate = sum(o for _, o in subset) / elapsed
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    if subset and not args.skip_hf:
+        hf_rate = hf_throughput(name, cfg, subset, args.hf_batch)
+        rows.append(Row(name, f"offline, first {len(subset)} seqs: output tok/s", sub_rate, hf_rate,
+                        note=f"transformers generate, batches of {args.hf_batch}"))
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=sorted(MODELS))
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--hf-seqs", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
+    bandwidth = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows: list[Row] = []
+    for key in args.models:
+        rows += bench_model(key, args, bandwidth)
+    print("\n| model | metric | ruvllm | transformers | ratio | note |\n|---|---|---|---|---|---|")
+    for r in rows:
+        hf = f"{r.transformers:.1f}" if r.transformers else "-"
+        ratio = f"{r.ruvllm / r.transformers:.2f}x" if r.transformers else "-"
+        print(f"| {r.model} | {r.metric} | {r.ruvllm:.1f} | {hf} | {ratio} | {r.note} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Which device the engine runs on: "auto" is CUDA when PyTorch sees a GPU, else the CPU."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but this PyTorch sees no CUDA GPU "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")
+    dev = torch.device(name)
+    index = dev.index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return torch.device("cuda", index)

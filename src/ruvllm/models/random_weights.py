@@ -1,0 +1,52 @@
+"""Random weights and a stand-in tokenizer for a model shape: benchmarks of large models (Llama-3-8B
+and the like) without their files, created directly on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from ruvllm.config import ModelConfig
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+                   std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named tensors of a Llama-family model: normal(0, std) matrices, unit norms."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device, dtype=dtype) * std
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    yield "model.embed_tokens.weight", normal(cfg.vocab_size, h)
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        yield p + "input_layernorm.weight", ones(h)
+        for name, rows in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+            yield p + f"self_attn.{name}.weight", normal(rows, h)
+            if cfg.attention_bias:
+                yield p + f"self_attn.{name}.bias", normal(rows)
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", ones(d)
+            yield p + "self_attn.k_norm.weight", ones(d)
+        yield p + "self_attn.o_proj.weight", normal(h, cfg.q_size)
+        yield p + "post_attention_layernorm.weight", ones(h)
+        yield p + "mlp.gate_proj.weight", normal(i, h)
+        yield p + "mlp.up_proj.weight", normal(i, h)
+        yield p + "mlp.down_proj.weight", normal(h, i)
+    yield "model.norm.weight", ones(h)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", normal(cfg.vocab_size, h)
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """One word per token id ("t0" ... "tN"), split on whitespace; id 0 is end-of-sequence."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
