@@ -1,0 +1,52 @@
+"""--device and what it implies: resolution, clear errors, quantization per device, bucket sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ruvllm.config import QuantConfig
+from ruvllm.device import resolve_device
+from ruvllm.quant.plan import quantization_for_device
+from ruvllm.worker.cuda_graphs import bucket_sizes
+
+
+def test_auto_and_cpu() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", "tpu", ""])
+def test_unknown_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+        resolve_device(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_says_so() -> None:
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        resolve_device("cuda")
+
+
+def test_quantization_per_device() -> None:
+    cuda = torch.device("cuda")
+    assert quantization_for_device(QuantConfig("auto"), torch.device("cpu")).method == "auto"
+    assert quantization_for_device(QuantConfig("auto"), cuda).method == "none"
+    assert quantization_for_device(QuantConfig("bf16"), cuda).method == "bf16"
+    with pytest.raises(ValueError, match="runs on CPU only so far"):
+        quantization_for_device(QuantConfig("int4"), cuda)
+
+
+def test_graph_buckets_cover_every_batch_size() -> None:
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    sizes = bucket_sizes(256)
+    assert sizes[:8] == [1, 2, 4, 8, 16, 24, 32, 40] and sizes[-3:] == [224, 240, 256]
+    assert bucket_sizes(100)[-2:] == [96, 100]
+
+
+def test_cli_bad_device_is_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.test_cli_models import assert_one_line_error, invoke
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert_one_line_error(invoke("benchmark", "--device", "tpu", "--iterations", "1"), "cuda:N", "'tpu'")
