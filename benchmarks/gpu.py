@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ruvllm import SamplingParams
-from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.models.random_weights import random_weights, word_tokenizer
 
@@ -64,8 +64,9 @@ def copy_bandwidth(device: str) -> float:
     return bw
 
 
-def make_engine(cfg: ModelConfig, max_num_seqs: int, max_tokens: int) -> EngineCore:
+def make_engine(cfg: ModelConfig, max_num_seqs: int, max_tokens: int, quantization: str = "auto") -> EngineCore:
     config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
+                          quantization=QuantConfig(quantization, group_size=128),
                           cache=CacheConfig(gpu_memory_utilization=0.9),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs))
     return EngineCore.from_weights(cfg, lambda dt: random_weights(cfg, dt, "cuda"), word_tokenizer(cfg.vocab_size),
@@ -161,7 +162,9 @@ def bench_model(key: str, args: argparse.Namespace, bandwidth: float) -> list[Ro
     requests = [([rng.randrange(1, cfg.vocab_size) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
                 for _ in range(args.num_seqs)]
     t0 = time.perf_counter()
-    core = make_engine(cfg, args.max_num_seqs, args.max_num_batched_tokens)
+    core = make_engine(cfg, args.max_num_seqs, args.max_num_batched_tokens, args.quantization)
+    if args.quantization != "auto":
+        name = f"{name} ({args.quantization} g128)"
     print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s, {core.num_blocks} KV blocks, "
           f"weights {core.weight_bytes / 2**30:.2f} GiB", flush=True)
 
@@ -179,6 +182,8 @@ def bench_model(key: str, args: argparse.Namespace, bandwidth: float) -> list[Ro
                         note=f"the decode graph replayed alone; {bytes_per_step / replay / bandwidth:.0%} of "
                              "roofline; the rest of a step is host work (schedule, inputs, sampling)"))
 
+    if args.decode_only:
+        return rows
     ttft = []
     for i in range(3):
         prompt = [rng.randrange(1, cfg.vocab_size) for _ in range(2000)]
@@ -217,6 +222,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--quantization", default="auto", help="weights: auto (dense bf16 on CUDA), int8, int4 (g128)")
+    ap.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -226,6 +233,8 @@ def main() -> None:
     rows: list[Row] = []
     for key in args.models:
         rows += bench_model(key, args, bandwidth)
+        gc.collect()  # the engine's graphs and runner refer to each other: free its memory now
+        torch.cuda.empty_cache()
     print("\n| model | metric | ruvllm | transformers | ratio | note |\n|---|---|---|---|---|---|")
     for r in rows:
         hf = f"{r.transformers:.1f}" if r.transformers else "-"

@@ -33,8 +33,7 @@ def test_quantization_per_device() -> None:
     assert quantization_for_device(QuantConfig("auto"), torch.device("cpu")).method == "auto"
     assert quantization_for_device(QuantConfig("auto"), cuda).method == "none"
     assert quantization_for_device(QuantConfig("bf16"), cuda).method == "bf16"
-    with pytest.raises(ValueError, match="runs on CPU only so far"):
-        quantization_for_device(QuantConfig("int4"), cuda)
+    assert quantization_for_device(QuantConfig("int4", 64), cuda) == QuantConfig("int4", 64)
 
 
 def test_graph_buckets_cover_every_batch_size() -> None:

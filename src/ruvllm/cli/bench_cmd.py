@@ -207,12 +207,14 @@ def benchmark(
     from ruvllm.config import CacheConfig
     from ruvllm.core.engine_core import EngineCore
     from ruvllm.engine.llm import build_engine_config
+    from ruvllm.device import resolve_device
     from ruvllm.loader.hub import resolve_cli_model
 
     block_size = CacheConfig().block_size
     # The KV pool holds exactly the batch phase, so nothing is preempted and peak memory reflects
     # this workload rather than the default 1 GiB pool.
     blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
+    resolve_device(device)  # a bad --device fails before any model is looked for
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, num_threads=threads,
                                  quantization=quantization, group_size=group_size, device=device,
                                  enable_prefix_caching=False, num_blocks=blocks,

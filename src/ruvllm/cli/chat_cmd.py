@@ -208,8 +208,10 @@ def chat(
 
     from ruvllm.engine.async_engine import AsyncEngine
     from ruvllm.engine.llm import build_engine_config
+    from ruvllm.device import resolve_device
     from ruvllm.loader.hub import resolve_cli_model
 
+    resolve_device(device)  # a bad --device fails before any model is looked for
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, max_model_len=max_context,
                                  quantization=quantization, group_size=group_size, device=device)
     with console.status("loading model…"):

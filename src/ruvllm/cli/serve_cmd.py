@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
         from ruvllm.cli.engine_options import EngineOptions
         from ruvllm.engine.async_engine import AsyncEngine
+        from ruvllm.device import resolve_device
         from ruvllm.loader.hub import resolve_cli_model
         from ruvllm.server.app import create_app
         from ruvllm.server.config import ServerConfig
@@ -57,6 +58,7 @@ def register(app: typer.Typer) -> None:
             template = Path(template).read_text(encoding="utf-8")
         opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
                              no_prefix_caching, threads, quantization, group_size, device, gpu_memory_utilization)
+        resolve_device(device)  # a bad --device fails before any model is looked for
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):
             engine = AsyncEngine(opts.to_config(path, max_concurrent))

@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             weight = final_form(quant, module_name, weight, dtype)
             if isinstance(weight, QuantizedWeight):
                 parent_name, _, child = module_name.rpartition(".")
-                self.get_submodule(parent_name).register_module(child, QuantLinear(weight, module.bias))
+                self.get_submodule(parent_name).register_module(child, QuantLinear(weight.to(device), module.bias))
                 return
         elif isinstance(weight, QuantizedWeight):
             weight = weight.dequantize()

@@ -15,23 +15,37 @@ from ruvllm.quant.weights import KERNEL_DTYPE as COMPUTE_DTYPE
 from ruvllm.quant.weights import QuantizedWeight
 
 
+def _inner_k_tiles(k: int) -> int:
+    """The CUDA int4 layout interleaves 16 * tiles inputs; the widest tiling that divides K."""
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"the CUDA int4 kernel needs the input size to be a multiple of 32, got {k}")
+
+
 class QuantLinear(nn.Module):
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if qw.codes.device.type != "cpu":
-            raise NotImplementedError("packed int8/int4 weights run on CPU only so far")
         if qw.kind == "int8" and qw.group_size:
             raise ValueError("the int8 kernel takes one scale per output channel, not per group")
         self.kind = qw.kind
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
+        self.on_cuda = qw.codes.device.type == "cuda"
         if qw.kind == "int8":
             self.register_buffer("packed", qw.codes.contiguous())
             self.register_buffer("scales", qw.scales.to(COMPUTE_DTYPE))
+        elif self.on_cuda:
+            # tinygemm's layout: two codes a byte, the even input in the high nibble.
+            codes = qw.codes.to(torch.int32)
+            pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
+                pairs, _inner_k_tiles(self.in_features)))
         else:
             # inner_k_tiles is ignored by the CPU packing; 2 is a valid value for every K we take.
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 qw.codes.to(torch.int32).contiguous(), 2))
+        if qw.kind == "int4":
             self.register_buffer("scales", torch.stack(
                 [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -46,6 +60,8 @@ class QuantLinear(nn.Module):
             xq = xq.contiguous()
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xq, self.packed, self.scales)
+        elif self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
         if y.dtype != x.dtype:

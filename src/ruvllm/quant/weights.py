@@ -69,6 +69,9 @@ class QuantizedWeight:
         zero = self.zeros.repeat_interleave(g, dim=1)
         return (self.codes.float() - 8.0) * scale + zero
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return self.map_rows(lambda t: t.to(device))
+
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """Apply one row reordering (a function of a [N, ...] tensor) to codes, scales and zeros alike."""
         return QuantizedWeight(self.kind, fn(self.codes), fn(self.scales),
