@@ -76,7 +76,7 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
 
 
-QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4")
+QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class QuantConfig:
           and everything when computing in fp32, is dense in the engine's dtype.
     none: every weight dense in the engine's dtype (GGUF dequantized exactly).
     bf16 / f16: every weight dense in that dtype.
+    w8a8: int8 weights as int8, and each activation row quantized to int8 on the fly: an int8 x int8
+          matmul (`torch._int_mm`, CPU and CUDA) in any compute dtype.
     int8: per-output-channel round-to-nearest int8.  int4: group-wise int4 (`group_size` inputs per
           group); GGUF 4-bit weights whose groups match keep their own codes.
     Modules named in `keep_16bit` stay dense (by default the embeddings and the LM head).

@@ -11,7 +11,8 @@ DEVICE_HELP = "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or c
 
 QUANTIZATION_HELP = (
     "auto: keep GGUF 4/8-bit weights packed when computing in bf16; none: dequantize everything; "
-    "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size).")
+    "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
+    "w8a8: int8 weights and int8 activations (int8 x int8 matmuls).")
 
 
 @dataclass(frozen=True)

@@ -464,7 +464,7 @@ def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: Quant
             add_linear(module_name, stored, shape)
         else:  # embeddings, norms, biases: dense in the compute dtype
             est.total += math.prod(shape) * elem
-    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4"):
+    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4", "w8a8"):
         add_linear("lm_head", None, expected["embed_tokens.weight"])  # a packed copy of the embeddings
     return est
 

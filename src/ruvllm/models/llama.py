@@ -166,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in expected if n not in done]
         if missing:
             raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
-        if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4"):
+        if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4", "w8a8"):
             form = final_form(quant, "lm_head", self.embed_tokens.weight.data, dtype)
-            self.lm_head = QuantLinear(form)
+            self.lm_head = QuantLinear(form, int8_activations=quant.method == "w8a8")
 
     def _install(self, pname: str, pieces: list[Weight], quant: QuantConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -179,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
             weight = final_form(quant, module_name, weight, dtype)
             if isinstance(weight, QuantizedWeight):
                 parent_name, _, child = module_name.rpartition(".")
-                self.get_submodule(parent_name).register_module(child, QuantLinear(weight.to(device), module.bias))
+                layer = QuantLinear(weight.to(device), module.bias, int8_activations=quant.method == "w8a8")
+                self.get_submodule(parent_name).register_module(child, layer)
                 return
         elif isinstance(weight, QuantizedWeight):
             weight = weight.dequantize()

@@ -24,10 +24,18 @@ def _inner_k_tiles(k: int) -> int:
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    """`int8_activations` (int8 weights only): W8A8. Each input row is quantized to int8 with its
+    own scale (absmax / 127) and multiplied by the int8 weight in exact int32 arithmetic
+    (`torch._int_mm`), then scaled back: rows never interact, so results are batch invariant, and
+    the activations need not be bf16."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
         super().__init__()
         if qw.kind == "int8" and qw.group_size:
             raise ValueError("the int8 kernel takes one scale per output channel, not per group")
+        if int8_activations and qw.kind != "int8":
+            raise ValueError("int8 activations need int8 weights")
+        self.int8_activations = int8_activations
         self.kind = qw.kind
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
@@ -50,7 +58,22 @@ class QuantLinear(nn.Module):
                 [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        scale = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+        xq = torch.round(x2 / scale).to(torch.int8)
+        rows = xq.shape[0]
+        if self.on_cuda and rows <= 16:  # the CUDA kernel wants more than 16 rows; zero rows are inert
+            xq = torch.cat([xq, xq.new_zeros(17 - rows, xq.shape[1])])
+        acc = torch._int_mm(xq, self.packed.t())[:rows]  # the [N, K] codes read as [K, N]: no copy
+        y = (acc.float() * scale * self.scales.float()).to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return self._w8a8(x)
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every
         # conversion that would be a no-op (each costs microseconds of eager overhead).
         xq = x if x.dtype == COMPUTE_DTYPE else x.to(COMPUTE_DTYPE)
@@ -72,4 +95,5 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.kind == "int4" else ""
-        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}"
+        kind = "w8a8" if self.int8_activations else self.kind
+        return f"{kind}, in_features={self.in_features}, out_features={self.out_features}{group}"

@@ -31,7 +31,7 @@ def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConf
 
 def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:
     """Whether a loader should hand over its quantized blocks instead of dequantizing them."""
-    return cfg.method in ("int4", "int8") or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
+    return cfg.method in ("int4", "int8", "w8a8") or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
 
 
 def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, shape: tuple[int, int],
@@ -44,11 +44,11 @@ def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, sh
     Keep it in step with final_form (tests/unit/test_cli_models.py compares the two).
     """
     as_stored = cfg.method == "auto" and dtype == KERNEL_DTYPE
-    if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4")):
+    if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4", "w8a8")):
         return ("dense", 0)
     if as_stored and stored is None:
         return ("dense", 0)
-    if cfg.method == "int8" or (as_stored and stored is not None and stored[0] == "int8"):
+    if cfg.method in ("int8", "w8a8") or (as_stored and stored is not None and stored[0] == "int8"):
         return ("int8", 0)
     if as_stored and stored is not None:
         return stored
