@@ -76,6 +76,14 @@ def test_torch_add_rms_norm_is_the_llama_arithmetic(rops):
         assert same is x and torch.equal(h0, F.rms_norm(x, (960,), weight, 1e-5))
 
 
+def _qk_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: int):
+    """q [T, heads, D] and k [T, kv_heads, D] as the model has them: strided views into one fused
+    q/k/v projection output."""
+    fused = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, _ = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("hidden", [96, 960])
@@ -90,10 +98,7 @@ def test_rms_norm_2d(tops, rops, dtype, tokens, hidden):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 1, 64), (4, 2, 128), (2, 1, 80)])
 def test_rms_norm_per_head_on_views(tops, rops, dtype, tokens, heads, kv_heads, head_dim):
     # Qwen3's q/k norm: per head over head_dim, on views into the fused q/k/v projection output.
-    fused = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
-    q, k, _ = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.view(tokens, heads, head_dim)
-    k = k.view(tokens, kv_heads, head_dim)
+    q, k = _qk_views(tokens, heads, kv_heads, head_dim, dtype, seed=9)
     assert not q.is_contiguous() or tokens == 1
     weight = _randn(head_dim, dtype=dtype, seed=10)
     for t in (q, k):
@@ -116,17 +121,14 @@ def test_silu_and_mul(tops, rops, dtype, tokens, inter):
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 1, 64), (4, 2, 128), (5, 5, 80)])
 def test_rope_on_fused_views(tops, rops, dtype, tokens, heads, kv_heads, head_dim):
-    fused = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=12)
-    q, k, _ = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.view(tokens, heads, head_dim)
-    k = k.view(tokens, kv_heads, head_dim)
+    q, k = _qk_views(tokens, heads, kv_heads, head_dim, dtype, seed=12)
     rope = RotaryEmbedding(head_dim, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0}, dtype, DEVICE)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(13)).to(DEVICE)
     cos, sin = rope.for_positions(positions)
-    before = fused.clone()
+    before = q.clone(), k.clone()
     got_q, got_k = tops.rope(q, k, cos, sin)
     ref_q, ref_k = rops.rope(q, k, cos, sin)
-    assert torch.equal(fused, before)  # inputs untouched
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # inputs untouched
     for got, ref in ((got_q, ref_q), (got_k, ref_k)):
         assert got.is_contiguous() and got.shape == ref.shape and got.dtype == ref.dtype
         torch.testing.assert_close(got, ref, **_tol(dtype))
