@@ -1,13 +1,16 @@
 """Perplexity of the engine on a text file, per precision, side by side in one run.
 
 A precision is fp32, bf16 (dense bf16 weights), or a quantization method (auto, none, int8, int4,
-int4-g64, int4-g128: bf16 compute); e.g. `--precisions fp32 bf16 auto int8 int4-g128`.
+int4-g64, int4-g128: bf16 compute); e.g. `--precisions fp32 bf16 auto int8 int4-g128`. A row may
+name its own model as PRECISION@PATH (a GGUF file or Hugging Face folder, e.g. one written by
+`ruvllm quantize`); rows without one use --model (default: the embedded model).
 
 The text is cut into windows of --window tokens (no overlap); each window is one prompt scored with
 prompt logprobs (the engine's own path: paged cache, chunked prefill). Also reports greedy agreement
 with the first precision on a few prompts (share of generated tokens identical to the reference's).
 
     .venv/bin/python benchmarks/perplexity.py ../shared/data/pride-and-prejudice.txt --precisions fp32 bf16 auto
+    .venv/bin/python benchmarks/perplexity.py ../shared/data/pride-and-prejudice.txt --precisions fp32 auto@/tmp/awq-g64
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def engine_settings(precision: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "auto"])
+    ap.add_argument("--model", default=None, help="model of the rows that name none (default: the embedded one)")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "auto"], metavar="PRECISION[@PATH]")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16384, help="tokens of the text to score")
     ap.add_argument("--gen", type=int, default=32, help="tokens per prompt for greedy agreement")
@@ -68,8 +71,9 @@ def main() -> None:
     text = args.path.read_text(encoding="utf-8")
     rows = []
     reference = None
-    for precision in args.precisions:
-        llm = LLM(args.model, max_num_batched_tokens=2048, **engine_settings(precision))
+    for row in args.precisions:
+        precision, _, path = row.partition("@")
+        llm = LLM(path or args.model, max_num_batched_tokens=2048, **engine_settings(precision))
         t0 = time.perf_counter()
         ppl, n = perplexity(llm, text, args.window, args.max_tokens)
         seconds = time.perf_counter() - t0
@@ -77,9 +81,11 @@ def main() -> None:
         if reference is None:
             reference = tokens
         same = sum(a == b for r, t in zip(reference, tokens) for a, b in zip(r, t))
-        rows.append((precision, ppl, n, seconds, same / sum(len(r) for r in reference)))
+        label = f"{precision}@{Path(path).name}" if path else precision
+        rows.append((label, ppl, n, seconds, same / sum(len(r) for r in reference)))
     table = Table(title=f"perplexity on {args.path.name} ({args.window}-token windows)")
-    for col in ("precision", "perplexity", "vs first", "tokens scored", "seconds", "greedy agreement"):
+    table.add_column("precision", justify="right", overflow="fold")  # PRECISION@FOLDER labels in full
+    for col in ("perplexity", "vs first", "tokens scored", "seconds", "greedy agreement"):
         table.add_column(col, justify="right")
     for precision, ppl, n, seconds, agree in rows:
         table.add_row(precision, f"{ppl:.4f}", f"{100 * (ppl / rows[0][1] - 1):+.2f}%", str(n), f"{seconds:.1f}",

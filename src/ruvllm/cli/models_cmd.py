@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,16 +26,7 @@ if TYPE_CHECKING:
     from ruvllm.config import ModelConfig, QuantConfig
     from ruvllm.loader import ModelSource
 
-# Hugging Face class names for the architectures ruvllm runs (config.json "architectures").
-_HF_MODEL_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Shards of at most this many bytes: export never holds more than one shard in memory.
-_SHARD_BYTES = 2 * 1024**3
 _MAX_SAFETENSORS_HEADER = 100 * 1024**2
 
 _CACHE_DIR_HELP = "Model cache (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm or the platform's cache folder)."
@@ -551,42 +540,18 @@ def export_cmd(
 def export(src: ModelSource, out: Path, *, tokenizer_only: bool = False, dtype: str = "auto") -> None:
     """Build the folder beside `out` and rename it into place, so a failure leaves nothing half-written."""
     from ruvllm.loader import load_model_config, load_tokenizer
+    from ruvllm.loader.hf_writer import folder_in_place, hf_config, save_tokenizer, write_safetensors
 
     cfg = load_model_config(src)  # first: an unsupported model fails before anything is written
     torch_dtype = _export_dtype(src, dtype)
     tokenizer = load_tokenizer(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _hf_config(cfg, torch_dtype).save_pretrained(str(tmp))
-        _save_tokenizer(tokenizer, cfg, tmp)
+    with folder_in_place(out) as tmp:
+        hf_config(cfg, torch_dtype).save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, cfg, tmp)
         if not tokenizer_only:
             from ruvllm.loader import iter_weights
 
-            _write_weights(iter_weights(src, torch_dtype), tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked by the caller
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _save_tokenizer(tokenizer: Any, cfg: ModelConfig, folder: Path) -> None:
-    # GGUF metadata carries no model_max_length; without it transformers writes a 1e30 placeholder.
-    if getattr(tokenizer, "model_max_length", 0) > cfg.max_position_embeddings:
-        tokenizer.model_max_length = cfg.max_position_embeddings
-    tokenizer.save_pretrained(str(folder))
-    # Our load-time options (local_files_only=True, ...) end up in tokenizer_config.json; they are
-    # not properties of the tokenizer and would constrain whoever loads the export later.
-    path = folder / "tokenizer_config.json"
-    if path.is_file():
-        data = json.loads(path.read_text(encoding="utf-8"))
-        for key in ("local_files_only", "is_local", "gguf_file"):
-            data.pop(key, None)
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            write_safetensors(iter_weights(src, torch_dtype), tmp)
 
 
 def _export_dtype(src: ModelSource, name: str) -> torch.dtype:
@@ -602,76 +567,6 @@ def _export_dtype(src: ModelSource, name: str) -> torch.dtype:
             if declared in _EXPORT_DTYPES[1:]:
                 name = declared  # keep the checkpoint's own precision: an exact copy
     return getattr(torch, name)
-
-
-def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> Any:
-    """A transformers config object for cfg, built by transformers itself so the JSON matches the
-    installed version's conventions (e.g. rope_parameters in transformers 5)."""
-    from transformers import CONFIG_MAPPING
-
-    kwargs: dict[str, Any] = dict(
-        architectures=[_HF_MODEL_CLASSES[cfg.architecture]],
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=(cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids) or None),
-        dtype=str(dtype).removeprefix("torch."),
-    )
-    if cfg.architecture != "qwen2":  # Qwen2 always has q/k/v biases and no flag for it
-        kwargs["attention_bias"] = cfg.attention_bias
-    if cfg.architecture in ("mistral", "qwen2", "qwen3"):
-        # ruvllm attends over the full context; say so, rather than inherit a window default.
-        kwargs["sliding_window"] = None
-    if cfg.architecture in ("qwen2", "qwen3"):
-        kwargs["use_sliding_window"] = False
-    return CONFIG_MAPPING[cfg.architecture](**kwargs)
-
-
-def _write_weights(weights: Any, folder: Path) -> None:
-    """Stream tensors into model.safetensors, or into shards + index when over _SHARD_BYTES."""
-    from safetensors.torch import save_file
-
-    shards: list[tuple[Path, list[str]]] = []
-    current: dict[str, Any] = {}
-    size = total = 0
-
-    def flush() -> None:
-        file = folder / f"shard-{len(shards) + 1:05d}.tmp"
-        save_file(current, str(file), metadata={"format": "pt"})  # transformers wants format=pt
-        # safetensors creates the file 0600; give it the umask's mode like the folder's other files.
-        os.chmod(file, folder.stat().st_mode & 0o666)
-        shards.append((file, list(current)))
-
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > _SHARD_BYTES:
-            flush()
-            current, size = {}, 0
-        current[name] = tensor.contiguous()
-        size += nbytes
-        total += nbytes
-    if current or not shards:
-        flush()
-    if len(shards) == 1:
-        shards[0][0].rename(folder / "model.safetensors")
-        return
-    weight_map: dict[str, str] = {}
-    for i, (file, names) in enumerate(shards, start=1):
-        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        file.rename(folder / final)
-        weight_map.update(dict.fromkeys(names, final))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 # ------------------------------------------------------------------ registration

@@ -51,3 +51,45 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, name: str = "weight") -
     scale = _round_up(need)
     codes = torch.round((g - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15).to(torch.uint8)
     return QuantizedWeight("int4", codes.reshape(n, k), scale, zero, group_size)
+
+
+# fp16 normal range: a bf16 scale inside it is exact in fp16, the type GPTQ/AWQ files store scales in.
+_FP16_MIN_NORMAL = 2.0 ** -14
+FP16_MAX = 65504.0
+
+
+def int4_checkpoint_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 in the form GPTQ/AWQ checkpoints store: w = (q - z) * s with an integer
+    zero point z in 0..15, per group of `group_size` inputs of w [N, K].
+
+    Returns codes [N, K/g, g] (float, 0..15), s and z [N, K/g] (float). With z an integer the grid
+    always holds 0, so each group's range is first widened to include 0; of the two integer zero
+    points nearest the ideal one, the one needing the smaller step is taken, and the step is then
+    rounded up to a bf16 value (our kernels read scales in bf16; such a value is exact in the file's
+    fp16 too). The grid covers the whole group, so every weight is within half a step.
+    """
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo = g.amin(dim=2).clamp(max=0.0)
+    hi = g.amax(dim=2).clamp(min=0.0)
+    ideal = (-lo / ((hi - lo) / 15.0).clamp(min=1e-30)).clamp(0.0, 15.0)
+    best_s = best_z = None
+    for z in (ideal.floor(), ideal.ceil()):
+        # The smallest step at which z * s reaches down to lo and (15 - z) * s up to hi.
+        s = torch.maximum(-lo / z.clamp(min=1e-30), hi / (15.0 - z).clamp(min=1e-30))
+        if best_s is None:
+            best_s, best_z = s, z
+        else:
+            better = s < best_s
+            best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    scale = _round_up(best_s.clamp(_FP16_MIN_NORMAL, FP16_MAX))
+    codes = (g / scale[..., None]).add_(best_z[..., None]).round_().clamp_(0, 15)  # in place: one new tensor
+    return codes, scale, best_z
+
+
+def quantize_int4_checkpoint(w: torch.Tensor, group_size: int = 128, name: str = "weight") -> QuantizedWeight:
+    """int4_checkpoint_grid as a QuantizedWeight: scale s, zero (8 - z) * s (exact in float32)."""
+    n, k = w.shape
+    check_int4_group(k, group_size, name)
+    codes, scale, z = int4_checkpoint_grid(w, group_size)
+    return QuantizedWeight("int4", codes.reshape(n, k).to(torch.uint8), scale, (8.0 - z) * scale, group_size)

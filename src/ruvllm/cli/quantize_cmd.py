@@ -1,0 +1,144 @@
+"""`ruvllm quantize`: write a model as a 4-bit Hugging Face AWQ checkpoint (GEMM), with activation-aware
+scales searched on a calibration text (--method awq) or plain round-to-nearest (--method rtn).
+
+Heavy imports (torch, transformers) stay inside the command, so registering it costs nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from ruvllm.cli.common import CliState, clean_errors
+
+if TYPE_CHECKING:  # torch and the loader are imported only once the command runs
+    import torch
+
+    from ruvllm.loader import ModelSource
+
+METHODS = ("awq", "rtn")
+DEFAULT_SAMPLES = 16
+DEFAULT_SEQ_LEN = 512
+_CACHE_DIR_HELP = "Model cache for aliases and Hub ids (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm)."
+
+
+def _state(ctx: typer.Context) -> CliState:
+    return ctx.obj if isinstance(ctx.obj, CliState) else CliState()
+
+
+def _read_calibration(path: Path) -> str:
+    if not path.exists():
+        raise ValueError(f"{path}: calibration file not found")
+    if not path.is_file():
+        raise ValueError(f"{path}: calibration text must be a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: calibration text is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: calibration file is empty")
+    return text
+
+
+def _check_output(out: Path, force: bool, model_path: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out == model_path or out in model_path.parents:
+        raise ValueError(f"{out}: holds the model being quantized; choose another --output")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"{out}: exists and is not empty; pass --force to replace it")
+
+
+@clean_errors
+def quantize_cmd(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Hugging Face folder or GGUF file (GGUF is dequantized first), "
+                                          "a downloaded alias or Hub id, or `default`."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="DIR", help="Folder to write (new or empty)."),
+    method: str = typer.Option("awq", "--method", "-m",
+                               help="awq: activation-aware scales from --calibration, then round-to-nearest; "
+                                    "rtn: round-to-nearest only. Both write an AWQ (GEMM) checkpoint."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", "-c", metavar="FILE",
+                                               help="Plain text to measure activations on (--method awq)."),
+    group_size: int = typer.Option(128, "--group-size", help="Inputs per quantization group (32, 64, 128, 256)."),
+    samples: int = typer.Option(DEFAULT_SAMPLES, "--samples", help="Calibration blocks, spread over the text."),
+    seq_len: int = typer.Option(DEFAULT_SEQ_LEN, "--seq-len", help="Tokens per calibration block."),
+    clip: bool = typer.Option(True, "--clip/--no-clip",
+                              help="With awq: also search how far to shrink each group's range."),
+    force: bool = typer.Option(False, "--force", help="Replace --output if it exists and is not empty."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+) -> None:
+    """Quantize MODEL's linear layers to int4 and write a Hugging Face AWQ checkpoint (embeddings and
+    LM head stay 16-bit) that `ruvllm` and other AWQ loaders read."""
+    # Everything a user can get wrong is checked before the model is loaded.
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    text = None
+    if method == "awq":
+        if calibration is None:
+            raise ValueError("--method awq needs --calibration FILE (plain text to measure activations on)")
+        text = _read_calibration(calibration.expanduser())
+    elif calibration is not None:
+        raise ValueError("--calibration applies only to --method awq")
+    if samples < 1:
+        raise ValueError(f"--samples must be at least 1, got {samples}")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+
+    from ruvllm.loader import hub, load_model_config, load_tokenizer, resolve_model
+    from ruvllm.quant.awq_writer import check_awq_shapes
+
+    src = resolve_model(hub.resolve_cli_model(model, cache_dir))
+    cfg = load_model_config(src)
+    check_awq_shapes(cfg, group_size)
+    if text is not None and seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context length {cfg.max_position_embeddings}")
+    out = output.expanduser().absolute()
+    _check_output(out, force, src.path)
+    tokenizer = load_tokenizer(src)
+    ids = None
+    if text is not None:
+        from ruvllm.quant.awq import calibration_ids
+
+        ids = calibration_ids(tokenizer.encode(text, add_special_tokens=False), samples, seq_len)
+
+    _run(ctx, src, out, method, group_size, ids, tokenizer, force, calibration, clip)
+
+
+def _run(ctx: typer.Context, src: ModelSource, out: Path, method: str, group_size: int, ids: torch.Tensor | None,
+         tokenizer: Any, force: bool, calibration: Path | None, clip: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from ruvllm.loader import hub
+    from ruvllm.quant.awq import awq_fold
+    from ruvllm.quant.awq_writer import load_float_model, write_awq_folder
+
+    console = _state(ctx).console(stderr=True)
+    with console.status("loading the model in float32"):
+        model, cfg, names = load_float_model(src, ids.shape[1] if ids is not None else 2)
+    summary = ""
+    if ids is not None:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+                   TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(f"AWQ scales ({ids.shape[0]} x {ids.shape[1]} tokens)", total=cfg.num_layers)
+            results = awq_fold(model, ids, group_size, clip=clip, on_layer=lambda _i: progress.advance(task))
+        ratios = [r.loss / r.rtn_loss for r in results if r.rtn_loss > 0] or [1.0]
+        mean_alpha = sum(r.alpha for r in results) / len(results)
+        clipped = f", {sum(r.clipped for r in results)} clipped" if clip else ""
+        summary = (f"; calibration {ids.shape[0]} x {ids.shape[1]} tokens of {calibration}; layer output error "
+                   f"vs round-to-nearest on them: {100 * (sum(ratios) / len(ratios) - 1):+.1f}% on average over "
+                   f"{len(results)} groups (mean alpha {mean_alpha:.2f}{clipped})")
+    with console.status(f"writing {out}"):
+        write_awq_folder(src, model, names, out, group_size, replace=force, tokenizer=tokenizer)
+    size = hub.folder_size(out) / 1e6
+    typer.echo(f"wrote {out} ({method} int4, group size {group_size}, {size:.1f} MB){summary}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("quantize")(quantize_cmd)
+
+
+__all__ = ["register"]
