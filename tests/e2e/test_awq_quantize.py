@@ -23,6 +23,7 @@ from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.weights import QuantizedWeight
 from tests.conftest import novel_prompts
 from tests.reference import hf_logits, hf_reference
+from tests.unit.test_cli_models import assert_one_line_error
 
 if not any(c.name == "quantize" for c in app.registered_commands):
     _register()
@@ -170,31 +171,22 @@ def test_cli_writes_a_checkpoint_that_loads_and_generates(tiny: Path, calibratio
     assert len(got[0].outputs[0].token_ids) == 4
     # An existing non-empty output is refused, and replaced with --force.
     again = ["quantize", str(tiny), "--method", "rtn", "-o", str(out), "--group-size", str(GROUP)]
-    _assert_one_line_error(invoke(*again), "exists and is not empty; pass --force")
+    assert_one_line_error(invoke(*again), "exists and is not empty; pass --force")
     result = invoke(*again, "--force")
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stdout and resolve_model(out).format == "hf"
 
 
-def _assert_one_line_error(result: Result, *needles: str) -> None:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], result.output
-
-
 def test_cli_bad_input_is_one_line(tiny: Path, calibration: Path, tmp_path: Path) -> None:
     out = str(tmp_path / "out")
     common = ["quantize", str(tiny), "-o", out, "--group-size", str(GROUP)]
-    _assert_one_line_error(invoke(*common, "--method", "gptq"), "unknown method 'gptq'; choose one of awq, rtn")
-    _assert_one_line_error(invoke(*common, "--calibration", str(tmp_path / "missing.txt")),
+    assert_one_line_error(invoke(*common, "--method", "gptq"), "unknown method 'gptq'; choose one of awq, rtn")
+    assert_one_line_error(invoke(*common, "--calibration", str(tmp_path / "missing.txt")),
                            "missing.txt: calibration file not found")
-    _assert_one_line_error(invoke(*common), "--method awq needs --calibration FILE")
-    _assert_one_line_error(invoke("quantize", str(tiny), "-o", out, "-c", str(calibration)),  # default group 128
+    assert_one_line_error(invoke(*common), "--method awq needs --calibration FILE")
+    assert_one_line_error(invoke("quantize", str(tiny), "-o", out, "-c", str(calibration)),  # default group 128
                            "group size 128 does not divide the input size 64", "group sizes that fit this model: 32, 64")
-    _assert_one_line_error(invoke(*common, "-c", str(calibration), "--samples", "0"), "--samples must be at least 1")
-    _assert_one_line_error(invoke("quantize", str(tiny), "-o", str(tiny), "--method", "rtn", "--group-size", "32",
+    assert_one_line_error(invoke(*common, "-c", str(calibration), "--samples", "0"), "--samples must be at least 1")
+    assert_one_line_error(invoke("quantize", str(tiny), "-o", str(tiny), "--method", "rtn", "--group-size", "32",
                                   "--force"), "holds the model being quantized")
     assert not Path(out).exists()
