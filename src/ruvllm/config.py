@@ -41,6 +41,10 @@ class ModelConfig:
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
+# "auto": the compute dtype. bf16/fp16: the same, named (it must be the compute dtype). int8/int4: a
+# two-tier cache, recent tokens in the compute dtype and older blocks quantized (docs/quantization.md).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "int8", "int4")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -51,14 +55,27 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    # int8/int4: a query reads a block exactly while any of its tokens is within this many positions
+    # of the query (the hot window); older blocks are read dequantized and move to the cold tier.
+    kv_hot_tokens: int = 64
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if isinstance(self.kv_hot_tokens, bool) or not isinstance(self.kv_hot_tokens, int) or self.kv_hot_tokens < 0:
+            raise ValueError(f"kv_hot_tokens must be a whole number >= 0, got {self.kv_hot_tokens!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+    @property
+    def quantized_kv(self) -> bool:
+        return self.kv_cache_dtype in ("int8", "int4")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ def test_json_report() -> None:
         assert isinstance(report[key], (int, float)) and report[key] > 0, (key, report[key])
 
 
+def test_two_tier_kv_cache_report() -> None:
+    result = runner.invoke(app, ["benchmark", *TINY, "--kv-cache-dtype", "int4", "--kv-hot-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    assert "KV int4" in " ".join(result.stdout.split())  # the title wraps
+
+
 def test_csv_report() -> None:
     result = runner.invoke(app, ["benchmark", *TINY, "--format", "csv"])
     assert result.exit_code == 0, result.output
@@ -41,6 +47,8 @@ def test_csv_report() -> None:
     (["--format", "xml"], "--format must be one of table, json, csv"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
     (["--gen-length", "1"], "--gen-length must be at least 2"),
+    (["--kv-cache-dtype", "int2"], "unknown kv_cache_dtype 'int2'; choose one of auto, bf16, fp16, int8, int4"),
+    (["--kv-cache-dtype", "int8", "--device", "cuda"], "CUDA"),
 ])
 def test_bad_values_fail_in_one_line(flags: list[str], message: str) -> None:
     result = runner.invoke(app, ["benchmark", *flags])

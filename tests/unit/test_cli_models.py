@@ -409,6 +409,9 @@ def test_info_quantization_estimate(method: str) -> None:
     assert _estimate_line(result.output, "KV bytes per token").startswith(f"{per_token:,} (")
     tokens = (2**30 // (per_token * 16)) * 16  # whole 16-token blocks in the default 1 GiB
     assert _estimate_line(result.output, "KV tokens in 1 GiB").startswith(f"{tokens:,} ")
+    tiered = _estimate_line(result.output, "KV tokens in 1 GiB, --kv-cache-dtype int8 / int4").split(" (")[0]
+    int8_tokens, int4_tokens = (int(t.replace(",", "")) for t in tiered.split(" / "))
+    assert int8_tokens >= 1.8 * tokens and int4_tokens >= 3 * tokens, (tokens, tiered)  # the floor
 
 
 def test_info_quantization_int4_group_64() -> None:

@@ -13,6 +13,7 @@ import logging
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -52,3 +53,13 @@ def paged_attention() -> Callable[..., torch.Tensor] | None:
         log.warning("C++ attention kernel unavailable, using the PyTorch path (%s: %s)", type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+@functools.cache
+def cold_tier_kernels() -> SimpleNamespace | None:
+    """The same extension's kernels for a quantized KV cache: `attention` (paged attention reading
+    cold blocks as int8/int4 codes) and `quantize` (the quantize-copy of hot blocks into cold ones)."""
+    if paged_attention() is None:
+        return None
+    ext = _extension()
+    return SimpleNamespace(attention=ext.paged_attention_tiered, quantize=ext.quantize_kv_blocks)

@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
+from ruvllm.attention.kv_quant import KVTier
+
+
+@dataclass(slots=True)
+class ColdGather:
+    """How to read a gathered run of blocks when some are cold (a quantized KV cache): gather
+    `hot_table` from the hot cache (cold entries replaced by block 0), then overwrite the entries at
+    `cold_at` with the dequantized cold blocks `cold_ids` (cold-tier block indices), and fake-quantize
+    the hot blocks at `fq_at` (their tokens are old enough to be read as cold, but they have not moved)."""
+
+    hot_table: torch.Tensor  # same shape as the table it replaces
+    cold_at: torch.Tensor  # [n] positions in the flattened table
+    cold_ids: torch.Tensor  # [n]
+    fq_at: torch.Tensor  # [m] positions in the flattened table (decodes; for prompt chunks see PrefillSeq)
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -15,6 +30,10 @@ class PrefillSeq:
     token_end: int
     context_slots: torch.Tensor  # [context_len] cache slots of every key it attends to, in order
     mask: torch.Tensor | None  # [q, context_len] bool, or None when the chunk is the whole causal context
+    # With a quantized KV cache: the context's blocks, read through `cold`; its `fq_at` blocks are
+    # appended once more, fake-quantized, after the context_len keys, and `mask` ([q, context_len +
+    # len(fq_at) * block_size]) lets each row see either the exact or the fake-quantized copy.
+    cold: ColdGather | None = None
 
 
 @dataclass(slots=True)
@@ -39,12 +58,56 @@ class AttentionMetadata:
     tile_start: torch.Tensor | None = None
     tile_len: torch.Tensor | None = None
     num_tiles: int = 0
+    # A quantized KV cache: which block ids are cold and which keys each query reads dequantized.
+    tier: KVTier | None = None
+    decode_cold: ColdGather | None = None  # the decodes' block tables through the cold tier
+
+
+def cold_gather(table: list[list[int]], ctx_lens: list[int], block_size: int, tier: KVTier,
+                device: torch.device | str) -> ColdGather:
+    """Reads of the blocks in `table` (rows padded with block 0) for queries at position ctx - 1:
+    which entries are cold, and which hot entries are old enough to be read fake-quantized."""
+    t = torch.tensor(table, dtype=torch.long)
+    flat = t.reshape(-1)
+    is_cold = flat >= tier.num_hot_blocks
+    j = torch.arange(t.shape[1]).unsqueeze(0)
+    old = ((j + 1) * block_size <= torch.tensor(ctx_lens).unsqueeze(1) - tier.hot_tokens).reshape(-1)
+    cold_at = is_cold.nonzero().flatten()
+    return ColdGather(
+        hot_table=torch.where(is_cold, 0, flat).view(t.shape).to(device),
+        cold_at=cold_at.to(device),
+        cold_ids=(flat[cold_at] - tier.num_hot_blocks).to(device),
+        fq_at=(old & ~is_cold).nonzero().flatten().to(device),
+    )
+
+
+def _tiered_prefill(row: int, num_q: int, ctx_len: int, table: list[int], block_size: int, tier: KVTier,
+                    device: torch.device | str) -> PrefillSeq:
+    """A prompt chunk over a quantized cache: row at position p reads block i fake-quantized (or
+    dequantized from the cold tier) when (i + 1) * block_size <= p + 1 - hot_tokens."""
+    nblk = len(table)
+    gather = cold_gather([table], [ctx_len], block_size, tier, "cpu")  # fq_at: blocks old for the last row
+    pos = torch.arange(ctx_len - num_q, ctx_len).unsqueeze(1)  # [q, 1]
+    key = torch.arange(nblk * block_size)[:ctx_len].unsqueeze(0)
+    old_for_row = (key // block_size + 1) * block_size <= pos + 1 - tier.hot_tokens  # [q, ctx]
+    has_fq_copy = torch.zeros(nblk, dtype=torch.bool)
+    has_fq_copy[gather.fq_at] = True
+    exact = (key <= pos) & ~(old_for_row & has_fq_copy[key // block_size])
+    fq_blocks = gather.fq_at
+    fq_keys = (fq_blocks.unsqueeze(1) * block_size + torch.arange(block_size)).reshape(1, -1)
+    fq_visible = (fq_keys // block_size + 1) * block_size <= pos + 1 - tier.hot_tokens
+    mask = torch.cat([exact, fq_visible], 1)
+    slots = torch.empty(0, dtype=torch.long)
+    return PrefillSeq(row, row + num_q, slots, mask.to(device),
+                      ColdGather(gather.hot_table.to(device), gather.cold_at.to(device),
+                                 gather.cold_ids.to(device), fq_blocks.to(device)))
 
 
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]],  # (num_query_tokens, context_len_after_step, block_table)
     block_size: int,
     device: torch.device | str = "cpu",
+    tier: KVTier | None = None,
 ) -> AttentionMetadata:
     """Slot mapping and per-sequence key gathers for a flat batch laid out in the order of `seqs`."""
     slot_chunks: list[torch.Tensor] = []
@@ -61,6 +124,9 @@ def build_attention_metadata(
             decode_rows.append(row)
             decode_tables.append(block_table[: (ctx_len + block_size - 1) // block_size])
             decode_lens.append(ctx_len)
+        elif tier is not None:
+            prefills.append(_tiered_prefill(row, num_q, ctx_len, block_table[: (ctx_len + block_size - 1) // block_size],
+                                            block_size, tier, device))
         else:
             if ctx_len == num_q:
                 mask = None  # plain causal attention over the chunk itself
@@ -84,8 +150,10 @@ def build_attention_metadata(
             decode_mask=mask[:, None, None, :].to(device),
             prefills=prefills,
             block_size=block_size,
+            tier=tier,
+            decode_cold=None if tier is None else cold_gather(tables.tolist(), decode_lens, block_size, tier, device),
         )
-    return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size)
+    return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size, tier=tier)
 
 
 def build_paged_kernel_metadata(

@@ -25,7 +25,8 @@ import typer
 from rich.table import Table
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
+from ruvllm.config import CacheConfig
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.core.engine_core import EngineCore
@@ -137,6 +138,7 @@ def summarize(core: EngineCore, s: Settings, dtype: str, source: str, its: list[
     return {
         "model": str(core.model_path), "dtype": dtype, "prompt_source": source,
         "quantization": core.config.quantization.method, "weight_mib": round(core.weight_bytes / 2**20, 1),
+        "kv_cache_dtype": core.config.cache.kv_cache_dtype,
         "prompt_length": s.prompt_length, "gen_length": s.gen_length, "concurrency": s.concurrency,
         "warmup": s.warmup, "iterations": s.iterations,
         "prefill_latency_ms": round(1000 * statistics.fmean(it.prefill_s for it in its), 3),
@@ -168,7 +170,8 @@ def render(report: dict[str, Any], fmt: str, state: CliState) -> None:
         writer.writerow(report)
         typer.echo(buf.getvalue(), nl=False)
     else:
-        table = Table(title=f"{Path(report['model']).name} · {report['dtype']} · {report['quantization']} · prompt {report['prompt_length']} · "
+        kv = f" · KV {report['kv_cache_dtype']}" if report["kv_cache_dtype"] != "auto" else ""
+        table = Table(title=f"{Path(report['model']).name} · {report['dtype']} · {report['quantization']}{kv} · prompt {report['prompt_length']} · "
                             f"gen {report['gen_length']} · concurrency {report['concurrency']} · "
                             f"{report['iterations']} iteration(s)")
         table.add_column("metric")
@@ -194,6 +197,8 @@ def benchmark(
     quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
     group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
 ) -> None:
     """Measure prefill latency, time to first token, decode and batch throughput, and peak memory."""
     state: CliState = ctx.obj or CliState()
@@ -204,7 +209,6 @@ def benchmark(
     if threads is not None and threads < 1:
         raise fail(f"--threads must be at least 1, got {threads}")
 
-    from ruvllm.config import CacheConfig
     from ruvllm.core.engine_core import EngineCore
     from ruvllm.engine.llm import build_engine_config
     from ruvllm.device import resolve_device
@@ -215,10 +219,17 @@ def benchmark(
     # this workload rather than the default 1 GiB pool.
     blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
     resolve_device(device)  # a bad --device fails before any model is looked for
-    config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, num_threads=threads,
-                                 quantization=quantization, group_size=group_size, device=device,
-                                 enable_prefix_caching=False, num_blocks=blocks,
-                                 max_num_seqs=concurrency)
+    engine_kw = dict(dtype=dtype, num_threads=threads, quantization=quantization, group_size=group_size, device=device,
+                    enable_prefix_caching=False, max_num_seqs=concurrency, kv_cache_dtype=kv_cache_dtype,
+                    kv_hot_tokens=kv_hot_tokens)
+    config = build_engine_config(resolve_cli_model(model, cache_dir), num_blocks=blocks, **engine_kw)
+    if config.cache.quantized_kv:
+        # A two-tier pool keeps every sequence's hot window and one step's new tokens in 16-bit
+        # besides the batch's tokens: size it as that hot tier plus the batch in 16-bit blocks.
+        from ruvllm.worker.model_runner import hot_blocks_wanted
+
+        hot, _ = hot_blocks_wanted(config.cache, config.scheduler, config.scheduler.max_num_batched_tokens)
+        config = build_engine_config(config.model, num_blocks=blocks + hot, **engine_kw)
     err = state.console(stderr=True)
     with err.status("loading model…") as status:
         core = EngineCore(config)

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
+from ruvllm.config import CacheConfig
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.engine.async_engine import AsyncEngine
@@ -197,6 +198,8 @@ def chat(
     quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
     group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
     state: CliState = ctx.obj or CliState()
@@ -213,7 +216,8 @@ def chat(
 
     resolve_device(device)  # a bad --device fails before any model is looked for
     config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, max_model_len=max_context,
-                                 quantization=quantization, group_size=group_size, device=device)
+                                 quantization=quantization, group_size=group_size, device=device,
+                                 kv_cache_dtype=kv_cache_dtype, kv_hot_tokens=kv_hot_tokens)
     with console.status("loading model…"):
         engine = AsyncEngine(config)
     try:

@@ -460,9 +460,11 @@ def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: Quant
 
 def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
     """`info -q`: weight and KV-cache memory as the engine would load the model (auto) and with `quant`."""
-    from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, QuantConfig
+    from dataclasses import replace
+
+    from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, QuantConfig, SchedulerConfig
     from ruvllm.loader import load_model_config, resolve_model
-    from ruvllm.worker.model_runner import kv_bytes_per_block, num_kv_blocks
+    from ruvllm.worker.model_runner import kv_bytes_per_block, kv_tier_blocks, num_kv_blocks
 
     src = resolve_model(path)
     cfg = load_model_config(src)
@@ -502,6 +504,11 @@ def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
         (f"KV tokens in {cache.kv_cache_memory_bytes / 2**30:g} GiB",
          both(lambda d: f"{num_kv_blocks(cfg, cache, d) * cache.block_size:,}", same_kv)
          + " (the default --kv-cache-gib)"),
+        (f"KV tokens in {cache.kv_cache_memory_bytes / 2**30:g} GiB, --kv-cache-dtype int8 / int4",
+         " / ".join(f"{sum(kv_tier_blocks(cfg, replace(cache, kv_cache_dtype=kv), SchedulerConfig(), after.dtype, cfg.max_position_embeddings)) * cache.block_size:,}"
+                    for kv in ("int8", "int4"))
+         + f" (the newest {cache.kv_hot_tokens} tokens of each of up to {SchedulerConfig().max_num_seqs} sequences "
+         "in the compute dtype, older blocks quantized; CPU only)"),
     ]
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, QUANTIZATION_HELP
+from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
+from ruvllm.config import CacheConfig
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -41,6 +42,8 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
         gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", min=0.01, max=1.0,
                                                      help="Share of the GPU's memory the engine may use (CUDA)."),
+        kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+        kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
         from ruvllm.cli.engine_options import EngineOptions
@@ -57,7 +60,8 @@ def register(app: typer.Typer) -> None:
         if template and Path(template).is_file():
             template = Path(template).read_text(encoding="utf-8")
         opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
-                             no_prefix_caching, threads, quantization, group_size, device, gpu_memory_utilization)
+                             no_prefix_caching, threads, quantization, group_size, device, gpu_memory_utilization,
+                             kv_cache_dtype=kv_cache_dtype, kv_hot_tokens=kv_hot_tokens)
         resolve_device(device)  # a bad --device fails before any model is looked for
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):
@@ -66,10 +70,13 @@ def register(app: typer.Typer) -> None:
         cfg = ServerConfig(host=host, port=port, api_key=api_key, max_concurrent=max_concurrent,
                            max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
-        kv_mib = core.runner.kv_cache.numel() * core.runner.kv_cache.element_size() / 2**20
+        kv_mib = core.runner.kv_cache_bytes / 2**20
+        pool = core.kv.pool
+        tiers = f" ({pool.num_hot} hot + {pool.num_cold} {kv_cache_dtype} cold)" if pool.num_cold else ""
         console.print(f"model [bold]{cfg.served_model_name}[/bold] ({core.model_path}), "
                       f"{core.model_config.architecture}, context {core.max_seq_len}; KV cache "
-                      f"{core.num_blocks} blocks x {block_size} tokens ({kv_mib:.0f} MiB)")
+                      f"{core.num_blocks} blocks{tiers} x {block_size} = {core.num_blocks * block_size:,} tokens "
+                      f"({kv_mib:.0f} MiB)")
         app = create_app(engine, cfg, owns_engine=True)
         console.print(f"starting the server on http://{host}:{port}/v1  (Ctrl-C stops it)")
         try:

@@ -26,7 +26,8 @@ from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
-from ruvllm.worker.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
+from ruvllm.attention.kv_quant import check_kv_cache_dtype
+from ruvllm.worker.model_runner import ModelRunner, kv_bytes_per_block, kv_tier_blocks
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,10 @@ class EngineCore:
         self.config = config
         cache = config.cache
         self.runner = self._runner(model, config)
-        self.num_blocks = self.runner.num_blocks
-        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # Both tiers with a quantized KV cache: hot block ids first, then cold ones.
+        self.num_blocks = self.runner.num_blocks + self.runner.num_cold_blocks
+        self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 self.runner.num_cold_blocks, cache.kv_hot_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         # A sequence can never outgrow the pool, so a request running alone always fits.
         self.max_seq_len = min(self.max_model_len, self.num_blocks * cache.block_size)
@@ -99,11 +102,16 @@ class EngineCore:
         """The model runner with its KV pool: sized as configured, or on CUDA by profiling a warm-up
         (worker/gpu_memory.py); then, on CUDA, the decode graphs are captured."""
         cache, sched, mc = config.cache, config.scheduler, self.model_config
+        check_kv_cache_dtype(cache.kv_cache_dtype, self.dtype, self.device, config.attention)
         profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
         warm_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-warm_tokens // cache.block_size) if profiled else num_kv_blocks(mc, cache, self.dtype)
+        if profiled:
+            blocks, cold = -(-warm_tokens // cache.block_size), 0
+        else:
+            blocks, cold = kv_tier_blocks(mc, cache, sched, self.dtype, self.max_model_len)
         runner = ModelRunner(model, mc, cache.block_size, blocks, self.dtype, self.device,
-                             seed=config.seed, attention=config.attention)
+                             seed=config.seed, attention=config.attention, num_cold_blocks=cold,
+                             kv_cache_dtype=cache.kv_cache_dtype, kv_hot_tokens=cache.kv_hot_tokens)
         if profiled:
             profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
             runner.allocate_kv_cache(kv_blocks_from_profile(
@@ -194,6 +202,8 @@ class EngineCore:
             return []
         ro = self.runner.execute(so, self.scheduler.requests)
         touched = self.scheduler.update(so, ro)
+        if self.kv.pool.num_cold:
+            self._migrate(so)
         changed: dict[str, _Group] = {}
         for req in touched:
             group = self._child_to_group[req.request_id]
@@ -205,6 +215,13 @@ class EngineCore:
                 req.finish_reason, req.stop_reason = FinishReason.STOP, stop
             changed[group.request_id] = group
         return [self._output(g) for g in changed.values()]
+
+    def _migrate(self, so) -> None:
+        """Quantized KV cache: blocks of this step's sequences that left every later query's hot
+        window move to the cold tier (the pool swaps ids, the runner quantize-copies the K/V). What a
+        query reads depends on its position only, never on when a block moved (kv_quant.py)."""
+        reqs = [self.scheduler.requests[s.request_id] for s in so.seqs if s.request_id in self.scheduler.requests]
+        self.runner.migrate_blocks(self.kv.migrate_cold(reqs))
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []

@@ -15,16 +15,26 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    """`num_blocks` hot blocks, and with `num_cold_blocks` a quantized cold tier: a request's full
+    blocks migrate there once every later query of the request reads them as old, that is once each
+    of their tokens is at least `hot_tokens` positions older than the request's next token (see
+    migrate_cold for the exact point)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_cold_blocks: int = 0, hot_tokens: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.hot_tokens = hot_tokens
+        self.pool = BlockPool(num_blocks, num_cold_blocks)
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self._cold_upto: dict[str, int] = {}  # leading blocks of the request already cold
+        self._requests: dict[str, Request] = {}  # every request holding blocks (for migrate_cold)
 
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks of both tiers."""
         return self.pool.num_free
 
     @property
@@ -55,7 +65,30 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = h
+        if self.pool.num_cold:
+            hits = self._exact_hits(hits)
         return hits, len(hits) * self.block_size
+
+    def _num_old_blocks(self, num_tokens: int) -> int:
+        """Leading blocks that every query at position >= num_tokens reads as old (dequantized):
+        block i is old for a query at p when (i + 1) * block_size <= p + 1 - hot_tokens."""
+        return max(0, num_tokens + 1 - self.hot_tokens) // self.block_size
+
+    def _exact_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
+        """The longest head of `hits` that reads like a miss: the blocks inside the hot window of
+        the request's first computed query must hold exact K/V, so a cold one there is swapped for
+        the hot copy its move left behind (BlockPool.exact_copy), and without one the hit ends
+        earlier. Reading it dequantized instead would make the output depend on what ran before."""
+        for k in range(len(hits), 0, -1):
+            head = hits[:k]
+            for i in range(self._num_old_blocks(k * self.block_size), k):
+                exact = self.pool.exact_copy(head[i])
+                if exact is None:
+                    break
+                head[i] = exact
+            else:
+                return head
+        return []
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
@@ -65,12 +98,15 @@ class KVCacheManager:
         when the allocation succeeds, so a request that waits several steps is counted once."""
         computed_blocks = computed_blocks or []
         held = self._blocks.setdefault(req.request_id, [])
+        self._requests[req.request_id] = req
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if b.ref_count == 0)
-        if needed > self.pool.num_free - revived:
+        # New tokens take hot blocks; cold hits are revived from the cold free list.
+        revived = sum(1 for b in computed_blocks if b.ref_count == 0 and not self.pool.is_cold(b))
+        if needed > self.pool.num_free_hot - revived:
             if not held:
                 del self._blocks[req.request_id]
+                del self._requests[req.request_id]
             return False
         if self.enable_prefix_caching and not held:  # admission
             self.stats.queries += req.num_tokens
@@ -99,8 +135,66 @@ class KVCacheManager:
             hashes.append(h)
             parent = h
 
+    def _num_movable(self, req: Request) -> int:
+        """Leading blocks of the request that none of its later queries reads exactly: old for a
+        query at the start of the block holding its next token (num_computed_tokens rounded down
+        to a block). Moving them then costs no more hot blocks than moving each as soon as the next
+        query reads it as old, and a prefix hit that ends at the request's last full block finds
+        every block young for the hit's first query still hot. Only fully computed blocks move."""
+        ctx = req.num_computed_tokens
+        start = ctx // self.block_size * self.block_size
+        return min(len(self._blocks[req.request_id]), ctx // self.block_size, self._num_old_blocks(start))
+
+    def migrate_cold(self, reqs: list[Request]) -> list[tuple[int, int]]:
+        """Move blocks that no later query of any holder reads exactly to the cold tier.
+
+        Attention reads an old block dequantized whether or not it has moved (a hot one
+        fake-quantized with the same quantizer), so moving is a matter of memory only; but a block
+        shared through the prefix cache moves only once it is old for every request holding it,
+        since a holder further behind still reads it exactly. Stops early when the cold tier is full
+        (the rest wait for a later step). Returns (hot id, cold id) pairs whose K/V the model runner
+        must quantize-copy before the next forward pass."""
+        if not self.pool.num_cold:
+            return []
+        young: set[int] | None = None  # ids of shared blocks some holder still reads exactly
+        moves = []
+        for req in reqs:
+            blocks = self._blocks.get(req.request_id)
+            if not blocks:
+                continue
+            first = self._cold_upto.get(req.request_id, 0)
+            upto = None  # the first block left behind, where the next call starts
+            for i in range(first, self._num_movable(req)):
+                block = blocks[i]
+                if self.pool.is_cold(block):
+                    continue
+                if block.ref_count > 1:
+                    if young is None:
+                        young = self._young_shared_blocks()
+                    if id(block) in young:
+                        upto = i if upto is None else upto
+                        continue
+                move = self.pool.migrate(block)
+                if move is None:  # the cold tier is full
+                    upto = i if upto is None else upto
+                    break
+                moves.append(move)
+            self._cold_upto[req.request_id] = self._num_movable(req) if upto is None else upto
+        return moves
+
+    def _young_shared_blocks(self) -> set[int]:
+        """Shared blocks that some holder will still read exactly (past its movable head)."""
+        young = set()
+        for rid, req in self._requests.items():
+            for block in self._blocks[rid][self._num_movable(req):]:
+                if block.ref_count > 1:
+                    young.add(id(block))
+        return young
+
     def free(self, req: Request) -> None:
         """Return every block of the request; tail blocks first so they are evicted before shared heads."""
         blocks = self._blocks.pop(req.request_id, [])
         self._hashes.pop(req.request_id, None)
+        self._cold_upto.pop(req.request_id, None)
+        self._requests.pop(req.request_id, None)
         self.pool.release(reversed(blocks))

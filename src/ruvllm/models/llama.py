@@ -91,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[tuple], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         # The residual stream is carried beside each sublayer's output and added inside the next
         # norm (one fused kernel on GPU); in the torch ops this is the same arithmetic as
@@ -101,10 +101,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         cos, sin = self.rope.for_positions(positions)
         scale = self.cfg.head_dim ** -0.5
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache, *cold) in zip(self.layers, kv_caches):  # cold: a quantized tier's store
             h, residual = ops.add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
             q, k, v = layer.qkv(h, cos, sin)
-            o = attn.forward(q, k, v, k_cache, v_cache, meta, scale)
+            o = attn.forward(q, k, v, k_cache, v_cache, meta, scale, *cold)
             h, residual = ops.add_rms_norm(layer.o_proj(o.reshape(-1, self.cfg.q_size)), residual,
                                            layer.post_attention_layernorm.weight, eps)
             x = layer.mlp(h)

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ruvllm.attention.backend import AttentionBackend
-from ruvllm.attention.cpu_kernels import paged_attention
+from ruvllm.attention.cpu_kernels import cold_tier_kernels, paged_attention
+from ruvllm.attention.kv_quant import (KV_BITS, ColdLayer, KVTier, code_dtype, code_width, cold_bytes_per_row,
+                                       meta_width)
 from ruvllm.attention.torch_paged import TorchPagedAttention
-from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
+from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
 from ruvllm.layers.sampler import sample, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
@@ -27,6 +29,10 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def cold_kv_bytes_per_block(cfg: ModelConfig, block_size: int, bits: int) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cold_bytes_per_row(cfg.head_dim, bits)
+
+
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     """Blocks in the pool when its size is given (a block count, or bytes; default 1 GiB)."""
     if cache.num_blocks is not None:
@@ -39,6 +45,55 @@ def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> i
     return int(n)
 
 
+def hot_blocks_wanted(cache: CacheConfig, sched: SchedulerConfig, max_model_len: int) -> tuple[int, int]:
+    """Hot blocks a two-tier cache wants (every running sequence's hot window plus one step's new
+    tokens) and needs (one sequence's window plus one step: a request running alone always fits).
+
+    After a step's migrations a decoding sequence holds at most ceil((hot_tokens - 1) / block_size) + 1
+    hot blocks, its next token included; a step writes at most max_num_batched_tokens new tokens."""
+    bs = cache.block_size
+    per_seq = -(-max(cache.kv_hot_tokens - 1, 0) // bs) + 1
+    step = -(-min(sched.max_num_batched_tokens, max_model_len) // bs) + 1
+    return sched.max_num_seqs * per_seq + step, per_seq + step
+
+
+def kv_tier_blocks(cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype,
+                   max_model_len: int) -> tuple[int, int]:
+    """(hot blocks, cold blocks) of a pool sized as configured. Without a quantized KV dtype: all hot.
+
+    With int8/int4 the budget (kv_cache_memory_bytes, or num_blocks x a 16-bit block's bytes) first
+    gives the hot tier what hot_blocks_wanted asks, at most half of it (but never less than one
+    sequence needs), and the rest to cold blocks."""
+    if not cache.quantized_kv:
+        return num_kv_blocks(cfg, cache, dtype), 0
+    hot_bytes = kv_bytes_per_block(cfg, cache.block_size, dtype)
+    cold_bytes = cold_kv_bytes_per_block(cfg, cache.block_size, KV_BITS[cache.kv_cache_dtype])
+    if cache.num_blocks is not None:
+        budget = cache.num_blocks * hot_bytes
+    else:
+        budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    want, need = hot_blocks_wanted(cache, sched, max_model_len)
+    hot = max(need, min(want, budget // 2 // hot_bytes))
+    cold = (budget - hot * hot_bytes) // cold_bytes
+    if cold < 1:
+        raise ValueError(
+            f"an {cache.kv_cache_dtype} KV cache of {budget / 2**20:.1f} MiB cannot hold its hot tier "
+            f"({need} blocks of {hot_bytes / 2**20:.2f} MiB: the hot window of {cache.kv_hot_tokens} tokens "
+            f"plus one step of {sched.max_num_batched_tokens} tokens) and any cold block; give it more memory "
+            "(kv_cache_memory_bytes / --kv-cache-gib), or lower kv_hot_tokens or max_num_batched_tokens")
+    return hot, int(cold)
+
+
+def kv_capacity_ratio(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str, hot: int,
+                      cold: int) -> float:
+    """Tokens the two tiers hold / tokens a cache all in `dtype` would hold in the same bytes."""
+    if not cold:
+        return 1.0
+    hot_bytes = kv_bytes_per_block(cfg, block_size, dtype)
+    used = hot * hot_bytes + cold * cold_kv_bytes_per_block(cfg, block_size, KV_BITS[kv_cache_dtype])
+    return (hot + cold) * hot_bytes / used
+
+
 def choose_attention(name: str, cfg: ModelConfig, device: torch.device) -> AttentionBackend:
     """"auto": the Triton kernel on CUDA, our compiled C++ kernel on CPU (PyTorch ops without a compiler)."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
@@ -47,13 +102,16 @@ def choose_attention(name: str, cfg: ModelConfig, device: torch.device) -> Atten
         return TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if device.type == "cuda":
         return TorchPagedAttention(None)
-    return TorchPagedAttention(paged_attention() if name == "auto" else None)
+    if name != "auto":
+        return TorchPagedAttention(None)
+    return TorchPagedAttention(paged_attention(), cold_tier_kernels())
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, block_size: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", num_cold_blocks: int = 0, kv_cache_dtype: str = "auto",
+                 kv_hot_tokens: int = 0) -> None:
         self.model = model
         self.device = torch.device(device)
         # Unseeded requests sample from this, so a whole engine run reproduces from EngineConfig.seed.
@@ -63,19 +121,66 @@ class ModelRunner:
         self.dtype = dtype
         self.attn = choose_attention(attention, cfg, self.device)
         self.graphs: DecodeGraphs | None = None
-        self.allocate_kv_cache(num_blocks)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_hot_tokens = kv_hot_tokens
+        self.allocate_kv_cache(num_blocks, num_cold_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_cold_blocks: int = 0) -> None:
         """The pool's blocks, plus one scratch block the scheduler never hands out: padding rows of
-        a CUDA-graph batch write their keys there."""
+        a CUDA-graph batch write their keys there. With `num_cold_blocks` (an int8/int4 KV cache),
+        also the cold tier: codes and fp16 scales per (token, KV head), block ids after the hot ones."""
         cfg = self.cfg
         self.kv_cache = self.kv_views = None  # free the old pool before taking the new one
+        self.cold_codes = self.cold_meta = self.tier = None
         self.num_blocks = num_blocks
+        self.num_cold_blocks = num_cold_blocks
         shape = (cfg.num_layers, 2, (num_blocks + 1) * self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size,
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        hot_mib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**20
+        if not num_cold_blocks:
+            log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size, hot_mib)
+            return
+        bits = KV_BITS[self.kv_cache_dtype]
+        cold_slots = num_cold_blocks * self.block_size
+        self.cold_codes = torch.zeros(cfg.num_layers, 2, cold_slots, cfg.num_kv_heads, code_width(cfg.head_dim, bits),
+                                      dtype=code_dtype(bits), device=self.device)
+        self.cold_meta = torch.zeros(cfg.num_layers, 2, cold_slots, cfg.num_kv_heads, meta_width(bits),
+                                     dtype=torch.float16, device=self.device)
+        self.tier = KVTier(num_blocks, self.kv_hot_tokens, bits)
+        self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1],
+                          ColdLayer(self.cold_codes[i, 0], self.cold_codes[i, 1], self.cold_meta[i, 0], self.cold_meta[i, 1]))
+                         for i in range(cfg.num_layers)]
+        cold_mib = (self.cold_codes.numel() + 2 * self.cold_meta.numel()) / 2**20
+        ratio = kv_capacity_ratio(cfg, self.block_size, self.dtype, self.kv_cache_dtype, num_blocks, num_cold_blocks)
+        log.info("KV cache: %d hot blocks (%s, %.1f MiB) + %d cold blocks (%s, %.1f MiB) of %d tokens: %d tokens, "
+                 "%.2fx a %s cache in the same memory; hot window %d tokens", num_blocks,
+                 str(self.dtype).removeprefix("torch."), hot_mib, num_cold_blocks, self.kv_cache_dtype, cold_mib,
+                 self.block_size, (num_blocks + num_cold_blocks) * self.block_size, ratio,
+                 str(self.dtype).removeprefix("torch."), self.kv_hot_tokens)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pool, both tiers (the hot tier's scratch block included)."""
+        total = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.cold_codes is not None:
+            total += self.cold_codes.numel() + self.cold_meta.numel() * self.cold_meta.element_size()
+        return total
+
+    @torch.inference_mode()
+    def migrate_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Quantize-copy hot blocks into cold ones, every layer's K and V in one batched op.
+        moves: (hot block id, cold block id) pairs from KVCacheManager.migrate_cold."""
+        if not moves:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs)
+        src = torch.tensor([h for h, _ in moves], dtype=torch.long)
+        dst = torch.tensor([c - self.num_blocks for _, c in moves], dtype=torch.long)
+        src_slots = (src.unsqueeze(1) * bs + offsets).flatten().to(self.device)
+        dst_slots = (dst.unsqueeze(1) * bs + offsets).flatten().to(self.device)
+        self.attn.quantize_blocks(self.kv_cache, src_slots, self.cold_codes, self.cold_meta, dst_slots,
+                                  self.tier.bits)
 
     @property
     def scratch_block(self) -> int:
@@ -97,7 +202,10 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
             seqs.append((n, seq.start_position + n, seq.block_table))
-        meta = self.attn.build_metadata(seqs, self.block_size, self.device)
+        if self.tier is not None:
+            meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
+        else:
+            meta = self.attn.build_metadata(seqs, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model(ids, pos, self.kv_views, meta, self.attn)

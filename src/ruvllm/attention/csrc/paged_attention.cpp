@@ -11,6 +11,13 @@
 // Work is split into tasks of up to kTile consecutive rows of one sequence; within a task each
 // cache slot (all KV heads of one token, contiguous) is loaded once per pass and used by every row
 // of the tile and every query head, which keeps prompt chunks fast and reads memory in order.
+//
+// A quantized KV cache (paged_attention_tiered) adds a cold tier: block ids >= num_hot_blocks hold
+// int8/int4 codes with fp16 scales per (token, KV head) row (attention/kv_quant.py has the format).
+// A row at position p reads block b as cold when (b + 1) * block_size <= p + 1 - hot_tokens: from the
+// cold tier if the block has moved there, else fake-quantized from the hot tier with the very same
+// quantizer that moves blocks (quantize_kv_blocks). So what a row reads depends on its position only,
+// never on when its blocks moved, how its prompt was chunked, or what else shared the step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -70,6 +77,70 @@ __attribute__((noinline)) void softmax_inplace(float* s, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
+// --- the cold tier's rows: kv_quant.py's format -------------------------------------------------
+// int8: q = round(x / s) in [-127, 127], s = fp16(max|x| / 127).  int4: q = round((x - m) / s) in
+// [0, 15], m = fp16(min x), s = fp16((max x - m) / 15), two codes a byte (even index low nibble).
+// Not inlined, so moving a block and fake-quantizing it in attention run the same instructions.
+
+inline c10::Half to_half(float x) { return c10::Half(std::min(std::max(x, -65504.f), 65504.f)); }
+
+__attribute__((noinline)) void quantize_row(const float* x, int64_t d, int bits, uint8_t* codes, c10::Half* meta) {
+  if (bits == 8) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const c10::Half scale = to_half(amax / 127.f);
+    const float s = static_cast<float>(scale);
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    int8_t* q = reinterpret_cast<int8_t*>(codes);
+    for (int64_t i = 0; i < d; ++i)
+      q[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[i] * inv), -127.f), 127.f));
+    meta[0] = scale;
+    return;
+  }
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < d; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const c10::Half minimum = to_half(lo);
+  const float m = static_cast<float>(minimum);
+  const c10::Half scale = to_half(std::max(hi - m, 0.f) / 15.f);
+  const float s = static_cast<float>(scale);
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t i = 0; i < d; i += 2) {
+    const float a = std::min(std::max(std::nearbyint((x[i] - m) * inv), 0.f), 15.f);
+    const float b = std::min(std::max(std::nearbyint((x[i + 1] - m) * inv), 0.f), 15.f);
+    codes[i / 2] = static_cast<uint8_t>(static_cast<int>(a) | (static_cast<int>(b) << 4));
+  }
+  meta[0] = scale;
+  meta[1] = minimum;
+}
+
+__attribute__((noinline)) void dequantize_row(const uint8_t* codes, const c10::Half* meta, int64_t d, int bits,
+                                              float* out) {
+  const float s = static_cast<float>(meta[0]);
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(q[i]) * s;
+    return;
+  }
+  const float m = static_cast<float>(meta[1]);
+#pragma omp simd
+  for (int64_t i = 0; i < d / 2; ++i) {
+    out[2 * i] = static_cast<float>(codes[i] & 15) * s + m;
+    out[2 * i + 1] = static_cast<float>(codes[i] >> 4) * s + m;
+  }
+}
+
+// One layer's cold tier, or none (num_hot < 0).
+struct Cold {
+  const uint8_t* codes[2] = {nullptr, nullptr};  // keys, values: [cold_slots, hkv, code_width]
+  const c10::Half* meta[2] = {nullptr, nullptr};  // [cold_slots, hkv, meta_width]
+  int64_t num_hot = -1, hot_tokens = 0, code_width = 0, meta_width = 0;
+  int bits = 0;
+};
+
 struct Tile {
   int64_t row_begin, row_end, seq;
 };
@@ -77,7 +148,7 @@ struct Tile {
 template <typename T>
 void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& block_tables, const std::vector<Tile>& tiles, const int64_t* row_ctx,
-                    int64_t block_size, double scale, torch::Tensor& out) {
+                    int64_t block_size, double scale, const Cold& cold, torch::Tensor& out) {
   const int64_t hq = q.size(1), dim = q.size(2);
   const int64_t hkv = k_cache.size(1), group = hq / hkv;
   const int64_t max_blocks = block_tables.size(1);
@@ -93,7 +164,9 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
   // One task per tile, all heads: each cache slot (every KV head of one token) is read once per
   // pass as one contiguous run.
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, slot_row(slot_stride), scores;
+    std::vector<float> qf, acc, slot_row(slot_stride), slot_old(slot_stride), scores;
+    std::vector<uint8_t> codes_tmp(dim);
+    std::vector<c10::Half> meta_tmp(2);
     for (int64_t task = begin; task < end; ++task) {
       const Tile& tile = tiles[task];
       const int64_t rows = tile.row_end - tile.row_begin;
@@ -107,26 +180,50 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
       for (int64_t r = 0; r < rows; ++r) load_row(qp + (tile.row_begin + r) * hq * dim, qf.data() + r * hq * dim, hq * dim);
 
       // Walk the context slot by slot through the block table, loading each slot (all KV heads)
-      // once from `cache`, and hand every (row, query head) that sees it to `use`.
-      auto for_each_visible = [&](const T* cache, auto&& use) {
+      // once from the cache (`kv` 0: keys, 1: values), and hand every (row, query head) that sees
+      // it to `use`. With a cold tier, a row for which the block is old gets `slot_old`: the slot
+      // dequantized from the cold tier, or fake-quantized from the hot tier.
+      auto for_each_visible = [&](int kv, auto&& use) {
+        const T* cache = kv ? vp : kp;
         for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
-          const T* block = cache + table[b] * block_size * slot_stride;
+          const int64_t id = table[b];
+          const bool is_cold = cold.num_hot >= 0 && id >= cold.num_hot;
+          // Rows with a context of at least this many keys read block b as old.
+          const int64_t old_from = (b + 1) * block_size + cold.hot_tokens;
+          const bool fake = cold.num_hot >= 0 && !is_cold && ctx_max >= old_from;
+          const T* block = cache + (is_cold ? 0 : id) * block_size * slot_stride;
           for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
-            load_row(block + j * slot_stride, slot_row.data(), slot_stride);
+            if (is_cold) {
+              const int64_t slot = (id - cold.num_hot) * block_size + j;
+              for (int64_t h = 0; h < hkv; ++h)
+                dequantize_row(cold.codes[kv] + (slot * hkv + h) * cold.code_width,
+                               cold.meta[kv] + (slot * hkv + h) * cold.meta_width, dim, cold.bits,
+                               slot_old.data() + h * dim);
+            } else {
+              load_row(block + j * slot_stride, slot_row.data(), slot_stride);
+              if (fake) {
+                for (int64_t h = 0; h < hkv; ++h) {
+                  quantize_row(slot_row.data() + h * dim, dim, cold.bits, codes_tmp.data(), meta_tmp.data());
+                  dequantize_row(codes_tmp.data(), meta_tmp.data(), dim, cold.bits, slot_old.data() + h * dim);
+                }
+              }
+            }
             for (int64_t r = 0; r < rows; ++r) {
-              if (t >= row_ctx[tile.row_begin + r]) continue;
-              for (int64_t qh = 0; qh < hq; ++qh) use(r * hq + qh, t, slot_row.data() + (qh / group) * dim);
+              const int64_t ctx = row_ctx[tile.row_begin + r];
+              if (t >= ctx) continue;
+              const float* src = is_cold || (fake && ctx >= old_from) ? slot_old.data() : slot_row.data();
+              for (int64_t qh = 0; qh < hq; ++qh) use(r * hq + qh, t, src + (qh / group) * dim);
             }
           }
         }
       };
-      for_each_visible(kp, [&](int64_t i, int64_t t, const float* key) {
+      for_each_visible(0, [&](int64_t i, int64_t t, const float* key) {
         scores[i * ctx_max + t] = dot(qf.data() + i * dim, key, dim) * fscale;
       });
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t qh = 0; qh < hq; ++qh)
           softmax_inplace(scores.data() + (r * hq + qh) * ctx_max, row_ctx[tile.row_begin + r]);
-      for_each_visible(vp, [&](int64_t i, int64_t t, const float* value) {
+      for_each_visible(1, [&](int64_t i, int64_t t, const float* value) {
         axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
       });
       for (int64_t r = 0; r < rows; ++r) {
@@ -138,11 +235,27 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
   });
 }
 
-// q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [S, max_blocks]; row_seq [T]: each row's
-// sequence (its block-table row); row_ctx [T]: keys each row attends to (its position + 1).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_ctx,
-                              int64_t block_size, double scale) {
+std::vector<Tile> make_tiles(const torch::Tensor& tables, const int64_t* seq_p, const int64_t* ctx_p, int64_t rows,
+                             int64_t block_size) {
+  const int64_t capacity = tables.size(1) * block_size;
+  std::vector<Tile> tiles;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ctx_p[r] >= 1 && ctx_p[r] <= capacity, "row ", r, " attends to ", ctx_p[r],
+                " keys; its block table holds ", capacity);
+    TORCH_CHECK(seq_p[r] >= 0 && seq_p[r] < tables.size(0), "row ", r, " names no block table");
+    if (!tiles.empty() && tiles.back().seq == seq_p[r] && tiles.back().row_end == r &&
+        r - tiles.back().row_begin < kTile) {
+      tiles.back().row_end = r + 1;
+    } else {
+      tiles.push_back({r, r + 1, seq_p[r]});
+    }
+  }
+  return tiles;
+}
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                        torch::Tensor row_seq, torch::Tensor row_ctx, int64_t block_size, double scale,
+                        const Cold& cold) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T,Hq,D], caches [slots,Hkv,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -155,26 +268,112 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto tables = block_tables.contiguous();
   auto seqs = row_seq.contiguous();
   auto ctx = row_ctx.contiguous();
-  const int64_t* seq_p = seqs.data_ptr<int64_t>();
   const int64_t* ctx_p = ctx.data_ptr<int64_t>();
-  const int64_t capacity = tables.size(1) * block_size;
-  std::vector<Tile> tiles;
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    TORCH_CHECK(ctx_p[r] >= 1 && ctx_p[r] <= capacity, "row ", r, " attends to ", ctx_p[r],
-                " keys; its block table holds ", capacity);
-    TORCH_CHECK(seq_p[r] >= 0 && seq_p[r] < tables.size(0), "row ", r, " names no block table");
-    if (!tiles.empty() && tiles.back().seq == seq_p[r] && tiles.back().row_end == r &&
-        r - tiles.back().row_begin < kTile) {
-      tiles.back().row_end = r + 1;
-    } else {
-      tiles.push_back({r, r + 1, seq_p[r]});
-    }
-  }
+  std::vector<Tile> tiles = make_tiles(tables, seqs.data_ptr<int64_t>(), ctx_p, q.size(0), block_size);
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attention_impl<scalar_t>(q, k_cache, v_cache, tables, tiles, ctx_p, block_size, scale, out);
+    attention_impl<scalar_t>(q, k_cache, v_cache, tables, tiles, ctx_p, block_size, scale, cold, out);
   });
   return out;
+}
+
+// q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [S, max_blocks]; row_seq [T]: each row's
+// sequence (its block-table row); row_ctx [T]: keys each row attends to (its position + 1).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_ctx,
+                              int64_t block_size, double scale) {
+  return attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale, Cold{});
+}
+
+void check_cold(const torch::Tensor& codes, const torch::Tensor& meta, const torch::Tensor& hot, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "KV codes are 8 or 4 bits, got ", bits);
+  TORCH_CHECK(codes.scalar_type() == (bits == 8 ? torch::kInt8 : torch::kUInt8),
+              "int8 codes are int8, int4 codes are uint8 (two a byte)");
+  TORCH_CHECK(meta.scalar_type() == torch::kHalf, "cold-tier scales are float16");
+  TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous(), "cold-tier tensors must be contiguous");
+  const int64_t d = hot.size(-1);
+  TORCH_CHECK(codes.dim() == hot.dim() && codes.size(-2) == hot.size(-2) &&
+                  codes.size(-1) == (bits == 8 ? d : d / 2) && meta.size(-1) == (bits == 8 ? 1 : 2) &&
+                  meta.size(-2) == hot.size(-2) && meta.size(-3) == codes.size(-3),
+              "cold-tier codes/scales do not match the hot cache's heads and head size");
+  TORCH_CHECK(bits == 8 || d % 2 == 0, "int4 codes need an even head size");
+}
+
+// A two-tier cache: blocks >= num_hot_blocks are cold (codes [cold_slots, Hkv, D or D/2], meta
+// [cold_slots, Hkv, 1 or 2] fp16); a row reads block b as cold when (b + 1) * block_size <= its
+// context - hot_tokens.
+torch::Tensor paged_attention_tiered(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_meta,
+                                     torch::Tensor v_meta, torch::Tensor block_tables, torch::Tensor row_seq,
+                                     torch::Tensor row_ctx, int64_t block_size, double scale,
+                                     int64_t num_hot_blocks, int64_t hot_tokens, int64_t bits) {
+  check_cold(k_codes, k_meta, k_cache, bits);
+  check_cold(v_codes, v_meta, v_cache, bits);
+  TORCH_CHECK(num_hot_blocks >= 0 && hot_tokens >= 0, "num_hot_blocks and hot_tokens must be >= 0");
+  Cold cold;
+  cold.codes[0] = reinterpret_cast<const uint8_t*>(k_codes.data_ptr());
+  cold.codes[1] = reinterpret_cast<const uint8_t*>(v_codes.data_ptr());
+  cold.meta[0] = k_meta.data_ptr<c10::Half>();
+  cold.meta[1] = v_meta.data_ptr<c10::Half>();
+  cold.num_hot = num_hot_blocks;
+  cold.hot_tokens = hot_tokens;
+  cold.bits = static_cast<int>(bits);
+  cold.code_width = k_codes.size(-1);
+  cold.meta_width = k_meta.size(-1);
+  const int64_t cold_blocks = k_codes.size(0) / block_size;
+  auto tables = block_tables.contiguous();
+  const int64_t* ids = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_hot_blocks + cold_blocks, "block id ", ids[i], " is outside the pool (",
+                num_hot_blocks, " hot + ", cold_blocks, " cold blocks)");
+  return attention(q, k_cache, v_cache, tables, row_seq, row_ctx, block_size, scale, cold);
+}
+
+template <typename T>
+void quantize_impl(const torch::Tensor& kv, const int64_t* src, torch::Tensor& codes, torch::Tensor& meta,
+                   const int64_t* dst, int64_t n, int bits) {
+  const int64_t layers = kv.size(0), hkv = kv.size(3), d = kv.size(4);
+  const int64_t hot_slots = kv.size(2), cold_slots = codes.size(2);
+  const int64_t cw = codes.size(4), mw = meta.size(4);
+  const T* kp = kv.data_ptr<T>();
+  uint8_t* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  c10::Half* mp = meta.data_ptr<c10::Half>();
+  at::parallel_for(0, layers * 2 * n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t lk = task / n, i = task % n;  // lk: layer * 2 + (0 keys, 1 values)
+      for (int64_t h = 0; h < hkv; ++h) {
+        load_row(kp + ((lk * hot_slots + src[i]) * hkv + h) * d, row.data(), d);
+        const int64_t o = (lk * cold_slots + dst[i]) * hkv + h;
+        quantize_row(row.data(), d, bits, cp + o * cw, mp + o * mw);
+      }
+    }
+  });
+}
+
+// kv_cache [L, 2, hot_slots, Hkv, D] -> codes [L, 2, cold_slots, Hkv, D or D/2], meta [L, 2, cold_slots,
+// Hkv, 1 or 2]: hot slot src_slots[i] of every layer's keys and values to cold slot dst_slots[i].
+void quantize_kv_blocks(torch::Tensor kv_cache, torch::Tensor src_slots, torch::Tensor codes, torch::Tensor meta,
+                        torch::Tensor dst_slots, int64_t bits) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [layers, 2, slots, heads, dim] tensor");
+  check_cold(codes, meta, kv_cache, bits);
+  TORCH_CHECK(codes.size(0) == kv_cache.size(0) && codes.size(1) == 2, "codes must be [layers, 2, slots, heads, *]");
+  TORCH_CHECK(src_slots.scalar_type() == torch::kInt64 && dst_slots.scalar_type() == torch::kInt64 &&
+                  src_slots.numel() == dst_slots.numel(),
+              "slots must be int64, as many sources as destinations");
+  auto src = src_slots.contiguous();
+  auto dst = dst_slots.contiguous();
+  const int64_t n = src.numel();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < kv_cache.size(2), "source slot ", sp[i], " out of range");
+    TORCH_CHECK(dp[i] >= 0 && dp[i] < codes.size(2), "destination slot ", dp[i], " out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "quantize_kv_blocks", [&] {
+    quantize_impl<scalar_t>(kv_cache, sp, codes, meta, dp, n, static_cast<int>(bits));
+  });
 }
 
 }  // namespace
@@ -183,5 +382,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released for the call (as torch's own ops do), so the server's asyncio thread and
   // signal handlers run while attention computes.
   m.def("paged_attention", &paged_attention, "Attention over a paged KV cache for every query row of a step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_tiered", &paged_attention_tiered,
+        "paged_attention over a two-tier cache: hot blocks in the compute dtype, cold ones int8/int4",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_kv_blocks", &quantize_kv_blocks, "Quantize-copy hot KV slots of every layer into cold slots",
         py::call_guard<py::gil_scoped_release>());
 }
