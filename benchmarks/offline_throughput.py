@@ -1,8 +1,11 @@
 """Offline throughput: ruvllm vs transformers' generate on the same prompts and the same GGUF weights.
 
 Each (engine, concurrency) cell runs in its own process so peak memory is that cell's alone.
-An engine is `transformers` or `ruvllm[:QUANTIZATION]` (e.g. ruvllm:auto, the default packed GGUF
-weights, and ruvllm:none, dequantized); ruvllm computes in --dtype, transformers in --hf-dtype.
+An engine is `transformers` or `ruvllm[:QUANTIZATION][:kv=KV_CACHE_DTYPE]` (e.g. ruvllm:auto, the
+default packed GGUF weights, ruvllm:none, dequantized, ruvllm:int8:kv=int8, int8 weights and a
+two-tier int8 KV cache); ruvllm computes in --dtype, transformers in --hf-dtype. ruvllm rows also
+report the decode rate (tokens after each sequence's first, over the time after the last first
+token), the weights' bytes and the KV tokens its default 1 GiB pool holds.
 Prompts are cut from a public-domain novel to exactly --prompt-len tokens; every request generates
 exactly --gen-len tokens (ignore_eos). Prints a table; --json writes the rows.
 
@@ -31,9 +34,11 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * length * 3:i * length * 3 + length] for i in range(n)]
 
 
-def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str, quantization: str = "auto") -> dict:
+def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str, quantization: str = "auto",
+               kv_cache_dtype: str = "auto") -> dict:
     from ruvllm import LLM, SamplingParams
-    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(n, 1), max_num_batched_tokens=2048)
+    llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(n, 1), max_num_batched_tokens=2048,
+              kv_cache_dtype=kv_cache_dtype)
     prompts = make_prompts(llm.tokenizer, n, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -50,7 +55,10 @@ def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str, quantization: 
             if out.finished:
                 total += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
-    return {"tokens": total, "seconds": elapsed, "ttft_s": sum(first.values()) / len(first)}
+    last_first = max(first.values())
+    return {"tokens": total, "seconds": elapsed, "ttft_s": sum(first.values()) / len(first),
+            "decode_tok_s": (total - n) / (elapsed - last_first) if elapsed > last_first else None,
+            "weight_mib": engine.weight_bytes / 2**20, "kv_tokens": engine.num_blocks * engine.config.cache.block_size}
 
 
 def run_transformers(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
@@ -79,8 +87,10 @@ def run_transformers(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:
 
 def child(args: argparse.Namespace) -> None:
     if args.engine.startswith("ruvllm"):
-        quant = args.engine.partition(":")[2] or "auto"
-        row = run_ruvllm(args.n, args.prompt_len, args.gen_len, args.dtype, quant)
+        parts = args.engine.split(":")[1:]
+        kv = next((x.removeprefix("kv=") for x in parts if x.startswith("kv=")), "auto")
+        quant = next((x for x in parts if not x.startswith("kv=")), "auto")
+        row = run_ruvllm(args.n, args.prompt_len, args.gen_len, args.dtype, quant, kv)
     else:
         row = run_transformers(args.n, args.prompt_len, args.gen_len, args.hf_dtype)
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -120,14 +130,18 @@ def main() -> None:
 
     table = Table(title=f"offline throughput: {args.prompt_len}-token prompts, {args.gen_len} generated; "
                         f"ruvllm dtype {args.dtype}, transformers {args.hf_dtype}")
-    for col in ("engine", "seqs", "output tok/s", "TTFT mean (s)", "peak RSS (MiB)", "ruvllm / transformers"):
+    for col in ("engine", "seqs", "output tok/s", "decode tok/s", "TTFT mean (s)", "peak RSS (MiB)", "weights (MiB)",
+                "KV tokens in 1 GiB", "ruvllm / transformers"):
         table.add_column(col, justify="right")
     by = {(r["engine"], r["concurrency"]): r for r in rows}
     for r in rows:
         ref = by.get(("transformers", r["concurrency"]))
         ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if r["engine"].startswith("ruvllm") and ref else ""
-        table.add_row(r["engine"], str(r["concurrency"]), f"{r['tok_s']:.1f}", f"{r['ttft_s']:.2f}",
-                      f"{r['peak_rss_mib']:.0f}", ratio)
+        decode = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "-"
+        weights = f"{r['weight_mib']:.1f}" if "weight_mib" in r else "-"
+        kv_tokens = f"{r['kv_tokens']:,}" if "kv_tokens" in r else "-"
+        table.add_row(r["engine"], str(r["concurrency"]), f"{r['tok_s']:.1f}", decode, f"{r['ttft_s']:.2f}",
+                      f"{r['peak_rss_mib']:.0f}", weights, kv_tokens, ratio)
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

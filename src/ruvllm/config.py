@@ -93,7 +93,7 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
 
 
-QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4", "w8a8")
+QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,8 @@ class QuantConfig:
           matmul (`torch._int_mm`, CPU and CUDA) in any compute dtype.
     int8: per-output-channel round-to-nearest int8.  int4: group-wise int4 (`group_size` inputs per
           group); GGUF 4-bit weights whose groups match keep their own codes.
+    q8 / q4k: llama.cpp's Q8_0 / Q4_K quantizers applied at load (fixed blocks of 32 / 256 inputs;
+          `group_size` does not apply), run on the int4 kernel (quant/llamacpp.py).
     Modules named in `keep_16bit` stay dense (by default the embeddings and the LM head).
     """
 

@@ -169,11 +169,12 @@ def test_quant_linear_on_gguf_int4_blocks(qtype) -> None:
     assert_matches_reference(y, x, qw, None)
 
 
-def test_quant_linear_refuses_group_wise_int8() -> None:
+def test_quant_linear_refuses_group_wise_int8_for_w8a8() -> None:
+    # group-wise int8 itself runs (tests/unit/test_q8_q4k.py); int8 x int8 needs per-channel scales
     rng = np.random.default_rng(3)
-    raw, _ = gguf_weight(rng, QType.Q8_0, 8, 64)
+    raw, _ = gguf_weight(rng, QType.Q8_0, 16, 64)
     with pytest.raises(ValueError, match="per output channel"):
-        QuantLinear(gguf_int8(raw, (8, 64)))
+        QuantLinear(gguf_int8(raw, (16, 64)), int8_activations=True)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

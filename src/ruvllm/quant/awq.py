@@ -44,12 +44,13 @@ range (the checkpoint stores those in fp16) are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ruvllm.config import ModelConfig
 from ruvllm.quant.rtn import check_int4_group, int4_checkpoint_grid
 
 DEFAULT_GRID = 20  # alpha steps: 0, 0.05, ..., 1
@@ -182,19 +183,24 @@ def clip_weight(weight: torch.Tensor, inputs: torch.Tensor, group_size: int,
     return torch.minimum(torch.maximum(wg, lo * r), hi * r).reshape(n, k)
 
 
-class _Recorder:
-    """Forward pre-hook: mean |x| per input channel over all rows, and every `stride`-th row."""
+class InputRecorder:
+    """Forward pre-hook on a linear: per input channel the mean |x| over all rows (AWQ) and the
+    largest |x| (SmoothQuant), and every `stride`-th row (for measuring output errors)."""
 
     def __init__(self, stride: int) -> None:
         self.stride = stride
         self.abs_sum: torch.Tensor | None = None
+        self.abs_max: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
 
     def __call__(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].reshape(-1, args[0].shape[-1]).float()
-        total = x.abs().sum(dim=0, dtype=torch.float64)
+        magnitude = x.abs()
+        total = magnitude.sum(dim=0, dtype=torch.float64)
+        peak = magnitude.amax(dim=0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        self.abs_max = peak if self.abs_max is None else torch.maximum(self.abs_max, peak)
         start = (-self.count) % self.stride  # global row index a multiple of stride
         self.rows.append(x[start::self.stride].clone())
         self.count += x.shape[0]
@@ -203,6 +209,11 @@ class _Recorder:
     def mean(self) -> torch.Tensor:
         assert self.abs_sum is not None
         return (self.abs_sum / self.count).float()
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        assert self.abs_max is not None
+        return self.abs_max
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -248,6 +259,82 @@ def forward_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(model.norm(x))
 
 
+# The four groups of linears sharing an input, in folding order: o_proj and down_proj first, as
+# their folds rescale v and up rows, which q/k/v and gate/up then see as they will be quantized.
+FOLD_ORDER = ("o_proj", "qkv_proj", "down_proj", "gate_up_proj")
+
+
+def o_proj_tie(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(kv heads, query heads per kv head, head_dim): o_proj's inputs that one v channel feeds."""
+    return cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+
+
+def _v_rows(cfg: ModelConfig) -> slice:
+    return slice(cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+
+
+def _up_rows(cfg: ModelConfig) -> slice:
+    return slice(cfg.intermediate_size, 2 * cfg.intermediate_size)
+
+
+def producer_absmax(layer: torch.nn.Module, group: str) -> torch.Tensor:
+    """Per channel that fold_scales divides (per kv channel for o_proj), the largest |value| there."""
+    cfg = layer.cfg
+    if group == "o_proj":
+        return layer.qkv_proj.weight.data[_v_rows(cfg)].abs().amax(dim=1)
+    if group == "qkv_proj":
+        return layer.input_layernorm.weight.data.abs()
+    if group == "down_proj":
+        return layer.gate_up_proj.weight.data[_up_rows(cfg)].abs().amax(dim=1)
+    return layer.post_attention_layernorm.weight.data.abs()
+
+
+@torch.no_grad()
+def fold_scales(layer: torch.nn.Module, group: str, scales: torch.Tensor) -> None:
+    """Multiply the input columns of `group`'s weight by scales [K] and divide whatever produces that
+    input by them, in place, so the float layer computes what it did. The producers are exact
+    linear stand-ins: RMSNorm weights for q/k/v and gate/up; for o_proj the v rows (attention
+    output is a convex mix of v rows, so scaling v scales it; scales must be tied per kv channel,
+    see o_proj_tie); for down_proj the up rows (silu(gate) * up is linear in up)."""
+    cfg = layer.cfg
+    linear = getattr(layer, group)
+    linear.weight.data.mul_(scales)
+    if group == "o_proj":
+        tie = o_proj_tie(cfg)
+        s_v = scales.view(tie)[:, 0, :].reshape(-1)
+        rows = _v_rows(cfg)
+        layer.qkv_proj.weight.data[rows] /= s_v[:, None]
+        if layer.qkv_proj.bias is not None:
+            layer.qkv_proj.bias.data[rows] /= s_v
+    elif group == "qkv_proj":
+        layer.input_layernorm.weight.data /= scales
+    elif group == "down_proj":
+        layer.gate_up_proj.weight.data[_up_rows(cfg)] /= scales[:, None]
+    else:
+        layer.post_attention_layernorm.weight.data /= scales
+
+
+@torch.no_grad()
+def calibrate(model: torch.nn.Module, ids: torch.Tensor, search_tokens: int = DEFAULT_SEARCH_TOKENS
+              ) -> Iterator[tuple[int, torch.nn.Module, dict[str, InputRecorder]]]:
+    """Run the float model (ruvllm's float32 LlamaForCausalLM) over calibration ids [S, L] layer by
+    layer, yielding (index, layer, what each group's input was). The layer's output, the next
+    layer's input, is computed before the layer is yielded: the caller may fold scales into it and
+    later layers still see the float model's activations."""
+    stride = max(1, -(-ids.numel() // search_tokens))
+    x = model.embed_tokens(ids).float()
+    cos, sin = _rope(model, ids.shape[1])
+    for index, layer in enumerate(model.layers):
+        rec = {name: InputRecorder(stride) for name in FOLD_ORDER}
+        hooks = [getattr(layer, name).register_forward_pre_hook(rec[name]) for name in FOLD_ORDER]
+        try:
+            x = _layer_forward(layer, x, cos, sin)
+        finally:
+            for h in hooks:
+                h.remove()
+        yield index, layer, rec
+
+
 @torch.no_grad()
 def awq_fold(model: torch.nn.Module, ids: torch.Tensor, group_size: int, grid: int = DEFAULT_GRID,
              search_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True,
@@ -255,24 +342,10 @@ def awq_fold(model: torch.nn.Module, ids: torch.Tensor, group_size: int, grid: i
     """Search and fold AWQ scales into `model` (ruvllm's float32 LlamaForCausalLM, dense weights), in
     place, layer by layer over calibration ids [S, L], then (clip) clamp the weights' groups.
     Without clip the float model computes what it did before. Returns each group's result."""
-    cfg = model.cfg
-    q_size, kv_size, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    stride = max(1, -(-ids.numel() // search_tokens))
-    x = model.embed_tokens(ids).float()
-    cos, sin = _rope(model, ids.shape[1])
+    tie = o_proj_tie(model.cfg)
+    v_rows = _v_rows(model.cfg)
     results: list[GroupResult] = []
-    for index, layer in enumerate(model.layers):
-        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        rec = {name: _Recorder(stride) for name in names}
-        hooks = [getattr(layer, name).register_forward_pre_hook(rec[name]) for name in names]
-        try:
-            x = _layer_forward(layer, x, cos, sin)
-        finally:
-            for h in hooks:
-                h.remove()
-        qkv, gate_up = layer.qkv_proj.weight.data, layer.gate_up_proj.weight.data
-        v_rows = slice(q_size + kv_size, q_size + 2 * kv_size)
-        up_rows = slice(inter, 2 * inter)
+    for index, layer, rec in calibrate(model, ids, search_tokens):
 
         def done(group: str, found: Search, weight: torch.Tensor, inputs: torch.Tensor,
                  clip_rows: slice | None = None) -> None:
@@ -290,40 +363,14 @@ def awq_fold(model: torch.nn.Module, ids: torch.Tensor, group_size: int, grid: i
                     loss, kept = clipped_loss, True
             results.append(GroupResult(index, group, found.alpha, loss, found.rtn_loss, kept))
 
-        # o_proj, its input divided by scaling v's rows (one scale per v channel).
-        tie = (cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-        found = search_scale(layer.o_proj.weight.data, rec["o_proj"].inputs, rec["o_proj"].mean, group_size,
-                             grid, tie=tie, producer_absmax=qkv[v_rows].abs().amax(dim=1))
-        layer.o_proj.weight.data.mul_(found.scales)
-        s_v = found.scales.view(tie)[:, 0, :].reshape(-1)
-        qkv[v_rows] /= s_v[:, None]
-        if layer.qkv_proj.bias is not None:
-            layer.qkv_proj.bias.data[v_rows] /= s_v
-        done("o_proj", found, layer.o_proj.weight.data, rec["o_proj"].inputs)
-
-        # q/k/v, their input divided through the input norm.
-        norm = layer.input_layernorm.weight.data
-        found = search_scale(qkv, rec["qkv_proj"].inputs, rec["qkv_proj"].mean, group_size, grid,
-                             producer_absmax=norm.abs())
-        qkv.mul_(found.scales)
-        norm /= found.scales
-        done("qkv_proj", found, qkv, rec["qkv_proj"].inputs, clip_rows=v_rows)  # q and k rows: never clipped
-
-        # down_proj, its input (silu(gate) * up) divided by scaling up's rows.
-        down = layer.down_proj.weight.data
-        found = search_scale(down, rec["down_proj"].inputs, rec["down_proj"].mean, group_size, grid,
-                             producer_absmax=gate_up[up_rows].abs().amax(dim=1))
-        down.mul_(found.scales)
-        gate_up[up_rows] /= found.scales[:, None]
-        done("down_proj", found, down, rec["down_proj"].inputs)
-
-        # gate/up, their input divided through the post-attention norm.
-        norm = layer.post_attention_layernorm.weight.data
-        found = search_scale(gate_up, rec["gate_up_proj"].inputs, rec["gate_up_proj"].mean, group_size, grid,
-                             producer_absmax=norm.abs())
-        gate_up.mul_(found.scales)
-        norm /= found.scales
-        done("gate_up_proj", found, gate_up, rec["gate_up_proj"].inputs)
+        for group in FOLD_ORDER:
+            weight = getattr(layer, group).weight.data
+            found = search_scale(weight, rec[group].inputs, rec[group].mean, group_size, grid,
+                                 tie=tie if group == "o_proj" else None,
+                                 producer_absmax=producer_absmax(layer, group))
+            fold_scales(layer, group, found.scales)
+            # q and k rows are never clipped: attention's softmax magnifies their error.
+            done(group, found, weight, rec[group].inputs, clip_rows=v_rows if group == "qkv_proj" else None)
         if on_layer is not None:
             on_layer(index)
     return results

@@ -1,5 +1,6 @@
 """A float model (AWQ scales folded in, or not) written as a Hugging Face AWQ checkpoint: GEMM
-version, 4-bit, zero points, the layout AutoAWQ writes and quant/checkpoints.py reads.
+version, 4-bit, zero points, the layout AutoAWQ writes and quant/checkpoints.py reads. Or (SmoothQuant
+scales folded in) written as a plain 16/32-bit Hugging Face folder: write_float_folder.
 
 - Every q/k/v/o/gate/up/down projection: `qweight` [K, N/8], `qzeros` [K/g, N/8] (int32, packed by
   checkpoints.awq_parts) and `scales` [K/g, N] (fp16), quantized by rtn.quantize_int4_checkpoint:
@@ -76,22 +77,33 @@ def load_float_model(src: ModelSource, max_positions: int) -> tuple[nn.Module, M
     return model, cfg, names
 
 
-def _fp16(name: str, t: torch.Tensor) -> torch.Tensor:
+# The dtypes a float folder may be written in.
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _fp16(name: str, t: torch.Tensor, what: str = "an AWQ checkpoint") -> torch.Tensor:
     if t.abs().max() > FP16_MAX:
-        raise ValueError(f"{name}: values beyond fp16 range cannot be written to an AWQ checkpoint")
+        raise ValueError(f"{name}: values beyond fp16 range cannot be written to {what}")
     return t.to(torch.float16).contiguous()
 
 
-def awq_tensors(model: nn.Module, names: list[str], group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, under the source's names: each linear weight (q/k/v and gate/up cut
-    back out of our fused ones) as qweight/qzeros/scales, the rest fp16."""
-    keep = QuantConfig()  # keep_16bit: the embeddings and the LM head
+def _named_values(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str, str, torch.Tensor]]:
+    """(source name, our module name, attribute, value) of each tensor the model was loaded from,
+    q/k/v and gate/up cut back out of our fused weights."""
     for name in names:
         pname, offset, rows = model._target(name.removeprefix("model."))
         value = model.get_parameter(pname).data
         if offset is not None:
             value = value[offset:offset + rows]
         module_name, attr = pname.rsplit(".", 1)
+        yield name, module_name, attr, value
+
+
+def awq_tensors(model: nn.Module, names: list[str], group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, under the source's names: each linear weight (q/k/v and gate/up cut
+    back out of our fused ones) as qweight/qzeros/scales, the rest fp16."""
+    keep = QuantConfig()  # keep_16bit: the embeddings and the LM head
+    for name, module_name, attr, value in _named_values(model, names):
         if attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear) \
                 and not keeps_16bit(keep, module_name):
             prefix = name.removesuffix(".weight")
@@ -101,16 +113,31 @@ def awq_tensors(model: nn.Module, names: list[str], group_size: int) -> Iterator
             yield name, _fp16(name, value)
 
 
-def _config_json(src: ModelSource, cfg: ModelConfig, group_size: int, folder: Path) -> dict[str, Any]:
+def float_tensors(model: nn.Module, names: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor dense in `dtype`, under the source's names."""
+    for name, _, _, value in _named_values(model, names):
+        if dtype == torch.float16:
+            yield name, _fp16(name, value, "a float16 folder; write bfloat16 or float32")
+        else:
+            yield name, value.to(dtype).contiguous()
+
+
+def _config_json(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype, folder: Path,
+                 quantization: dict[str, Any] | None) -> dict[str, Any]:
+    """The source's config.json (or one built from a GGUF's metadata) declaring `dtype` and
+    `quantization` as the quantization_config (none: a dense folder, the source's own dropped)."""
+    name = str(dtype).removeprefix("torch.")
     if src.format == "hf":
         data = dict(hf_folder.read_config_json(src.path))
         keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
         for key in keys:
-            data[key] = "float16"
+            data[key] = name
     else:
-        hf_config(cfg, torch.float16).save_pretrained(str(folder))
+        hf_config(cfg, dtype).save_pretrained(str(folder))
         data = json.loads((folder / hf_folder.CONFIG_FILE).read_text(encoding="utf-8"))
-    data["quantization_config"] = quantization_config(group_size)
+    data.pop("quantization_config", None)
+    if quantization is not None:
+        data["quantization_config"] = quantization
     return data
 
 
@@ -126,17 +153,35 @@ def _write_generation_config(src: ModelSource, cfg: ModelConfig, folder: Path) -
                      eos_token_id=eos[0] if len(eos) == 1 else (eos or None)).save_pretrained(str(folder))
 
 
-def write_awq_folder(src: ModelSource, model: nn.Module, names: list[str], out: Path, group_size: int,
-                     replace: bool = False, tokenizer: Any = None) -> None:
-    """Write `model` (loaded by load_float_model(src), scales folded or not) as an AWQ checkpoint
-    folder at `out`, built beside it and renamed into place (see hf_writer.folder_in_place)."""
+def _write_folder(src: ModelSource, model: nn.Module, out: Path, dtype: torch.dtype,
+                  quantization: dict[str, Any] | None, tensors: Iterator[tuple[str, torch.Tensor]],
+                  replace: bool, tokenizer: Any) -> None:
+    """config.json, generation_config.json, the tokenizer and `tensors`, built beside `out` and
+    renamed into place (see hf_writer.folder_in_place)."""
     cfg = model.cfg
-    check_awq_shapes(cfg, group_size)
     if tokenizer is None:
         tokenizer = load_tokenizer(src)
     with folder_in_place(out, replace=replace) as tmp:
-        config = _config_json(src, cfg, group_size, tmp)
+        config = _config_json(src, cfg, dtype, tmp, quantization)
         (tmp / hf_folder.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _write_generation_config(src, cfg, tmp)
         save_tokenizer(tokenizer, cfg, tmp)
-        write_safetensors(awq_tensors(model, names, group_size), tmp)
+        write_safetensors(tensors, tmp)
+
+
+def write_awq_folder(src: ModelSource, model: nn.Module, names: list[str], out: Path, group_size: int,
+                     replace: bool = False, tokenizer: Any = None) -> None:
+    """Write `model` (loaded by load_float_model(src), scales folded or not) as an AWQ checkpoint
+    folder at `out`."""
+    check_awq_shapes(model.cfg, group_size)
+    _write_folder(src, model, out, torch.float16, quantization_config(group_size),
+                  awq_tensors(model, names, group_size), replace, tokenizer)
+
+
+def write_float_folder(src: ModelSource, model: nn.Module, names: list[str], out: Path,
+                       dtype: torch.dtype = torch.float32, replace: bool = False, tokenizer: Any = None) -> None:
+    """Write `model` (loaded by load_float_model(src), e.g. with SmoothQuant scales folded in) as a
+    dense Hugging Face folder in `dtype`, under the source's tensor names, at `out`."""
+    if dtype not in FLOAT_DTYPES.values():
+        raise ValueError(f"a float folder is written in {', '.join(FLOAT_DTYPES)}, not {dtype}")
+    _write_folder(src, model, out, dtype, None, float_tensors(model, names, dtype), replace, tokenizer)

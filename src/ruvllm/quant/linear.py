@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ruvllm.quant.weights import KERNEL_DTYPE as COMPUTE_DTYPE
-from ruvllm.quant.weights import QuantizedWeight
+from ruvllm.quant.weights import QuantizedWeight, int8_groups_as_int4
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -23,6 +23,15 @@ def _inner_k_tiles(k: int) -> int:
     raise ValueError(f"the CUDA int4 kernel needs the input size to be a multiple of 32, got {k}")
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation quantizer, shared with the SmoothQuant error estimate (quant/smoothquant.py)
+    so both measure the same rounding: rows of x [T, K] to int8 codes, each with its own scale
+    (absmax / 127, float32) [T, 1]."""
+    x2 = x.float()
+    scale = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(x2 / scale).to(torch.int8), scale
+
+
 class QuantLinear(nn.Module):
     """`int8_activations` (int8 weights only): W8A8. Each input row is quantized to int8 with its
     own scale (absmax / 127) and multiplied by the int8 weight in exact int32 arithmetic
@@ -31,15 +40,17 @@ class QuantLinear(nn.Module):
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
         super().__init__()
-        if qw.kind == "int8" and qw.group_size:
-            raise ValueError("the int8 kernel takes one scale per output channel, not per group")
-        if int8_activations and qw.kind != "int8":
-            raise ValueError("int8 activations need int8 weights")
+        if int8_activations and (qw.kind != "int8" or qw.group_size):
+            raise ValueError("int8 activations need int8 weights with one scale per output channel")
         self.int8_activations = int8_activations
         self.kind = qw.kind
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         self.on_cuda = qw.codes.device.type == "cuda"
+        # Group-wise int8 (Q8_0) has no kernel of its own: it runs as int4 over the input repeated twice.
+        self.repeat_input = qw.kind == "int8" and qw.group_size > 0
+        if self.repeat_input:
+            qw = int8_groups_as_int4(qw)
         if qw.kind == "int8":
             self.register_buffer("packed", qw.codes.contiguous())
             self.register_buffer("scales", qw.scales.to(COMPUTE_DTYPE))
@@ -48,7 +59,7 @@ class QuantLinear(nn.Module):
             codes = qw.codes.to(torch.int32)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(
-                pairs, _inner_k_tiles(self.in_features)))
+                pairs, _inner_k_tiles(qw.shape[1])))
         else:
             # inner_k_tiles is ignored by the CPU packing; 2 is a valid value for every K we take.
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -59,9 +70,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float()
-        scale = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-        xq = torch.round(x2 / scale).to(torch.int8)
+        xq, scale = quantize_rows_int8(x.reshape(-1, self.in_features))
         rows = xq.shape[0]
         if self.on_cuda and rows <= 16:  # the CUDA kernel wants more than 16 rows; zero rows are inert
             xq = torch.cat([xq, xq.new_zeros(17 - rows, xq.shape[1])])
@@ -81,7 +90,9 @@ class QuantLinear(nn.Module):
             xq = xq.reshape(-1, self.in_features)
         if not xq.is_contiguous():
             xq = xq.contiguous()
-        if self.kind == "int8":
+        if self.repeat_input:
+            xq = torch.cat([xq, xq], dim=1)
+        if self.kind == "int8" and not self.repeat_input:
             y = torch.ops.aten._weight_int8pack_mm(xq, self.packed, self.scales)
         elif self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
@@ -94,6 +105,6 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        group = f", group_size={self.group_size}" if self.group_size else ""
         kind = "w8a8" if self.int8_activations else self.kind
         return f"{kind}, in_features={self.in_features}, out_features={self.out_features}{group}"

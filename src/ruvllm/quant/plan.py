@@ -8,12 +8,16 @@ import logging
 import torch
 
 from ruvllm.config import QuantConfig
+from ruvllm.quant.llamacpp import Q8_BLOCK, quantize_q4k, quantize_q8
 from ruvllm.quant.rtn import check_int4_group, quantize_int4, quantize_int8
 from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, KERNEL_DTYPE, QuantizedWeight, concat_rows
 
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
+
+# llama.cpp's formats, computed at load from float weights (GGUF blocks dequantized exactly first).
+LLAMACPP_METHODS = ("q8", "q4k")
 
 
 def keeps_16bit(cfg: QuantConfig, name: str) -> bool:
@@ -31,7 +35,25 @@ def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConf
 
 def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:
     """Whether a loader should hand over its quantized blocks instead of dequantizing them."""
-    return cfg.method in ("int4", "int8", "w8a8") or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
+    packed = ("int4", "int8", "w8a8", *LLAMACPP_METHODS)  # q8/q4k: GGUF blocks are decoded exactly, in float32
+    return cfg.method in packed or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
+
+
+def llamacpp_unfit(shape: tuple[int, int]) -> str | None:
+    """Why a weight cannot take q8/q4k, or None. Both run on the int4 kernel with groups of 32 (a
+    short last Q4_K super-block is allowed: quant/llamacpp.py), so K must split into 32s and N tile by 16."""
+    n, k = shape
+    if k % Q8_BLOCK:
+        return f"its input size {k} is not a multiple of {Q8_BLOCK}"
+    if n % INT4_ROWS_MULTIPLE:
+        return f"its {n} output rows are not a multiple of {INT4_ROWS_MULTIPLE}"
+    return None
+
+
+def _llamacpp_form(method: str, shape: tuple[int, int]) -> tuple[str, int]:
+    if llamacpp_unfit(shape):
+        return ("dense", 0)
+    return ("int8", Q8_BLOCK) if method == "q8" else ("int4", Q8_BLOCK)
 
 
 def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, shape: tuple[int, int],
@@ -43,6 +65,8 @@ def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, sh
     raises final_form's ValueError for an int4 group size that does not divide the input size.
     Keep it in step with final_form (tests/unit/test_cli_models.py compares the two).
     """
+    if cfg.method in LLAMACPP_METHODS:
+        return ("dense", 0) if keeps_16bit(cfg, name) else _llamacpp_form(cfg.method, shape)
     as_stored = cfg.method == "auto" and dtype == KERNEL_DTYPE
     if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4", "w8a8")):
         return ("dense", 0)
@@ -86,6 +110,8 @@ def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) 
     as planned_form decides from the weight's stored form."""
     stored = (weight.kind, weight.group_size) if isinstance(weight, QuantizedWeight) else None
     kind, group = planned_form(cfg, name, stored, tuple(weight.shape), dtype)
+    if cfg.method in LLAMACPP_METHODS:
+        return _llamacpp_final(cfg, name, weight, stored, kind, dtype)
     if kind == "dense":
         return _dense(weight, dtype)
     if kind == "int8":
@@ -99,6 +125,20 @@ def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) 
     if stored == ("int4", group):  # a file's own 4-bit codes, kept when their groups are the ones asked for
         return weight
     return quantize_int4(_dense(weight, torch.float32), group, name)
+
+
+def _llamacpp_final(cfg: QuantConfig, name: str, weight: Weight, stored: tuple[str, int] | None, kind: str,
+                    dtype: torch.dtype) -> Weight:
+    method = cfg.method
+    if kind == "dense":
+        if not keeps_16bit(cfg, name):
+            log.warning("%s: %s; kept dense (%s) instead of %s", name, llamacpp_unfit(tuple(weight.shape)),
+                        str(dtype).removeprefix("torch."), method)
+        return _dense(weight, dtype)
+    if method == "q8" and stored == ("int8", Q8_BLOCK):  # a GGUF Q8_0 weight is q8 already
+        return weight
+    dense = _dense(weight, torch.float32)
+    return quantize_q8(dense) if method == "q8" else quantize_q4k(dense)
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

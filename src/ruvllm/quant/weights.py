@@ -1,7 +1,8 @@
 """A quantized weight matrix in the one layout our packed matmuls take, whatever it came from.
 
 int8: w = q * scale (q in [-127, 127]), one scale per output channel, or per group of `group_size`
-      inputs (llama.cpp's Q8_0; the packed int8 matmul takes per-channel scales only).
+      inputs (llama.cpp's Q8_0). The packed int8 matmul takes per-channel scales only, so group-wise
+      int8 runs on the int4 kernel as two nibble halves (int8_groups_as_int4).
 int4: groups of `group_size` along the input dimension, w = (q - 8) * scale + zero (q in [0, 15]).
 That int4 form is the one PyTorch's packed int4 matmul computes; it holds llama.cpp's Q4_0
 (zero = 0), Q4_1 (zero = min + 8 * d) and Q4_K sub-blocks exactly, before scales are rounded to
@@ -25,13 +26,15 @@ KERNEL_DTYPE = torch.bfloat16
 def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: int = 0) -> int:
     """Bytes an [n, k] weight takes in the packed layout, from its shape alone (no tensor needed).
 
-    int8: n*k one-byte codes, plus a 2-byte (bf16) scale per output channel (group_size 0) or per
-    group of `group_size` inputs. int4: n*k/2 bytes (two codes per byte), plus a 2-byte scale and a
-    2-byte zero point per group: what QuantizedWeight.nbytes counts, and QuantLinear's buffers hold.
+    int8: n*k one-byte codes, plus a 2-byte (bf16) scale per output channel (group_size 0); group-wise
+    int8 is held as int8_groups_as_int4 makes it, int4 over 2k inputs. int4: n*k/2 bytes (two codes
+    per byte), plus a 2-byte scale and a 2-byte zero point per group: what QuantizedWeight.nbytes
+    counts, and QuantLinear's buffers hold.
     """
+    if kind == "int8" and group_size:
+        return estimate_bytes("int4", n, 2 * k, group_size)
     if kind == "int8":
-        scales = n if group_size == 0 else n * (k // group_size)
-        return n * k + 2 * scales
+        return n * k + 2 * n
     if kind == "int4":
         if group_size <= 0:
             raise ValueError("int4 weights need a group size")
@@ -55,9 +58,7 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """Bytes this weight takes once packed (int4: two codes per byte), scales included."""
         n, k = self.shape
-        code_bytes = n * k if self.kind == "int8" else n * k // 2
-        extra = self.scales.numel() * 2 + (self.zeros.numel() * 2 if self.zeros is not None else 0)
-        return code_bytes + extra
+        return estimate_bytes(self.kind, n, k, self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix these codes stand for."""
@@ -76,6 +77,22 @@ class QuantizedWeight:
         """Apply one row reordering (a function of a [N, ...] tensor) to codes, scales and zeros alike."""
         return QuantizedWeight(self.kind, fn(self.codes), fn(self.scales),
                                None if self.zeros is None else fn(self.zeros), self.group_size)
+
+
+def int8_groups_as_int4(qw: QuantizedWeight) -> QuantizedWeight:
+    """Group-wise int8 [N, K] as int4 [N, 2K] over the input repeated twice, [x, x], with the same groups.
+
+    With u = q + 128 = 16 h + l (h, l in 0..15): w = d q = 16 d (h - 8) + d l. The first K columns
+    hold h with scale 16 d and zero 0, the last K hold l with scale d and zero 8 d. 16 d and 8 d
+    round to bf16 exactly as d does, so the kernel computes bf16(d) * q: the int8 codes themselves.
+    """
+    if qw.kind != "int8" or qw.group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"expected int8 with groups of {INT4_GROUP_SIZES}, got {qw.kind}/g{qw.group_size}")
+    u = qw.codes.to(torch.int16) + 128
+    codes = torch.cat([u >> 4, u & 15], dim=1).to(torch.uint8)
+    d = qw.scales
+    return QuantizedWeight("int4", codes, torch.cat([16.0 * d, d], dim=1),
+                           torch.cat([torch.zeros_like(d), 8.0 * d], dim=1), qw.group_size)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
