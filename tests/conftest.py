@@ -67,3 +67,9 @@ def novel_prompts(n: int, words: int = 40) -> list[str]:
         text = ("It is a truth universally acknowledged that a single man in possession of a good fortune "
                 "must be in want of a wife ").split() * 200
     return [" ".join(text[i * 97:i * 97 + words]) for i in range(n)]
+
+
+@pytest.fixture
+def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI tests that read rich's tables: rich wraps at 80 columns otherwise."""
+    monkeypatch.setenv("COLUMNS", "1000")

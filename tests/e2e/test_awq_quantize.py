@@ -32,9 +32,7 @@ GROUP = 32
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True)
-def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "1000")  # rich wraps at 80 columns otherwise
+pytestmark = pytest.mark.usefixtures("wide_terminal")
 
 
 @pytest.fixture(scope="module")

@@ -54,10 +54,7 @@ def assert_one_line_error(result: Result, *needles: str) -> None:
         assert needle in lines[0], result.output
 
 
-@pytest.fixture(autouse=True)
-def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    # rich wraps at 80 columns when not on a terminal; a wide one keeps each message on one line.
-    monkeypatch.setenv("COLUMNS", "1000")
+pytestmark = pytest.mark.usefixtures("wide_terminal")  # each message on one line
 
 
 # ------------------------------------------------------------------ the local stand-in for the Hub

@@ -28,9 +28,7 @@ GGUF_FILES = ("tiny.Q4_0.gguf", "tiny.Q4_K_M.gguf", "tiny.Q4_K_S.gguf", "tiny.Q8
               "mmproj-tiny-F16.gguf")
 
 
-@pytest.fixture(autouse=True)
-def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "1000")  # rich wraps at 80 columns otherwise
+pytestmark = pytest.mark.usefixtures("wide_terminal")
 
 
 @pytest.fixture(scope="module")
