@@ -16,8 +16,10 @@ from ruvllm.loader import resolve_model
 from ruvllm.quant.awq import forward_logits
 from ruvllm.quant.awq_writer import load_float_model
 from ruvllm.quant.linear import QuantLinear
-from tests.e2e.test_awq_quantize import _ids, _wide_terminal, calibration, invoke, tiny  # noqa: F401 (fixtures)
+from tests.e2e.test_awq_quantize import _ids, calibration, invoke, tiny  # noqa: F401 (fixtures)
 from tests.unit.test_cli_models import assert_one_line_error
+
+pytestmark = pytest.mark.usefixtures("wide_terminal")
 
 
 def test_cli_writes_a_smoothed_float_folder_that_runs_w8a8(tiny: Path, calibration: Path, tmp_path: Path) -> None:
