@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from ruvllm.attention.kv_quant import ColdLayer, KVTier
 from ruvllm.attention.metadata import AttentionMetadata
 
 
@@ -15,6 +16,7 @@ class AttentionBackend(Protocol):
         seqs: list[tuple[int, int, list[int]]],  # (query tokens, context length after the step, block table)
         block_size: int,
         device: torch.device | str,
+        tier: KVTier | None = None,  # a two-tier (quantized) KV cache; backends without it refuse one
     ) -> AttentionMetadata:  # built once per step, shared by all layers
         ...
 
@@ -27,5 +29,6 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        cold: ColdLayer | None = None,  # this layer's cold KV tier, with meta.tier
     ) -> torch.Tensor:  # [T, Hq, D]
         ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ruvllm.attention.kv_quant import KVTier
 from ruvllm.attention.metadata import AttentionMetadata, build_paged_kernel_metadata
 
 # Rows (token x query head) one program takes: enough for a tensor-core tile on prompts, few
@@ -32,7 +33,9 @@ class TritonPagedAttention:
         self.head_dim_pad = max(16, _next_pow2(head_dim))
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
-                       device: torch.device | str) -> AttentionMetadata:
+                       device: torch.device | str, tier: KVTier | None = None) -> AttentionMetadata:
+        if tier is not None:  # (EngineCore refuses the setting earlier, with the reason)
+            raise ValueError("the Triton attention kernel reads no quantized KV blocks")
         return build_paged_kernel_metadata(seqs, block_size, device, tile_tokens=self.tile_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

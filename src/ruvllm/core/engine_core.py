@@ -22,7 +22,7 @@ from ruvllm.errors import RequestError
 from ruvllm.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from ruvllm.models.registry import build_model, weight_bytes
 from ruvllm.quant.plan import quantization_for_device, quantizes_weights
-from ruvllm.outputs import CompletionOutput, RequestOutput
+from ruvllm.outputs import CompletionOutput, RequestOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
@@ -216,7 +216,7 @@ class EngineCore:
             changed[group.request_id] = group
         return [self._output(g) for g in changed.values()]
 
-    def _migrate(self, so) -> None:
+    def _migrate(self, so: SchedulerOutput) -> None:
         """Quantized KV cache: blocks of this step's sequences that left every later query's hot
         window move to the cold tier (the pool swaps ids, the runner quantize-copies the K/V). What a
         query reads depends on its position only, never on when a block moved (kv_quant.py)."""

@@ -162,9 +162,9 @@ class KVCacheManager:
             blocks = self._blocks.get(req.request_id)
             if not blocks:
                 continue
-            first = self._cold_upto.get(req.request_id, 0)
+            movable = self._num_movable(req)
             upto = None  # the first block left behind, where the next call starts
-            for i in range(first, self._num_movable(req)):
+            for i in range(self._cold_upto.get(req.request_id, 0), movable):
                 block = blocks[i]
                 if self.pool.is_cold(block):
                     continue
@@ -179,7 +179,7 @@ class KVCacheManager:
                     upto = i if upto is None else upto
                     break
                 moves.append(move)
-            self._cold_upto[req.request_id] = self._num_movable(req) if upto is None else upto
+            self._cold_upto[req.request_id] = movable if upto is None else upto
         return moves
 
     def _young_shared_blocks(self) -> set[int]:

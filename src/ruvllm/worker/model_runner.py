@@ -202,10 +202,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
             seqs.append((n, seq.start_position + n, seq.block_table))
-        if self.tier is not None:
-            meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
-        else:
-            meta = self.attn.build_metadata(seqs, self.block_size, self.device)
+        meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model(ids, pos, self.kv_views, meta, self.attn)
