@@ -35,5 +35,15 @@ class EngineShutdownError(RuvllmError):
     """The request was aborted because the engine is shutting down."""
 
 
+class EngineDeadError(RuvllmError):
+    """The engine loop failed and stopped: this request, and every later one, cannot be served."""
+
+
 class RequestError(RuvllmError, ValueError):
-    """A request cannot be served as asked (prompt too long, bad token ids, ...)."""
+    """A request cannot be served as asked (prompt too long, bad token ids, ...).
+
+    `param` names the request field at fault (as the OpenAI API's error `param`), when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -69,8 +72,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):

@@ -9,6 +9,7 @@ import typer
 from ruvllm.cli.common import CliState, clean_errors, fail
 from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
 from ruvllm.config import CacheConfig
+from ruvllm.server.config import ServerConfig
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -23,7 +24,16 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8000, min=0, max=65535, help="Port to bind."),
         max_concurrent: int = typer.Option(32, min=1, help="Sequences running at once."),
         max_queue: int = typer.Option(256, min=0, help="Sequences that may wait beyond those; then 429."),
-        api_key: str = typer.Option(None, envvar="RUVLLM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+        api_key: str = typer.Option(None, envvar="RUVLLM_API_KEY",
+                                    help="Require 'Authorization: Bearer KEY' on every route but /health."),
+        metrics_without_key: bool = typer.Option(False, "--metrics-without-key",
+                                                 help="With --api-key: serve /metrics without the key."),
+        route_without_key: list[str] = typer.Option([], "--route-without-key", metavar="PATH",
+                                                    help="With --api-key: serve PATH without the key (repeatable)."),
+        max_request_bytes: int = typer.Option(ServerConfig.max_request_bytes, "--max-request-bytes", min=1,
+                                              help="Largest request body; a larger one gets 413."),
+        request_read_timeout: float = typer.Option(ServerConfig.request_read_timeout_s, "--request-read-timeout",
+                                                   min=0.1, help="Seconds a request body may stall; then 408."),
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
         chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
@@ -51,7 +61,6 @@ def register(app: typer.Typer) -> None:
         from ruvllm.device import resolve_device
         from ruvllm.loader.hub import resolve_cli_model
         from ruvllm.server.app import create_app
-        from ruvllm.server.config import ServerConfig
         from ruvllm.server.process import serve as serve_app
 
         state: CliState = ctx.obj
@@ -67,7 +76,10 @@ def register(app: typer.Typer) -> None:
         with console.status("loading model"):
             engine = AsyncEngine(opts.to_config(path, max_concurrent))
         core = engine.core
-        cfg = ServerConfig(host=host, port=port, api_key=api_key, max_concurrent=max_concurrent,
+        open_routes = (*route_without_key, *(["/metrics"] if metrics_without_key else []))
+        cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
+                           max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
+                           max_concurrent=max_concurrent,
                            max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
         kv_mib = core.runner.kv_cache_bytes / 2**20

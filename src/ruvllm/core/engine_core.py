@@ -148,7 +148,8 @@ class EngineCore:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = _with_seed(params, params.seed + i)
+                # Wraps within the generator's 64-bit range, so any valid seed works with any n.
+                child_params = _with_seed(params, (params.seed + i) % 2**64)
             children.append(Request(
                 request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                 prompt_token_ids=list(prompt_token_ids),
@@ -169,18 +170,25 @@ class EngineCore:
             self.scheduler.add(child)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Everything a request brings is checked here, before it can reach a step: a step that a
+        request's values break would fail every request in it."""
         if not ids:
-            raise RequestError("prompt is empty: at least one token is needed")
+            raise RequestError("prompt is empty: at least one token is needed", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
         if len(ids) >= self.max_seq_len:
             raise RequestError(f"prompt has {len(ids)} tokens, but this engine's context holds at most "
-                               f"{self.max_seq_len} tokens (prompt plus at least one generated token)")
-        for tid in list((params.logit_bias or {}).keys()) + list(params.stop_token_ids or []):
-            if not 0 <= tid < vocab:
-                raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})")
+                               f"{self.max_seq_len} tokens (prompt plus at least one generated token)", "prompt")
+        if params.top_k > vocab:
+            raise RequestError(f"top_k must be -1 (off) or at most the vocabulary size ({vocab}), "
+                               f"got {params.top_k}", "top_k")
+        for field_name, tids in (("logit_bias", list((params.logit_bias or {}).keys())),
+                                 ("stop_token_ids", list(params.stop_token_ids or []))):
+            for tid in tids:
+                if not 0 <= tid < vocab:
+                    raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})", field_name)
 
     def abort(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)

@@ -3,6 +3,12 @@ submit requests, receive outputs through per-request queues, and abort by cancel
 
 Callers never lock around model calls: the engine thread is the only one that touches the model,
 the scheduler and the KV cache; everything crosses over through a command queue.
+
+No caller can hurt the loop: a caller that gives up (a dropped connection cancels its task) at any
+point, before its request was taken, while it waits or streams, or after it finished, leaves a
+command that is skipped or an abort that frees what the request held. If the loop fails anyway,
+it fails loudly: every open request and every later call gets EngineDeadError, `is_alive` turns
+false, and the failure callbacks run (the server exits non-zero so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Callable
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.errors import EngineShutdownError
+from ruvllm.errors import EngineDeadError, EngineShutdownError
 from ruvllm.engine.prompts import PromptInput, encode_prompt
 from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
@@ -43,6 +49,11 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._snapshot = self._take_snapshot()
         self._stopping = threading.Event()
+        # Guards the hand-off into the command queue against the engine closing: once `_closed` is
+        # set, no command is queued again, so none can wait for a loop that is gone.
+        self._lock = threading.Lock()
+        self._closed: EngineDeadError | EngineShutdownError | None = None
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._thread = threading.Thread(target=self._loop, name="ruvllm-engine", daemon=True)
         self._thread.start()
 
@@ -53,8 +64,10 @@ class AsyncEngine:
         """Yields the request's growing output after every step that changes it; the last is finished.
 
         Leaving the iteration early (break, cancellation, a disconnected client) aborts the request."""
+        if self._closed is not None:
+            raise self._closed
         if self._stopping.is_set():
-            raise RuntimeError("engine is shut down")
+            raise EngineShutdownError("engine is shut down")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids, text = encode_prompt(self.tokenizer, prompt)
@@ -80,6 +93,8 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
+                # Queued behind the add (commands run in order), so it also undoes an add that a
+                # cancelled caller never saw complete.
                 self._submit(lambda: self.core.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
@@ -87,16 +102,26 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         fut: Future[Any] = Future()
-        self._commands.put((fn, fut))
+        self._put(fn, fut)
         return await asyncio.wrap_future(fut)
 
+    def _put(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self._commands.put((fn, fut))
+
     def _submit(self, fn: Callable[[], Any]) -> None:
-        self._commands.put((fn, None))
+        """Fire and forget; once the engine is closed there is nothing left to do it to."""
+        try:
+            self._put(fn, None)
+        except (EngineDeadError, EngineShutdownError):
+            pass
 
     def stats(self) -> dict[str, Any]:
         """A snapshot taken on the engine thread now (waits for the current step to end)."""
         fut: Future[dict[str, Any]] = Future()
-        self._commands.put((self._take_snapshot, fut))
+        self._put(self._take_snapshot, fut)
         return fut.result(timeout=60)
 
     @property
@@ -106,7 +131,18 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return self._thread.is_alive() and not self._stopping.is_set() and self._closed is None
+
+    @property
+    def failure(self) -> EngineDeadError | None:
+        """Why the engine loop stopped, when it failed (None while it runs, or after a clean shutdown)."""
+        return self._closed if isinstance(self._closed, EngineDeadError) else None
+
+    def on_failure(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback` (on the engine thread) if the loop fails; at once if it already has."""
+        self._failure_callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
 
     def _take_snapshot(self) -> dict[str, Any]:
         core = self.core
@@ -126,54 +162,96 @@ class AsyncEngine:
         if not self._thread.is_alive():
             return
         self._stopping.set()
-        self._commands.put((lambda: None, None))
+        self._submit(lambda: None)  # wakes the loop if it waits for a command
         self._thread.join(timeout=30)
 
     # --- engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            block = not self.core.has_unfinished
-            try:
-                while True:
-                    fn, fut = self._commands.get(block=block)
-                    block = False
-                    self._run_command(fn, fut)
-            except queue.Empty:
-                pass
-            if self._stopping.is_set() or not self.core.has_unfinished:
-                continue
-            try:
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.core.has_unfinished)
+                if self._stopping.is_set() or not self.core.has_unfinished:
+                    continue
+                # A failed step is a failed engine: its scheduler and cache may be half-updated, so
+                # serving on would risk wrong output. Requests cannot cause one (they are checked
+                # at admission), so what remains is a bug or a broken device: say so and stop.
                 outputs = self.core.step()
-            except Exception as exc:  # a failed step must not kill the loop or strand callers
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            self._snapshot = self._take_snapshot()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                self._snapshot = self._take_snapshot()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        _deliver(stream, out)
+        except BaseException as exc:
+            log.exception("the engine loop failed; every open request is failed and the engine stops")
+            self._fail(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            return
         # Shut down: abort what is left so every block returns, and tell the callers.
-        self._abort_all()
+        self._close(EngineShutdownError("the engine is shutting down"))
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            while True:
+                fn, fut = self._commands.get(block=block)
+                block = False
+                self._run_command(fn, fut)
+        except queue.Empty:
+            pass
+
+    def _run_command(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return  # its caller gave up before it ran (cancelled); the caller's abort follows it
+        try:
+            result = fn()
+        except Exception as exc:
+            if fut is None:
+                raise  # an abort or snapshot that fails means the engine's state is broken
+            fut.set_exception(exc)  # the caller's own error (e.g. a refused request)
+            return
+        self._snapshot = self._take_snapshot()
+        if fut is not None:
+            fut.set_result(result)
 
     def _abort_all(self) -> None:
         for rid, stream in list(self._streams.items()):
             self.core.abort(rid)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                             EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
+            _deliver(stream, EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
 
-    def _run_command(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
-        try:
-            result = fn()
-            self._snapshot = self._take_snapshot()
-        except BaseException as exc:
-            if fut is not None:
-                fut.set_exception(exc)
-            return
-        if fut is not None:
-            fut.set_result(result)
-
-    def _fail_all(self, exc: Exception) -> None:
+    def _close(self, error: EngineDeadError | EngineShutdownError) -> None:
+        """No command is taken from now on; queued ones, and every open request, get `error`."""
+        with self._lock:
+            self._closed = error
+            pending = []
+            while not self._commands.empty():
+                pending.append(self._commands.get_nowait())
+        for _, fut in pending:
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
         for rid, stream in list(self._streams.items()):
-            self.core.abort(rid)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+            try:
+                self.core.abort(rid)
+            except Exception:  # a failed engine may not manage it; the request is failed regardless
+                log.exception("could not abort %s", rid)
+            _deliver(stream, error)
+        self._snapshot = self._take_snapshot_or_last()
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self._close(error)
+        for callback in self._failure_callbacks:
+            try:
+                callback(error)
+            except Exception:
+                log.exception("engine failure callback failed")
+
+    def _take_snapshot_or_last(self) -> dict[str, Any]:
+        try:
+            return self._take_snapshot()
+        except Exception:
+            return self._snapshot
+
+
+def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    """Hand an item to a caller's event loop; a loop that has closed has nobody left to tell."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass

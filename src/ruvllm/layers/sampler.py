@@ -100,7 +100,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
         if any(r.params.needs_truncation() for r in sub_reqs):
             sub = truncate(
                 sub,
-                torch.tensor([r.params.top_k for r in sub_reqs], device=dev),
+                # top_k past the vocabulary means off; clamped so it always fits a tensor.
+                torch.tensor([min(r.params.top_k, logits.shape[1]) for r in sub_reqs], device=dev),
                 torch.tensor([r.params.top_p for r in sub_reqs], dtype=logits.dtype, device=dev),
                 torch.tensor([r.params.min_p for r in sub_reqs], dtype=logits.dtype, device=dev),
             )

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.prompts import render_chat
@@ -23,7 +24,8 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
-from ruvllm.server.generation import Admission, EnginePrompt, check_context, follow
+from ruvllm.server.generation import Admission, EnginePrompt, api_error, check_context, follow
+from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    _Sampling)
@@ -58,11 +60,16 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     app.state.ruvllm = st
     install_error_handlers(app)
 
+    # The last added runs first: the key is checked before a body is read.
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=cfg.max_request_bytes,
+                       read_timeout_s=cfg.request_read_timeout_s)
     if cfg.api_key:
-        app.add_middleware(_APIKeyMiddleware, key=cfg.api_key)
+        app.add_middleware(APIKeyMiddleware, key=cfg.api_key, open_paths=("/health", *cfg.routes_without_key))
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.failure is not None:
+            return error_response(503, f"engine is not running: {engine.failure}", None, "engine_failed")
         if not engine.is_alive:
             return error_response(503, "engine is not running")
         return JSONResponse({"status": "ok"})
@@ -75,7 +82,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "ruvllm",
-            "max_model_len": st.max_len, "root": str(engine.core.model_path)}]}
+            # The operator's name for it, never a filesystem path of the host.
+            "max_model_len": st.max_len, "root": cfg.served_model_name}]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -83,9 +91,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = _chat_ids(st, body.messages, body.add_generation_prompt)
+            ids = await _chat_ids(st, body.messages, body.add_generation_prompt)
         else:
-            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = await _off_loop(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -95,13 +103,13 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await _off_loop(engine.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(st, body.model)
         body.check_supported()
-        prompt = EnginePrompt(_chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template), None)
+        prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template), None)
         max_tokens = check_context(prompt, body.token_limit, st.max_len)
         top_n = body.top_logprobs or 0
         params = _params(body, max_tokens, logprobs=top_n if body.logprobs else None)
@@ -114,7 +122,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
-                prompts.append(EnginePrompt(list(engine.tokenizer.encode(p)), p))
+                prompts.append(EnginePrompt(await _off_loop(engine.tokenizer.encode, p), p))
             else:
                 prompts.append(EnginePrompt(list(p), None))
         budgets = [check_context(p, body.token_limit, st.max_len) for p in prompts]
@@ -126,22 +134,6 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     return app
 
 
-class _APIKeyMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which hides client disconnects from the handlers)."""
-
-    def __init__(self, app: Any, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if auth != self.expected:
-                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      None, "invalid_api_key")
-                return await resp(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 # --- helpers ---------------------------------------------------------------------------------------
 def _check_model(st: _State, model: str | None) -> None:
     if model is not None and model != st.cfg.served_model_name:
@@ -149,10 +141,18 @@ def _check_model(st: _State, model: str | None) -> None:
                             f"`{st.cfg.served_model_name}`.", "model", "model_not_found")
 
 
-def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool, template: str | None = None) -> list[int]:
+async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tokenizing a long text takes long: on a worker thread the event loop keeps answering meanwhile
+    (the tokenizers library releases the interpreter lock while it works)."""
+    out = await asyncio.to_thread(fn, *args, **kwargs)
+    return list(out) if not isinstance(out, str) else out
+
+
+async def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool,
+                    template: str | None = None) -> list[int]:
     msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     try:
-        return render_chat(st.engine.tokenizer, msgs, template, add_generation_prompt)
+        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt)
     except APIError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
@@ -179,7 +179,7 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
                  params: list[SamplingParams], chat: bool, top_n: int) -> Response:
     n = params[0].n
     seqs = n * len(prompts)
-    st.admission.acquire(seqs)
+    st.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
     prio = Priority[(body.priority or "normal").upper()]
     outs = follow(st.engine, prompts, params, prio, rid)
@@ -187,8 +187,8 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         gen = _stream_chat if chat else _stream_completion
-        return StreamingResponse(_released(st, seqs, gen(st, body, prompts, outs, n, top_n, rid, tracker, include_usage)),
-                                 media_type="text/event-stream")
+        return _Stream(_with_error_event(gen(st, body, prompts, outs, n, top_n, rid, tracker, include_usage)),
+                       release=lambda: st.admission.release(seqs))
     try:
         final = await _collect(outs, request, len(prompts), tracker)
     finally:
@@ -200,17 +200,37 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     return JSONResponse(_completion_body(st, body, prompts, final, top_n, rid))
 
 
-async def _released(st: _State, seqs: int, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Returns the admission slots when the stream ends; an error mid-stream becomes an error event
-    (the status line is long gone), as OpenAI's streams report them."""
+class _Stream(StreamingResponse):
+    """An SSE response that returns its admission slots however it ends: a client that leaves before
+    the body is first read never starts the body's generator, so its `finally` cannot be relied on."""
+
+    def __init__(self, chunks: AsyncIterator[str], release: Any) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the engine requests
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An error mid-stream becomes an error event and [DONE] (the status line is long gone), as
+    OpenAI's streams report them; a stream never just stops."""
     try:
         async for c in chunks:
             yield c
-    except APIError as exc:
-        yield _sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    except Exception as exc:
+        err = api_error(exc)
+        if not isinstance(err, APIError):
+            log.exception("stream failed")
+            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        yield _sse(error_body(err.status, err.message, err.param, err.code))
         yield "data: [DONE]\n\n"
     finally:
-        st.admission.release(seqs)
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 async def _collect(outs: AsyncIterator[tuple[int, RequestOutput]], request: Request, num_prompts: int,

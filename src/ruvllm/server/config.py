@@ -9,9 +9,12 @@ from dataclasses import dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    routes_without_key: tuple[str, ...] = ()  # paths the operator opens without the key (e.g. /metrics)
     served_model_name: str = "default"
     max_concurrent: int = 64  # running sequences (the scheduler's max_num_seqs)
     max_queue: int = 256  # requests allowed to wait beyond max_concurrent before 429
     chat_template: str | None = None  # overrides the model's template
     graceful_shutdown_s: float = 10.0
+    max_request_bytes: int = 16 * 2**20  # a larger body gets 413 (a 128k-token prompt is ~1 MB)
+    request_read_timeout_s: float = 30.0  # a body that stalls this long between chunks gets 408

@@ -8,11 +8,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.errors import EngineShutdownError, RequestError
+from ruvllm.errors import EngineDeadError, EngineShutdownError, RequestError
 from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
+
+
+RETRY_AFTER_S = 1  # capacity frees as fast as sequences finish: seconds, not minutes
 
 
 @dataclass
@@ -23,10 +26,16 @@ class Admission:
     in_flight: int = 0
     _ids: itertools.count = field(default_factory=itertools.count)
 
-    def acquire(self, n: int) -> None:
+    def acquire(self, n: int, param: str | None) -> None:
+        """`param`: the field that asked for the `n` sequences (n, or prompt for a list of prompts)."""
+        if n > self.limit:  # could never be admitted, even on an idle server: not worth a retry
+            raise APIError(400, f"this request asks for {n} sequences, but this server admits at most "
+                                f"{self.limit} at once; send fewer prompts or a smaller n", param,
+                           "too_many_sequences")
         if self.in_flight + n > self.limit:
             raise APIError(429, f"the server is at capacity ({self.in_flight} sequences in flight, "
-                                f"limit {self.limit}); retry later", None, "queue_full")
+                                f"limit {self.limit}); retry later", None, "queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight += n
 
     def release(self, n: int) -> None:
@@ -83,16 +92,25 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
             if item is None:
                 remaining -= 1
                 continue
-            if isinstance(item, EngineShutdownError):
-                raise APIError(503, str(item), None, "shutting_down")
-            if isinstance(item, RequestError):
-                raise APIError(400, str(item), "prompt")
-            if isinstance(item, ValueError):
-                raise APIError(400, str(item))
             if isinstance(item, BaseException):
-                raise item
+                raise api_error(item) from item
             yield item
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def api_error(exc: BaseException) -> BaseException:
+    """What an engine-side failure means to the HTTP client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), None, "shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), None, "engine_failed")
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc), exc.param, "invalid_value")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), None, "invalid_value")
+    return exc

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn as a process that stops cleanly on SIGINT / SIGTERM."""
+"""Running the app under uvicorn as a process that stops cleanly on SIGINT / SIGTERM, and loudly when
+its engine fails."""
 
 from __future__ import annotations
 
@@ -10,17 +11,35 @@ from typing import Any
 import uvicorn
 
 from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.errors import EngineDeadError
+from ruvllm.server.http11 import MAX_HEADER_BYTES, RuvllmH11Protocol
+
+
+def uvicorn_config(app: Any, host: str, port: int, drain_s: float) -> uvicorn.Config:
+    """The one uvicorn configuration the server runs with (tests use it too)."""
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(drain_s) + 5,
+                          http=RuvllmH11Protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 
 class GracefulServer(uvicorn.Server):
     """On the first signal: stop accepting, give in-flight requests `drain_s` to finish, then abort
     the rest (their streams end with an error event), and exit normally (status 0) - a signal is how
-    a server is asked to stop, not a failure. A second SIGINT forces the exit."""
+    a server is asked to stop, not a failure. A second SIGINT forces the exit.
+
+    If the engine fails, the server stops at once (every open request has already had its error)
+    and `engine_failure` says why, so the process can exit non-zero and a supervisor restart it: a
+    server whose engine is gone must not stay up answering nothing."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float) -> None:
         super().__init__(config)
         self.engine, self.drain_s = engine, drain_s
         self._draining = False
+        self.engine_failure: EngineDeadError | None = None
+        engine.on_failure(self._engine_failed)
+
+    def _engine_failed(self, error: EngineDeadError) -> None:
+        self.engine_failure = error
+        self.should_exit = True  # uvicorn's main loop polls it
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -40,12 +59,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: Any, engine: AsyncEngine, host: str, port: int, drain_s: float) -> bool:
-    """Run until stopped; False if the server could not start (e.g. the port is taken)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=int(drain_s) + 5)
-    server = GracefulServer(config, engine, drain_s)
+    """Run until stopped; False if the server could not start (e.g. the port is taken).
+    Raises EngineDeadError after stopping if it stopped because the engine failed."""
+    server = GracefulServer(uvicorn_config(app, host, port, drain_s), engine, drain_s)
     try:
         server.run()
     except SystemExit:  # uvicorn exits the process when it cannot bind; we report it ourselves
         return False
+    if server.engine_failure is not None:
+        raise server.engine_failure
     return server.started

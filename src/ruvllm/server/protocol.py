@@ -8,9 +8,49 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from ruvllm.sampling_params import SEED_MAX, SEED_MIN
 from ruvllm.server.errors import APIError
+
+
+def _lone_surrogate_at(value: Any) -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON allows "\\udfff"
+    escapes that are no character), or None. Iterative: a body may nest deeper than the stack."""
+    todo: list[tuple[Any, str]] = [(value, "")]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                sub_path = f"{path}.{key}" if path else str(key)
+                todo.append((key, sub_path))
+                todo.append((sub, sub_path))
+        elif isinstance(item, list):
+            todo.extend((sub, f"{path}.{i}" if path else str(i)) for i, sub in enumerate(item))
+    return None
+
+
+class _Body(BaseModel):
+    """A request body. Text that is not valid Unicode is refused before any field reads it: the
+    tokenizer, the template and the response writer all need encodable text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data)
+        if where is not None:
+            # Raised as the API error itself (pydantic passes non-ValueErrors through) so the
+            # 400 names the field.
+            raise APIError(400, f"{where}: text holds a lone UTF-16 surrogate, which is not a valid "
+                                "Unicode character", where, "invalid_value")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -18,10 +58,8 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Sampling fields shared by chat and completions, with the extensions benchmark clients send."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int | None = Field(1, ge=1, le=128)
@@ -30,7 +68,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -137,8 +175,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -146,7 +183,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]

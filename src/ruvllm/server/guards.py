@@ -1,0 +1,112 @@
+"""What every request passes before a route sees it: the API key, and limits on the request body.
+
+Both are pure ASGI middlewares (not BaseHTTPMiddleware, which hides client disconnects from the
+handlers), and both answer in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ruvllm.server.errors import error_response
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+class APIKeyMiddleware:
+    """Every path needs `Authorization: Bearer <key>` except those in `open_paths` (/health, and what
+    the operator opened). The scheme is case-insensitive (RFC 9110); keys are compared as digests in
+    constant time, so neither their content nor their length leaks through timing."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: Iterable[str] = ("/health",)) -> None:
+        self.app = app
+        self.expected = _digest(key.encode())
+        self.open_paths = frozenset(open_paths)
+
+    def _authorized(self, scope: Scope) -> bool:
+        auth = b""
+        for name, value in scope.get("headers") or ():
+            if name.lower() == b"authorization":
+                auth = value
+                break
+        scheme, _, token = auth.strip().partition(b" ")
+        ok_token = hmac.compare_digest(_digest(token.strip()), self.expected)
+        return scheme.lower() == b"bearer" and ok_token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths and not self._authorized(scope):
+            resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                  None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'})
+            await resp(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class RequestLimitsMiddleware:
+    """Reads the whole body before the app sees it, under two limits: at most `max_body_bytes`
+    (413), and at most `read_timeout_s` waiting for the next piece of it (408: a client that
+    promised more than it sends is not held open for ever). The app then reads the buffered body;
+    later receives (disconnect detection) go to the client as before."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout_s: float) -> None:
+        self.app, self.max_body_bytes, self.read_timeout_s = app, max_body_bytes, read_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared < 0:
+            await error_response(400, "Content-Length is not a number", None, "invalid_value")(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                await error_response(408, f"the request body did not arrive within {self.read_timeout_s:g} s "
+                                          f"({size} bytes received)", None, "request_timeout")(scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client left before its request was whole: nobody to answer
+            size += len(message.get("body", b""))
+            if size <= self.max_body_bytes:
+                chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        # Read to the end even when too large, so the client is reading when the 413 comes
+        # (closing on unread data resets the connection and loses the answer); nothing is kept.
+        if size > self.max_body_bytes:
+            await error_response(413, f"the request body has {size} bytes; this server takes at most "
+                                      f"{self.max_body_bytes} (--max-request-bytes)", None,
+                                 "request_too_large")(scope, receive, send)
+            return
+        body = b"".join(chunks)
+        replayed = False
+
+        async def buffered() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, buffered, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return None
