@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +28,12 @@ class RunningServer:
     url: str
     engine: AsyncEngine
     cfg: ServerConfig
+    app: Any
+
+    @property
+    def sequences_admitted(self) -> int:
+        """Sequences the server counts as in flight (its admission slots)."""
+        return self.app.state.ruvllm.admission.in_flight
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Until nothing runs or waits; then every block must be back in the pool."""
@@ -49,14 +56,15 @@ def start_server(llm: LLM, **server_kwargs) -> Iterator[RunningServer]:
     engine = AsyncEngine(core=core)
     port = _free_port()
     cfg = ServerConfig(port=port, served_model_name=MODEL, **server_kwargs)
-    server = uvicorn.Server(uvicorn_config(create_app(engine, cfg), "127.0.0.1", port, drain_s=0))
+    app = create_app(engine, cfg)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(200):
         if server.started:
             break
         time.sleep(0.05)
-    running = RunningServer(f"http://127.0.0.1:{port}", engine, cfg)
+    running = RunningServer(f"http://127.0.0.1:{port}", engine, cfg, app)
     try:
         yield running
         if engine.failure is None:  # a failed engine (the failure tests) has no pool to check
