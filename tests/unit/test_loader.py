@@ -31,6 +31,7 @@ from ruvllm.errors import (
 from ruvllm.loader import (
     ModelSource,
     default_model_path,
+    gguf_file,
     iter_weights,
     load_model_config,
     load_tokenizer,
@@ -262,7 +263,9 @@ def test_gguf_unsupported_quantization(tmp_path: Path) -> None:
     }
     _write_gguf(f, "llama", tensors)
     src = resolve_model(f)
-    assert load_model_config(src).num_layers == 1  # metadata alone is fine
+    assert gguf_file.load_config(f).num_layers == 1  # metadata alone is fine
+    with pytest.raises(UnsupportedQuantizationError, match=f"{f}: tensor blk.0.attn_q.weight .*TQ1_0"):
+        load_model_config(src)  # the whole-model check refuses it before anything is read
     with pytest.raises(UnsupportedQuantizationError, match=f"{f}: tensor blk.0.attn_q.weight .*TQ1_0"):
         iter_weights(src, torch.float32)
 
@@ -299,7 +302,7 @@ def test_gguf_llama3_rope_factors(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     src = resolve_model(f)
-    assert load_model_config(src).rope_scaling == scaling
+    assert gguf_file.load_config(f).rope_scaling == scaling  # (a one-tensor file: metadata only)
     assert [name for name, _ in iter_weights(src, torch.float32)] == ["model.embed_tokens.weight"]
 
 

@@ -6,9 +6,7 @@ them, so registering these commands costs nothing at start-up.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +14,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from ruvllm.cli.common import CliState, clean_errors
-from ruvllm.errors import CorruptModelError, ModelLoadError
+from ruvllm.cli.common import CliState, clean_errors, fail
+from ruvllm.errors import (
+    CorruptModelError,
+    ModelLoadError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+)
 from ruvllm.loader import hub
 
 if TYPE_CHECKING:
@@ -27,7 +30,6 @@ if TYPE_CHECKING:
     from ruvllm.loader import ModelSource
 
 _EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_MAX_SAFETENSORS_HEADER = 100 * 1024**2
 
 _CACHE_DIR_HELP = "Model cache (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm or the platform's cache folder)."
 
@@ -248,7 +250,11 @@ def info_cmd(
         assert ref.path is not None
         path = ref.path
     rows.append(("path", str(path)))
-    rows += _describe(path)
+    described, unsupported = _describe(path)
+    rows += described
+    if unsupported is not None:  # readable enough to describe, but not runnable: say so, and fail
+        _print_rows(rows)
+        raise fail(str(unsupported))
     # Computed before anything is printed, so a group size that does not fit is one error line.
     estimate = _estimate_rows(path, quant) if quant is not None else None
     _print_rows(rows)
@@ -268,12 +274,20 @@ def _not_downloaded_rows(ref: hub.ModelRef) -> list[tuple[str, str]]:
     return rows
 
 
-def _describe(path: Path) -> list[tuple[str, str]]:
-    from ruvllm.loader import resolve_model
+def _describe(path: Path) -> tuple[list[tuple[str, str]], ModelLoadError | None]:
+    """The model's rows, after the loader's own checks (loader/checks.py): a broken model raises
+    (one error line); an unsupported architecture or tensor type is described, and returned."""
+    from ruvllm.loader import check_model, resolve_model
 
     src = resolve_model(path)
+    unsupported: ModelLoadError | None = None
+    try:
+        check_model(src)
+    except (UnsupportedArchitectureError, UnsupportedQuantizationError) as e:
+        unsupported = e
+    reason = None if unsupported is None else _strip_path(str(unsupported), src.path)
     rows = [("format", "GGUF" if src.format == "gguf" else "Hugging Face (safetensors)")]
-    rows += _gguf_rows(src.path) if src.format == "gguf" else _hf_rows(src.path)
+    rows += _gguf_rows(src.path, reason) if src.format == "gguf" else _hf_rows(src.path, reason)
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
@@ -281,33 +295,25 @@ def _describe(path: Path) -> list[tuple[str, str]]:
     rows.append(("files", f"{len(files)}"))
     rows += [("", f"{p.relative_to(base)}  {_human_bytes(p.stat().st_size)}") for p in files]
     rows.append(("disk use", _human_bytes(hub.folder_size(path))))
-    return rows
+    return rows, unsupported
 
 
-def _gguf_rows(path: Path) -> list[tuple[str, str]]:
+def _gguf_rows(path: Path, reason: str | None) -> list[tuple[str, str]]:
     import gguf
 
     from ruvllm.loader import gguf_file
+    from ruvllm.loader.gguf_header import read_header
 
-    reader = gguf_file.open_reader(path)
-    arch = _field(reader, "general.architecture")
-    # Element counts come from the tensor headers; nothing is dequantized.
-    params = sum(int(t.n_elements) for t in reader.tensors if t.name != gguf_file.ROPE_FREQS_TENSOR)
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    file_type = _field(reader, "general.file_type")
+    header = read_header(path)  # metadata and tensor infos only: no vocabulary arrays, no data
+    arch = header.get("general.architecture")
+    params = sum(t.n_elements for t in header.tensors if t.name != gguf_file.ROPE_FREQS_TENSOR)
+    types = Counter(t.tensor_type.name for t in header.tensors)
+    file_type = header.get("general.file_type")
     try:
         ftype = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") if file_type is not None else "?"
-    except ValueError:
+    except (ValueError, TypeError):
         ftype = f"file type {file_type}"
-    reason = None
-    try:
-        gguf_file.config_from_reader(reader, path)
-        bad = sorted({t.tensor_type.name for t in reader.tensors} - {q.name for q in gguf_file.SUPPORTED_TENSOR_TYPES})
-        if bad:
-            reason = f"tensor types {', '.join(bad)} cannot be read"
-    except ModelLoadError as e:
-        reason = _strip_path(str(e), path)
-    context = _field(reader, f"{arch}.context_length")
+    context = header.get(f"{arch}.context_length")
     return [
         ("architecture", str(arch)),
         ("supported", "yes" if reason is None else f"no ({reason})"),
@@ -317,57 +323,28 @@ def _gguf_rows(path: Path) -> list[tuple[str, str]]:
     ]
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
-def _safetensors_header(file: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _MAX_SAFETENSORS_HEADER:
-                raise CorruptModelError(f"{file}: safetensors header of {length} bytes; the file is corrupt")
-            header = json.loads(f.read(length))
-    except (struct.error, ValueError) as e:
-        raise CorruptModelError(f"{file}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptModelError(f"{file}: safetensors header is not a JSON object")
-    return header
-
-
 def _weight_files(folder: Path) -> list[Path]:
     from ruvllm.loader import hf_folder
 
-    index = folder / hf_folder.INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptModelError(f"{index}: not a valid safetensors index ({e!r})") from None
-        return [folder / f for f in sorted(set(weight_map.values()))]
+    if (folder / hf_folder.INDEX_FILE).is_file():
+        return sorted(set(hf_folder.read_index(folder).values()))
     return [folder / hf_folder.SINGLE_WEIGHTS_FILE]
 
 
-def _hf_rows(folder: Path) -> list[tuple[str, str]]:
+def _hf_rows(folder: Path, reason: str | None) -> list[tuple[str, str]]:
     from ruvllm.loader import hf_folder
+    from ruvllm.loader.safetensors_header import read_safetensors_header
 
     cfg = hf_folder.read_config_json(folder)
     tied = bool(cfg.get("tie_word_embeddings", False))
     params = 0
     dtypes: Counter[str] = Counter()
     for file in _weight_files(folder):
-        for name, entry in _safetensors_header(file).items():
-            if name == "__metadata__" or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+        for name, entry in read_safetensors_header(file).items():
+            if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                 continue  # the loader skips these too
-            params += math.prod(entry.get("shape", ()))
-            dtypes[str(entry.get("dtype"))] += 1
-    reason = None
-    try:
-        hf_folder.load_config(folder)
-    except ModelLoadError as e:
-        reason = _strip_path(str(e), folder / hf_folder.CONFIG_FILE)
+            params += entry.n_elements
+            dtypes[entry.dtype] += 1
     quant = cfg.get("quantization_config")
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "?"
     quant_text = quant.get("quant_method", "quantized") if isinstance(quant, dict) else f"none ({dtype})"
@@ -391,30 +368,26 @@ class _FileTensor:
 
 
 def _file_tensors(src: ModelSource) -> list[_FileTensor]:
-    """The weights the loader yields, from headers only: GGUF tensor list, safetensors headers."""
-    import torch
-
-    from ruvllm.loader import iter_weights
-
-    # Only its eager checks (tensor types it cannot read, missing shards): the generator is never run.
-    iter_weights(src, torch.float32)
+    """The weights the loader yields, from headers only: GGUF tensor list, safetensors headers.
+    For a model that passed load_model_config's checks (the files' structure is not re-checked)."""
     if src.format == "gguf":
         from ruvllm.loader import gguf_file
+        from ruvllm.loader.gguf_header import read_header
         from ruvllm.quant.gguf_blocks import INT4_GGUF_TYPES, KEPT_GGUF_TYPES
 
         out = []
-        for t in gguf_file.open_reader(src.path).tensors:
+        for t in read_header(src.path).tensors:
             name = gguf_file.hf_name(t.name)
             if name is None:  # rope_freqs.weight: folded into the config
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+            shape = t.shape
             packed = None
             if t.tensor_type in KEPT_GGUF_TYPES and len(shape) == 2:
                 packed = ("int4" if t.tensor_type in INT4_GGUF_TYPES else "int8", 32)  # gguf_blocks: groups of 32
             out.append(_FileTensor(name, shape, packed))
         return out
     from ruvllm.loader import hf_folder
-
+    from ruvllm.loader.safetensors_header import read_safetensors_header
     from ruvllm.quant.checkpoints import checkpoint_quant
     from ruvllm.quant.weights import INT4_GROUP_SIZES, INT4_ROWS_MULTIPLE
 
@@ -422,12 +395,11 @@ def _file_tensors(src: ModelSource) -> list[_FileTensor]:
     scheme = checkpoint_quant(hf_folder.read_config_json(src.path), str(src.path))
     out = []
     for file in _weight_files(src.path):
-        for name, entry in _safetensors_header(file).items():
+        for name, entry in read_safetensors_header(file).items():
             # the same skips as _hf_rows and hf_folder.iter_weights
-            if name == "__metadata__" or (config.tie_word_embeddings and name == "lm_head.weight") \
-                    or name.endswith("rotary_emb.inv_freq"):
+            if (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                 continue
-            shape = tuple(int(d) for d in entry.get("shape", ()))
+            shape = entry.shape
             prefix, _, leaf = name.rpartition(".")
             if scheme is None:
                 out.append(_FileTensor(name, shape, None))
@@ -449,9 +421,11 @@ class _WeightEstimate:
     linears: Counter[str] = field(default_factory=Counter)  # form -> count of (fused) linear weights
 
 
-def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: QuantConfig, source: str) -> _WeightEstimate:
-    """Bytes of the model's weights once loaded with `quant`, following LlamaForCausalLM.load_weights:
-    the same fused parameters (q/k/v, gate/up), each linear weight in quant.plan's form, the rest dense."""
+def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: QuantConfig, source: str,
+                      dtype_name: str = "auto") -> _WeightEstimate:
+    """Bytes of the model's weights once loaded with `quant` at `dtype_name`, following
+    LlamaForCausalLM.load_weights: the same fused parameters (q/k/v, gate/up), each linear weight in
+    quant.plan's form, the rest dense."""
     import torch
     from torch import nn
 
@@ -461,7 +435,7 @@ def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: Quant
     from ruvllm.quant.plan import fused_stored_form, keeps_16bit, planned_form, quantizes_weights
     from ruvllm.quant.weights import estimate_bytes
 
-    dtype = resolve_model_dtype("auto", quant)
+    dtype = resolve_model_dtype(dtype_name, quant)
     elem = _element_size(dtype)
     rope = RotaryEmbedding(cfg.head_dim, 1, cfg.rope_theta, cfg.rope_scaling, dtype)  # one position: tiny
     with torch.device("meta"):  # shapes only: no weight memory is allocated

@@ -19,12 +19,15 @@ from transformers import PreTrainedTokenizerBase
 from ruvllm.config import ModelConfig
 from ruvllm.errors import ModelNotFoundError, NotAModelError
 from ruvllm.loader import gguf_file, hf_folder
+from ruvllm.loader.checks import check_model, check_tokenizer
 from ruvllm.loader.default_model import default_model_path
+from ruvllm.loader.gguf_header import GGUF_MAGIC
 from ruvllm.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from ruvllm.quant.weights import QuantizedWeight
 
 __all__ = [
     "ModelSource",
+    "check_model",
     "default_model_path",
     "iter_weights",
     "load_model_config",
@@ -44,7 +47,7 @@ class ModelSource:
 def _has_gguf_magic(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
-            return f.read(4) == gguf_file.GGUF_MAGIC
+            return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
 
@@ -76,9 +79,10 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
 
 
 def load_model_config(src: ModelSource) -> ModelConfig:
-    if src.format == "gguf":
-        return gguf_file.load_config(src.path)
-    return hf_folder.load_config(src.path)
+    """The model's config, once its files passed every check that needs no tensor data
+    (loader/checks.py): a broken model fails here, in one line, before anything is allocated.
+    The tokenizer is checked by load_tokenizer, so weights-only folders stay readable."""
+    return check_model(src, tokenizer=False)
 
 
 def iter_weights(src: ModelSource, dtype: torch.dtype,
@@ -94,6 +98,7 @@ def iter_weights(src: ModelSource, dtype: torch.dtype,
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    check_tokenizer(src)  # missing or cut tokenizer files: one line, not transformers' multi-line errors
     if src.format == "gguf":
         return load_gguf_tokenizer(src.path)
     return load_hf_tokenizer(src.path)

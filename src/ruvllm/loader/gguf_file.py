@@ -12,19 +12,18 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from ruvllm.config import ModelConfig
+from ruvllm.loader.gguf_header import GGUFArray, GGUFHeader, GGUFTensorInfo, read_header
+from ruvllm.loader.limits import check_config, real_number, whole_number
 from ruvllm.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_quantized
 from ruvllm.quant.weights import QuantizedWeight
 from ruvllm.errors import (
     CorruptModelError,
-    ModelLoadError,
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
-
-GGUF_MAGIC = b"GGUF"
 
 # general.architecture values we read. Mistral and SmolLM2 GGUFs are written as "llama".
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -71,42 +70,38 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def gguf_name(hf: str) -> str | None:
+    """The GGUF name of a Hugging Face tensor name (the inverse of hf_name), for messages."""
+    for gguf, name in _TOP_LEVEL_NAMES.items():
+        if name == hf:
+            return gguf
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    for part, name in _LAYER_PARTS.items():
+        if m and m.group(2) == name:
+            return f"blk.{m.group(1)}.{part}.{m.group(3)}"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _cached_reader(path: str, _mtime_ns: int, _size: int) -> GGUFReader:
     return GGUFReader(path)
 
 
 def open_reader(path: Path) -> GGUFReader:
-    """Parse a GGUF file, turning the reader's assorted exceptions into CorruptModelError.
+    """Parse a GGUF file for its tensor data, turning the reader's assorted exceptions into CorruptModelError.
 
-    Parsing the 49k-entry vocabulary takes seconds, and config + weights both need the
-    reader, so the last one is cached (keyed on mtime/size so a rewritten file is re-read).
+    The header is walked with bounds first (gguf_header.py): gguf's reader follows corrupt counts
+    blindly, and the walk also checks that every tensor's data lies inside the file (the reader
+    memory-maps lazily, so a file cut inside the tensor data would still parse). Parsing the 49k-entry
+    vocabulary takes seconds, so the last reader is cached (keyed on mtime/size so a rewritten file
+    is re-read).
     """
+    read_header(path)
+    stat = path.stat()
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        stat = path.stat()
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
-    if magic != GGUF_MAGIC:
-        raise CorruptModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        reader = _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
-    except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError... on short or garbled files
-        raise CorruptModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-    # The reader memory-maps lazily, so a file cut inside the tensor data can still parse.
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > stat.st_size:
-            raise CorruptModelError(
-                f"{path}: truncated GGUF file (tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
-                f"file has {stat.st_size})"
-            )
-    return reader
-
-
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+        return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
+    except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError... on garbled files
+        raise CorruptModelError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _llama3_freq_divisors(theta: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
@@ -118,15 +113,36 @@ def _llama3_freq_divisors(theta: float, dim: int, factor: float, low: float, hig
     return 1.0 / ((1 - smooth) / factor + smooth)
 
 
-def _rope_from_freq_tensor(reader: GGUFReader, arch: str, path: Path, t: ReaderTensor) -> dict[str, Any]:
+def _tensor_values(header: GGUFHeader, t: GGUFTensorInfo) -> np.ndarray:
+    """One (small) tensor's values, read from its place in the file: the header holds no data."""
+    with open(header.path, "rb") as f:
+        f.seek(t.offset)
+        raw = f.read(t.n_bytes)
+    floats = {QType.F32: "f4", QType.F16: "f2"}
+    if t.tensor_type in floats:  # in the file's byte order, which dequantize() would not know
+        return np.frombuffer(raw, dtype=header.byte_order + floats[t.tensor_type]).astype(np.float64)
+    try:
+        data = np.frombuffer(raw, dtype=np.uint8).reshape(quant_shape_to_byte_shape(t.shape, t.tensor_type))
+        return np.asarray(dequantize(data, t.tensor_type), dtype=np.float64).reshape(-1)
+    except Exception as e:  # malformed block data
+        raise CorruptModelError(f"{header.path}: {t.name}: cannot decode ({t.tensor_type.name}): {e}") from None
+
+
+def _rope_from_freq_tensor(header: GGUFHeader, arch: str, t: GGUFTensorInfo) -> dict[str, Any]:
     """Llama 3.x GGUFs carry rope scaling only as a per-frequency factor tensor. Every released
     Llama 3.x uses low_freq_factor=1, high_freq_factor=4 and an 8192 original context, so we
     rebuild HF's rope_scaling from those and accept it only if it reproduces the tensor (to 1e-4)."""
-    divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    path = header.path
+    if t.n_elements > 1024:  # one factor per pair of channels: head sizes are far below 2048
+        raise CorruptModelError(f"{path}: {ROPE_FREQS_TENSOR}: {t.n_elements} values, more than any head size needs")
+    divisors = _tensor_values(header, t)
+    theta = real_number(header.get(f"{arch}.rope.freq_base", 10000.0), path, f"{arch}.rope.freq_base")
     dim = 2 * divisors.size
-    original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+    key = f"{arch}.rope.scaling.original_context_length"
+    original = whole_number(header.get(key, 8192), path, key)
     factor = float(divisors.max())
+    if not (np.isfinite(divisors).all() and divisors.min() > 0 and theta > 0 and original > 0):
+        raise CorruptModelError(f"{path}: {ROPE_FREQS_TENSOR}: holds values that are not positive factors")
     expected = _llama3_freq_divisors(theta, dim, factor, 1.0, 4.0, original)
     if not np.allclose(divisors, expected, rtol=1e-4):
         raise UnsupportedArchitectureError(
@@ -142,79 +158,119 @@ def _rope_from_freq_tensor(reader: GGUFReader, arch: str, path: Path, t: ReaderT
     }
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
-    for t in reader.tensors:
+def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
+    path = header.path
+    for t in header.tensors:
         if t.name == ROPE_FREQS_TENSOR:
-            return _rope_from_freq_tensor(reader, arch, path, t)
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+            return _rope_from_freq_tensor(header, arch, t)
+    kind = header.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     scaling: dict[str, Any] = {"rope_type": kind}
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    if factor is not None:
-        scaling["factor"] = float(factor)
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    attn_factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
-    if attn_factor is not None:
-        scaling["attention_factor"] = float(attn_factor)
+    for key, hf_key, read in (("factor", "factor", real_number),
+                              ("original_context_length", "original_max_position_embeddings", whole_number),
+                              ("attn_factor", "attention_factor", real_number)):
+        value = header.get(f"{arch}.rope.scaling.{key}")
+        if value is not None:
+            scaling[hf_key] = read(value, path, f"{arch}.rope.scaling.{key}")
     return scaling
 
 
-def config_from_reader(reader: GGUFReader, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def field_names(header: GGUFHeader) -> dict[str, str]:
+    """ModelConfig field -> the GGUF key it came from (or, when derived, what from), for messages."""
+    arch = header.get("general.architecture")
+    _, vocab_key = vocab_source(header)
+    head_dim = f"{arch}.attention.key_length"
+    if header.get(head_dim) is None:
+        head_dim = f"{arch}.embedding_length / {arch}.attention.head_count"
+    kv_heads = f"{arch}.attention.head_count_kv"
+    if header.get(kv_heads) is None:
+        kv_heads = f"{arch}.attention.head_count"
+    return {
+        "vocab_size": vocab_key, "hidden_size": f"{arch}.embedding_length",
+        "intermediate_size": f"{arch}.feed_forward_length", "num_layers": f"{arch}.block_count",
+        "num_heads": f"{arch}.attention.head_count", "num_kv_heads": kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "rope_theta": f"{arch}.rope.freq_base", "max_position_embeddings": f"{arch}.context_length",
+        "rope_scaling": f"{arch}.rope.scaling", "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_ids": "tokenizer.ggml.eos_token_id",
+    }  # fmt: skip
+
+
+def vocab_source(header: GGUFHeader) -> tuple[int | None, str]:
+    """(vocabulary size, the key it comes from): {arch}.vocab_size, else the token list's length."""
+    arch = header.get("general.architecture")
+    key = f"{arch}.vocab_size"
+    if header.get(key) is not None:
+        return whole_number(header.get(key), header.path, key), key
+    tokens = header.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, GGUFArray):
+        return tokens.count, "tokenizer.ggml.tokens (its length)"
+    return None, key
+
+
+def config_from_header(header: GGUFHeader) -> ModelConfig:
+    """GGUF metadata as a ModelConfig whose numbers are in range (loader/limits.py); every failure
+    is one line naming the file and the key."""
+    path = header.path
+    arch = header.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
 
-    def need(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
+    def number(key: str, default: Any = None, read: Any = whole_number) -> Any:
+        value = header.get(f"{arch}.{key}", default)
         if value is None:
-            raise CorruptModelError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
+            raise CorruptModelError(f"{path}: {arch}.{key}: missing from the GGUF metadata")
+        return read(value, path, f"{arch}.{key}")
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size")
+    hidden = number("embedding_length")
+    heads = number("attention.head_count")
+    if heads < 1:  # checked here, before key_length's default is derived from it
+        raise CorruptModelError(f"{path}: {arch}.attention.head_count: must be at least 1, got {heads}")
+    head_dim = number("attention.key_length", hidden // heads)
+    value_dim = number("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise UnsupportedArchitectureError(f"{path}: {arch}.attention.value_length: {value_dim} differs from "
+                                           f"key_length {head_dim} (not supported)")
+    vocab, vocab_key = vocab_source(header)
     if vocab is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
-    if vocab is None:
-        raise CorruptModelError(f"{path}: GGUF metadata gives no vocabulary size")
+        raise CorruptModelError(f"{path}: {vocab_key}: missing, and no tokenizer.ggml.tokens to count")
+    names = {t.name for t in header.tensors}
     # Instruct GGUFs may mark the chat end-of-turn token separately from eos; stop on both.
-    eos = []
+    eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        value = _field(reader, key)
-        if value is not None and int(value) not in eos:
-            eos.append(int(value))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+        value = header.get(key)
+        token = None if value is None else whole_number(value, path, key)
+        if token is not None and token not in eos:
+            eos.append(token)
+    bos = header.get("tokenizer.ggml.bos_token_id")
+    config = ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=number("feed_forward_length"),
+        num_layers=number("block_count"),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(need("context_length")),
+        num_kv_heads=number("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", read=real_number),
+        rope_theta=number("rope.freq_base", 10000.0, real_number),
+        max_position_embeddings=number("context_length"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm=arch == "qwen3",
-        rope_scaling=_rope_scaling(reader, arch, path),
-        bos_token_id=int(bos) if bos is not None else None,
+        rope_scaling=_rope_scaling(header, arch),
+        bos_token_id=None if bos is None else whole_number(bos, path, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(eos),
     )
+    return check_config(config, path, field_names(header))
 
 
 def load_config(path: Path) -> ModelConfig:
-    return config_from_reader(open_reader(path), path)
+    return config_from_header(read_header(path))
 
 
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -259,17 +315,22 @@ def iter_weights(path: Path, dtype: torch.dtype,
 
     The file is checked eagerly, so a bad file raises here rather than midway through loading.
     """
-    reader = open_reader(path)
-    config = config_from_reader(reader, path)
-    for t in reader.tensors:
+    header = read_header(path)
+    config = config_from_header(header)
+    check_tensor_kinds(header, config.architecture)
+    return _generate(open_reader(path), config, path, dtype, keep_quantized)
+
+
+def check_tensor_kinds(header: GGUFHeader, arch: str) -> None:
+    """Every tensor is one we can read (its type) and place (its name)."""
+    for t in header.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedQuantizationError(
-                f"{path}: tensor {t.name} uses quantization type {t.tensor_type.name}, which ruvllm "
+                f"{header.path}: tensor {t.name} uses quantization type {t.tensor_type.name}, which ruvllm "
                 f"cannot read (supported: {', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))})"
             )
         if hf_name(t.name) is None and t.name != ROPE_FREQS_TENSOR:
-            raise UnsupportedArchitectureError(f"{path}: unexpected tensor {t.name} for a {config.architecture} model")
-    return _generate(reader, config, path, dtype, keep_quantized)
+            raise UnsupportedArchitectureError(f"{header.path}: {t.name}: unexpected tensor for a {arch} model")
 
 
 def _generate(

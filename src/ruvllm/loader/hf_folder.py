@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from ruvllm.errors import CorruptModelError, NotAModelError, UnsupportedArchitectureError
+from ruvllm.errors import CorruptModelError, ModelLoadError, NotAModelError, UnsupportedArchitectureError
+from ruvllm.loader.limits import check_config, real_number, whole_number
+from ruvllm.loader.safetensors_header import read_safetensors_header
 from ruvllm.quant.checkpoints import assemble, checkpoint_quant
 from ruvllm.quant.weights import QuantizedWeight
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_REQUIRED = object()  # load_config: a key with no default
 
 # Used only when config.json has no model_type (some hand-written configs).
 _ARCHITECTURE_CLASSES = {
@@ -48,8 +52,9 @@ def read_config_json(folder: Path) -> dict[str, Any]:
 def _model_type(cfg: dict[str, Any], path: Path) -> str:
     model_type = cfg.get("model_type")
     if model_type is None:
-        for cls in cfg.get("architectures") or ():
-            if cls in _ARCHITECTURE_CLASSES:
+        classes = cfg.get("architectures")
+        for cls in classes if isinstance(classes, list) else ():
+            if isinstance(cls, str) and cls in _ARCHITECTURE_CLASSES:
                 model_type = _ARCHITECTURE_CLASSES[cls]
                 break
     if model_type not in SUPPORTED_ARCHITECTURES:
@@ -60,7 +65,27 @@ def _model_type(cfg: dict[str, Any], path: Path) -> str:
     return model_type
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+# ModelConfig field -> its name in config.json, for messages (see field_names).
+FIELD_NAMES: Mapping[str, str] = MappingProxyType({
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "max_position_embeddings": "max_position_embeddings", "rope_scaling": "rope_scaling",
+    "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
+})  # fmt: skip
+
+
+def field_names(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """FIELD_NAMES, where a derived value is named by what it was derived from."""
+    names = dict(FIELD_NAMES)
+    if cfg.get("head_dim") is None:
+        names["head_dim"] = "hidden_size / num_attention_heads"
+    if cfg.get("num_key_value_heads") is None:
+        names["num_kv_heads"] = "num_attention_heads"
+    return names
+
+
+def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either config style.
 
     transformers < 5 writes `rope_theta` + `rope_scaling`; transformers 5 writes a single
@@ -74,6 +99,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if scaling is None:
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling:
+        if not isinstance(scaling, dict):
+            raise CorruptModelError(f"{path}: rope_scaling: expected an object, got {scaling!r}")
         scaling = dict(scaling)
         # Old configs spell the kind "type"; keep one key so the rope code has a single place to look.
         if "type" in scaling:
@@ -81,64 +108,85 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             scaling.setdefault("rope_type", kind)
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-    return float(theta if theta is not None else 10000.0), scaling or None
+    return real_number(theta if theta is not None else 10000.0, path, "rope_theta"), scaling or None
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    return tuple(whole_number(v, path, "eos_token_id") for v in values)
 
 
 def load_config(folder: Path) -> ModelConfig:
+    """config.json as a ModelConfig whose numbers are in range (loader/limits.py); every failure
+    is one line naming config.json and the key."""
     path = folder / CONFIG_FILE
     cfg = read_config_json(folder)
     arch = _model_type(cfg, path)
+
+    def number(key: str, default: Any = _REQUIRED) -> int:
+        value = cfg.get(key, default)
+        if value is _REQUIRED:
+            raise CorruptModelError(f"{path}: {key}: missing (a required key)")
+        return whole_number(value, path, key)
+
+    def derived(key: str, otherwise: int) -> int:
+        """None (or absent) means "derive it", as transformers reads these keys."""
+        return otherwise if cfg.get(key) is None else whole_number(cfg[key], path, key)
+
+    hidden = number("hidden_size")
+    heads = number("num_attention_heads")
+    if heads < 1:  # checked here, before head_dim is derived from it
+        raise CorruptModelError(f"{path}: num_attention_heads: must be at least 1, got {heads}")
+    rope_theta, rope_scaling = _rope(cfg, path)
+    bos = cfg.get("bos_token_id")
+    # Mistral's sliding_window (and Qwen's use_sliding_window) are ignored on purpose:
+    # we attend over the full context, which matches them for prompts shorter than the window.
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=number("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=number("intermediate_size"),
+        num_layers=number("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=derived("num_key_value_heads", heads),
+        head_dim=derived("head_dim", hidden // heads),
+        rms_norm_eps=real_number(cfg.get("rms_norm_eps", 1e-6), path, "rms_norm_eps"),
+        rope_theta=rope_theta,
+        max_position_embeddings=number("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and its config carries no flag for it.
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling=rope_scaling,
+        bos_token_id=None if bos is None else whole_number(bos, path, "bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), path),
+    )
+    return check_config(config, path, field_names(cfg))
+
+
+def read_index(folder: Path) -> dict[str, Path]:
+    """model.safetensors.index.json's weight_map: tensor name -> the shard file that holds it."""
+    index = folder / INDEX_FILE
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        rope_theta, rope_scaling = _rope(cfg)
-        # Mistral's sliding_window (and Qwen's use_sliding_window) are ignored on purpose:
-        # we attend over the full context, which matches them for prompts shorter than the window.
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and its config carries no flag for it.
-            attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            rope_scaling=rope_scaling,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        )
-    except KeyError as e:
-        raise CorruptModelError(f"{path}: missing required key {e.args[0]!r}") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise CorruptModelError(f"{path}: bad value ({e})") from None
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except OSError as e:
+        raise ModelLoadError(f"{index}: cannot read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CorruptModelError(f"{index}: not a valid safetensors index ({e!r})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CorruptModelError(f"{index}: weight_map: expected an object of tensor name -> file name")
+    return {name: folder / file for name, file in weight_map.items()}
 
 
 def _shards(folder: Path) -> dict[Path, list[str] | None]:
     """Weight files to read, each with the tensor names it must hold (None: all it has)."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CorruptModelError(f"{index}: not a valid safetensors index ({e!r})") from None
+    if (folder / INDEX_FILE).is_file():
         shards: dict[Path, list[str] | None] = {}
-        for name, file in weight_map.items():
-            shards.setdefault(folder / file, []).append(name)  # type: ignore[union-attr]
+        for name, file in read_index(folder).items():
+            shards.setdefault(file, []).append(name)  # type: ignore[union-attr]
         return shards
     single = folder / SINGLE_WEIGHTS_FILE
     if single.is_file():
@@ -150,9 +198,9 @@ def iter_weights(folder: Path, dtype: torch.dtype,
                  keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) one at a time, so peak memory stays near one tensor.
 
-    config.json and the shard list are checked eagerly; tensor data is read lazily. GPTQ/AWQ
-    checkpoints yield each quantized layer as `<layer>.weight`: a QuantizedWeight with
-    keep_quantized, else its exact float values in dtype.
+    config.json, the shard list and each shard's header (truncation) are checked eagerly; tensor
+    data is read lazily. GPTQ/AWQ checkpoints yield each quantized layer as `<layer>.weight`: a
+    QuantizedWeight with keep_quantized, else its exact float values in dtype.
     """
     config = load_config(folder)
     scheme = checkpoint_quant(read_config_json(folder), str(folder / CONFIG_FILE))
@@ -160,6 +208,7 @@ def iter_weights(folder: Path, dtype: torch.dtype,
     for file in shards:
         if not file.is_file():
             raise CorruptModelError(f"{file}: listed in {INDEX_FILE} but missing")
+        read_safetensors_header(file)  # bounded and checked: a cut file fails here, naming the tensor
     raw_dtype = None if scheme is not None else dtype  # quantized parts keep their integer types
     stream = _generate(shards, config.tie_word_embeddings, raw_dtype)
     if scheme is None:

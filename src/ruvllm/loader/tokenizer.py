@@ -16,12 +16,17 @@ from ruvllm.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 
+def _one_line(e: BaseException) -> str:
+    """transformers' tokenizer errors span several lines; CLI and HTTP errors are one."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     try:
         # local_files_only: a model path must never turn into a Hub download.
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"{folder}: cannot load tokenizer ({type(e).__name__}: {e})") from None
+    except Exception as e:  # the tokenizers library raises plain Exception on files it cannot parse
+        raise ModelLoadError(f"{folder}: cannot load tokenizer ({_one_line(e)})") from None
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -37,8 +42,8 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     try:
         # transformers rebuilds the tokenizer (and usually the chat template) from GGUF metadata.
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
-        raise ModelLoadError(f"{path}: cannot build tokenizer from GGUF metadata ({type(e).__name__}: {e})") from None
+    except Exception as e:  # transformers' GGUF conversion raises assorted types on metadata it cannot use
+        raise ModelLoadError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(e)})") from None
     if not getattr(tok, "chat_template", None):
         from ruvllm.loader.gguf_file import open_reader  # lazy: only needed on this fallback path
 
