@@ -125,7 +125,9 @@ def test_checkpoint_codes_are_kept_packed(tmp_path: Path, method: str) -> None:
     from ruvllm.config import QuantConfig
     from ruvllm.loader import load_model_config
     src = resolve_model(quant_dir)
-    estimate = _estimate_weights(load_model_config(src), _file_tensors(src), QuantConfig(), str(quant_dir))
+    # At the dtype the engine above computes in (auto is fp32 on CPUs without native bf16).
+    estimate = _estimate_weights(load_model_config(src), _file_tensors(src), QuantConfig(), str(quant_dir),
+                                 "bfloat16")
     assert estimate.total == llm.engine.weight_bytes
 
 

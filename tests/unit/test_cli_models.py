@@ -466,29 +466,30 @@ def test_estimate_fuses_like_the_loader() -> None:
     """q/k/v pieces stored in different GGUF types (as in Q4_K_M files) become per-channel int8,
     as the loader fuses them (quant.plan.fuse_pieces)."""
     import dataclasses
+    import functools
 
     from ruvllm.cli.models_cmd import _estimate_weights, _file_tensors
     from ruvllm.config import QuantConfig
 
-    if not _computes_in_bf16():
-        pytest.skip("auto keeps GGUF codes packed only when computing in bf16")
     src = resolve_model(None)
     cfg, tensors = load_model_config(src), _file_tensors(src)
+    # auto keeps GGUF codes packed only when computing in bf16: estimated at bf16 on any CPU.
+    estimate = functools.partial(_estimate_weights, dtype_name="bfloat16")
 
     def with_v0(packed: tuple[str, int] | None) -> list:
         return [dataclasses.replace(t, packed=packed) if t.name == "model.layers.0.self_attn.v_proj.weight" else t
                 for t in tensors]
 
-    auto = _estimate_weights(cfg, tensors, QuantConfig(), "x")
-    mixed = _estimate_weights(cfg, with_v0(None), QuantConfig(), "x")  # e.g. a Q6_K attn_v
+    auto = estimate(cfg, tensors, QuantConfig(), "x")
+    mixed = estimate(cfg, with_v0(None), QuantConfig(), "x")  # e.g. a Q6_K attn_v
     rows, k = cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size
     int8_bytes, int4_bytes = rows * k + 2 * rows, rows * k // 2 + 4 * rows * k // 32
     assert mixed.total - auto.total == int8_bytes - int4_bytes
     assert mixed.linears == {"int4 g32": 119, "int8": 1}
-    q8 = _estimate_weights(cfg, with_v0(("int8", 32)), QuantConfig(), "x")  # a Q8_0 attn_v
+    q8 = estimate(cfg, with_v0(("int8", 32)), QuantConfig(), "x")  # a Q8_0 attn_v
     assert q8.total == mixed.total and q8.linears == mixed.linears
-    assert _estimate_weights(cfg, with_v0(("int8", 32)), QuantConfig("none"), "x").total == \
-        _estimate_weights(cfg, tensors, QuantConfig("none"), "x").total  # dequantized: no packed pieces
+    assert estimate(cfg, with_v0(("int8", 32)), QuantConfig("none"), "x").total == \
+        estimate(cfg, tensors, QuantConfig("none"), "x").total  # dequantized: no packed pieces
 
 
 def test_info_quantization_bad_settings_are_one_line() -> None:
