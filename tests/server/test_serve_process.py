@@ -25,7 +25,9 @@ def _port() -> int:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_the_server_with_exit_0(sig: signal.Signals) -> None:
     port = _port()
-    proc = subprocess.Popen([*SERVE, "--port", str(port), "--num-blocks", "256"], stdout=subprocess.PIPE,
+    # A short drain: the stream below outlasts it, so it is aborted (and must end) either way.
+    proc = subprocess.Popen([*SERVE, "--port", str(port), "--num-blocks", "256", "--drain-timeout", "1"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

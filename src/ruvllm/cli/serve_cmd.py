@@ -32,6 +32,8 @@ def register(app: typer.Typer) -> None:
                                                     help="With --api-key: serve PATH without the key (repeatable)."),
         max_request_bytes: int = typer.Option(ServerConfig.max_request_bytes, "--max-request-bytes", min=1,
                                               help="Largest request body; a larger one gets 413."),
+        drain_timeout: float = typer.Option(ServerConfig.graceful_shutdown_s, "--drain-timeout", min=0,
+                                            help="Seconds in-flight requests get to finish after SIGINT/SIGTERM."),
         request_read_timeout: float = typer.Option(ServerConfig.request_read_timeout_s, "--request-read-timeout",
                                                    min=0.1, help="Seconds a request body may stall; then 408."),
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
@@ -79,6 +81,7 @@ def register(app: typer.Typer) -> None:
         open_routes = (*route_without_key, *(["/metrics"] if metrics_without_key else []))
         cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
                            max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
+                           graceful_shutdown_s=drain_timeout,
                            max_concurrent=max_concurrent,
                            max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
