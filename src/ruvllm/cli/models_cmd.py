@@ -240,6 +240,8 @@ def info_cmd(
         if ref.path is None:
             rows += _not_downloaded_rows(ref)
             _print_rows(rows)
+            if ("supported", "no") in rows:  # known to be unrunnable even before its files are here
+                raise fail(f"{ref.name}: architecture {hub.ALIASES[ref.alias or ''].architecture} is not supported")
             if quant is not None:
                 typer.echo("\nmemory estimate: needs the model's files (not downloaded)")
             return
