@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from ruvllm.attention.kv_quant import KV_BITS
 from ruvllm.request import Request
-from ruvllm.worker.model_runner import kv_bytes_per_block
+from ruvllm.worker.model_runner import cold_kv_bytes_per_block, hot_blocks_wanted, kv_bytes_per_block
 from tests.conftest import novel_prompts
 
 HOT = 32  # a short hot window: most of a 200-token context is read from the cold tier
@@ -118,11 +119,20 @@ def test_preempted_and_resumed_equals_uninterrupted(kv_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=0)
     expected = kv_llm.generate(prompts, params)
     # A budget whose small cold tier fills: migrations stall, hot blocks run out, running requests are
-    # preempted (measured: 6 preemptions for int8, 44 for int4); without prefix caching a resumed
-    # request recomputes everything.
-    tiny = LLM.from_engine(kv_llm.engine.with_settings(
-        cache=_cache(_kv(kv_llm), num_blocks=14 if _kv(kv_llm) == "int8" else 10, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64)))
+    # preempted (measured at bf16: 6 preemptions for int8, 44 for int4); without prefix caching a
+    # resumed request recomputes everything. The budget is set in bytes for the blocks wanted (the
+    # hot tier no more than one sequence needs, 11 or 7 cold blocks), not as a count of 16-bit
+    # blocks: a hot block's bytes follow the compute dtype (twice as many in float32, which gave a
+    # cold tier twice as large, where nothing was ever preempted).
+    engine, kv = kv_llm.engine, _kv(kv_llm)
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64)
+    _, hot_needed = hot_blocks_wanted(_cache(kv), sched, engine.max_model_len)
+    budget = (hot_needed * kv_bytes_per_block(engine.model_config, 16, engine.dtype)
+              + (11 if kv == "int8" else 7) * cold_kv_bytes_per_block(engine.model_config, 16, KV_BITS[kv]))
+    tiny = LLM.from_engine(engine.with_settings(
+        cache=_cache(kv, num_blocks=None, kv_cache_memory_bytes=budget, enable_prefix_caching=False),
+        scheduler=sched))
+    assert (tiny.engine.kv.pool.num_hot, tiny.engine.kv.pool.num_cold) == (hot_needed, 11 if kv == "int8" else 7)
     got = tiny.generate(prompts, params)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert _tokens(got) == _tokens(expected) and _logprobs(got) == _logprobs(expected)

@@ -19,6 +19,15 @@ def _prompt_logprobs(llm: LLM) -> torch.Tensor:
 
 
 def test_default_keeps_gguf_weights_packed(default_llm: LLM) -> None:
+    # "auto" keeps a GGUF file's 4-bit codes packed where the model computes in bf16 (the packed
+    # kernels take bf16 activations: quant/plan.py quantizes_weights), and bf16 is the default only
+    # where the CPU computes it natively (dtypes.resolve_dtype). Elsewhere (AVX2 without AVX-512 BF16)
+    # the default is float32 with every weight dense, the float32 reference engine; there the packing
+    # is checked on an engine asked for bf16, which is what the default is on the other CPUs.
+    if default_llm.engine.dtype != torch.bfloat16:
+        dense = default_llm.engine.runner.model.layers[0].qkv_proj
+        assert not isinstance(dense, QuantLinear) and dense.weight.dtype == default_llm.engine.dtype
+        default_llm = LLM(dtype="bfloat16", num_blocks=16)
     model = default_llm.engine.runner.model
     layer = model.layers[0]
     for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):

@@ -16,6 +16,7 @@ from ruvllm.attention.backend import AttentionBackend
 from ruvllm.attention.metadata import AttentionMetadata
 from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.errors import CorruptModelError
+from ruvllm.layers.dense import DenseLinear, dense_linear
 from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.quant.linear import QuantLinear
@@ -39,15 +40,16 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # q, k and v (and gate and up) fused: one matmul instead of three (two) per layer.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # q, k and v (and gate and up) fused: one matmul instead of three (two) per layer. Dense
+        # weights compute each row the same at any batch size (layers/dense.py).
+        self.qkv_proj = DenseLinear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = DenseLinear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = DenseLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -113,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "lm_head"):
             return self.lm_head(hidden)
-        return F.linear(hidden, self.embed_tokens.weight)
+        return dense_linear(hidden, self.embed_tokens.weight)
 
     # --- weights -------------------------------------------------------------------------------
     def _target(self, name: str) -> tuple[str, int | None, int]:

@@ -1,0 +1,45 @@
+"""Dense linear layers whose output rows do not depend on how many rows came with them.
+
+A request's logits must not depend on what shared its step (docs/architecture.md). PyTorch's fp32
+matmul on CPU is MKL's sgemm, and MKL picks a different kernel for a few rows than for many: on an
+AVX2 CPU (MKL 2024.2, 2 threads) a row computed in a call of 1-3, 5-7 or 9-11 rows differs in the
+last bits from the same row computed in a call of 4, 8, or 12 and more rows (measured on every
+projection shape of the default model, rows at any position). So a decode alone (one row) and the
+same decode beside others disagreed, and fp32 logprobs were not batch invariant (greedy tokens
+mostly survived, which is why only the bit-exact logprob tests saw it). Below 12 rows the call is
+padded with zero rows to a multiple of 4, which takes the many-rows kernel; rows never interact,
+so the padding changes no real row. tests/unit/test_dense_linear.py checks it on this machine.
+
+bf16 and fp16 go through oneDNN, whose rows were the same at every count measured; CUDA makes no
+bit-exact claim (docs/gpu.md). Both are left as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take MKL's many-rows kernel.
+MANY_ROWS = 12
+ROW_MULTIPLE = 4
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), each output row the same whatever the number of rows in x."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows >= MANY_ROWS or rows % ROW_MULTIPLE == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, k)
+    padded = torch.cat([flat, flat.new_zeros(-rows % ROW_MULTIPLE, k)])
+    return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear computed by dense_linear (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
