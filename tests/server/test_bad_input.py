@@ -88,8 +88,8 @@ def test_a_bad_request_does_not_touch_the_ones_beside_it(server: RunningServer) 
     assert done[-1] == "data: [DONE]" and '"finish_reason": "length"' in done[-2]
 
 
-def test_surrogate_in_model_name_is_not_a_500_while_writing_the_404(http: httpx.Client) -> None:
-    # Valid Unicode that is not our model: a 404 whose body quotes it, written without error.
+def test_404_quotes_a_non_ascii_model_name(http: httpx.Client) -> None:
+    # Error bodies are ASCII-escaped JSON; valid non-ASCII text must still come back intact.
     r = http.post("/v1/completions", json={**COMP, "model": "модель-😀"})
     assert r.status_code == 404 and "модель-😀" in r.json()["error"]["message"]
 
