@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,22 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def setting(default: Any, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (),
+            choices: tuple[str, ...] | None = None, cli_type: type | None = None,
+            to_value: Callable[[Any], Any] | None = None, minimum: float | None = None,
+            maximum: float | None = None) -> Any:
+    """A user-facing engine setting, declared once: the CLI flags of serve, chat and benchmark and
+    the keyword arguments of LLM(...) are generated from these fields (cli/engine_options.py).
+
+    flag: the CLI name when it is not --field-name; cli_type/to_value: a flag given in other units
+    (--kv-cache-gib in GiB for a field in bytes)."""
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "cli_type": cli_type,
+            "to_value": to_value, "min": minimum, "max": maximum}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults need a default_factory")
+    return field(default=default, metadata={"setting": meta})
+
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 # "auto": the compute dtype. bf16/fp16: the same, named (it must be the compute dtype). int8/int4: a
@@ -48,17 +65,26 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "int8", "int4")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = setting(16, "Tokens per KV-cache block.", minimum=1)
     # Memory budget for the KV pool. Ignored when num_blocks is given. None: 1 GiB on CPU; on CUDA
     # what a profiled warm-up leaves of gpu_memory_utilization x the GPU's memory.
-    kv_cache_memory_bytes: int | None = None
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV-cache memory budget in GiB (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization "
+              "leaves after a profiled warm-up).", flag="--kv-cache-gib", cli_type=float,
+        to_value=lambda gib: int(gib * 2**30), minimum=0.001)
+    num_blocks: int | None = setting(None, "KV blocks (overrides --kv-cache-gib).", minimum=1)
+    enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of prompt prefixes seen before.",
+                                          flag="--prefix-caching/--no-prefix-caching")
+    gpu_memory_utilization: float = setting(0.9, "Share of the GPU's memory the engine may use (CUDA).",
+                                            minimum=0.01, maximum=1.0)
+    kv_cache_dtype: str = setting(
+        "auto", "auto, bf16, fp16: the KV cache in the compute dtype; int8, int4: a two-tier cache, the newest "
+                "--kv-hot-tokens of each sequence in the compute dtype and older blocks quantized (CPU only; "
+                "1.8-3.2x the tokens in the same memory).", choices=("auto", "bf16", "fp16", "int8", "int4"))
     # int8/int4: a query reads a block exactly while any of its tokens is within this many positions
     # of the query (the hot window); older blocks are read dequantized and move to the cold tier.
-    kv_hot_tokens: int = 64
+    kv_hot_tokens: int = setting(64, "With --kv-cache-dtype int8/int4: tokens per sequence read exactly "
+                                     "(the hot window).", minimum=0)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -78,16 +104,40 @@ class CacheConfig:
         return self.kv_cache_dtype in ("int8", "int4")
 
 
+# The token budget of one step when none is given: on a CPU a step's time grows with its tokens, so
+# a small budget keeps decodes flowing while prompts are chunked in; a GPU runs 2048 tokens in about
+# the time of 512, so there a larger budget admits prompts faster at little cost to the decodes.
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512  # token budget of one step
-    max_num_seqs: int = 64  # cap on running sequences
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = setting(
+        None, "Token budget of one engine step (default: 512 on CPU, 2048 on CUDA).", minimum=1)
+    max_num_seqs: int = setting(64, "Sequences running at once (the server admits --max-queue more, then 429).",
+                                flag="--max-num-seqs", aliases=("--max-concurrent",), minimum=1)
+    enable_chunked_prefill: bool = setting(True, "Split long prompts into chunks that share steps with decodes.",
+                                           flag="--chunked-prefill/--no-chunked-prefill")
     # Longest prompt chunk one request may take in a step (None: the whole budget).
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int | None = setting(
+        None, "Longest prompt chunk one request may take in a step (default: the whole budget).", minimum=1)
+
+    def resolved(self, device_type: str) -> SchedulerConfig:
+        """The same settings with the device's defaults filled in."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        import dataclasses
+
+        return dataclasses.replace(self, max_num_batched_tokens=DEFAULT_BATCHED_TOKENS.get(device_type, 512))
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is None:
+            raise ValueError("the token budget is resolved for a device first (SchedulerConfig.resolved)")
+        return self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
@@ -114,8 +164,13 @@ class QuantConfig:
     Modules named in `keep_16bit` stay dense (by default the embeddings and the LM head).
     """
 
-    method: str = "auto"
-    group_size: int = 32
+    method: str = setting(
+        "auto", "auto: keep GGUF 4/8-bit weights packed when computing in bf16; none: dequantize everything; "
+                "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
+                "w8a8: int8 weights and int8 activations (int8 x int8 matmuls); q8, q4k: llama.cpp's Q8_0 and Q4_K "
+                "quantizers applied at load.", flag="--quantization", aliases=("-q",),
+        choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))
+    group_size: int = setting(32, "Inputs per int4 quantization group (32, 64, 128, 256).")
     keep_16bit: tuple[str, ...] = ("embed_tokens", "lm_head")
 
     def __post_init__(self) -> None:
@@ -131,17 +186,22 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
-    device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda" or "cuda:N"
-    dtype: str = "auto"  # bf16 where the CPU computes it natively (AVX-512 BF16 / AMX) or on CUDA, else fp32
-    max_model_len: int | None = None  # defaults to the model's context length
-    num_threads: int | None = None  # torch intra-op threads; None: all cores
-    seed: int = 0  # seeds the sampling of requests that bring no seed of their own
+    device: str = setting("auto", "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or cuda:N.")
+    dtype: str = setting("auto", "auto (bf16 where the CPU has native bf16 or on CUDA, else float32), float32, "
+                                 "bfloat16, float16.")
+    max_model_len: int | None = setting(None, "Context length cap in tokens (default: the model's).",
+                                        flag="--max-context", minimum=2)
+    num_threads: int | None = setting(None, "Torch intra-op threads (default: all cores).", flag="--threads",
+                                      minimum=1)
+    seed: int = setting(0, "Seeds the sampling of requests that bring no seed of their own.")
     quantization: QuantConfig = field(default_factory=QuantConfig)
     # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it
     # builds); "torch" plain PyTorch ops; "triton" forces the Triton kernel (on CPU: interpreted, tests only).
-    attention: str = "auto"
+    attention: str = setting("auto", "Attention kernel: auto (Triton on CUDA, our C++ kernel on CPU), torch, triton.",
+                             choices=("auto", "torch", "triton"))
     # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
-    cuda_graphs: bool = True
+    cuda_graphs: bool = setting(True, "Replay decode steps as CUDA graphs (CUDA only).",
+                                flag="--cuda-graphs/--no-cuda-graphs")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -1,9 +1,11 @@
-"""Messages between the scheduler, the model runner and the API layers."""
+"""Messages between the scheduler and the worker (in the core's process), and the front's outputs."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from ruvllm.messages import CoreRequest
 from ruvllm.request import FinishReason, Logprob
 
 
@@ -21,8 +23,19 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's whole instruction to the worker: it never sees a scheduler object.
+
+    Block tables are sent whole each step (not as appended ids) because the two-tier cache rewrites
+    them: a block that moves cold changes id in the middle of a table."""
+
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Sequences scheduled for the first time: the worker sets up their sampling state from these.
+    new_requests: list[CoreRequest] = field(default_factory=list)
+    # Sequences that ended since the last step: the worker drops their state.
+    finished_ids: list[str] = field(default_factory=list)
+    # (hot block, cold block) pairs to quantize-copy before this step's forward pass.
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -32,12 +45,25 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def has_work(self) -> bool:
+        """Anything for the worker to do (a step with no sequence may still move blocks or drop state)."""
+        return bool(self.seqs or self.kv_moves or self.finished_ids)
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> next token
     logprobs: dict[str, dict[int, Logprob]]  # request id -> chosen and top-N logprobs
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+
+
+class OutputKind(enum.Enum):
+    """What a caller of generate() receives after each step."""
+
+    CUMULATIVE = "cumulative"  # everything so far (the offline default: readable, O(n^2) over a stream)
+    DELTA = "delta"  # only what is new since the previous output (streaming servers)
+    FINAL_ONLY = "final_only"  # one output, when the request has finished
 
 
 @dataclass

@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ruvllm.sampling_params import SamplingParams
 
 
@@ -60,16 +58,12 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    # One entry per prompt token from the second on (the first has no context to be scored in).
-    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    # Prompt tokens scored so far (prompt logprobs): one per prompt token from the second on (the
+    # first has no context to be scored in); a preempted request does not score them twice.
+    num_prompt_logprobs: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    queue_time_sent: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

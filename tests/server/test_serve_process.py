@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -79,3 +80,98 @@ def test_port_in_use_is_one_line(tmp_path) -> None:
                            timeout=180)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr and "in use" in r.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid` (Linux /proc): the engine core that `ruvllm serve` spawned."""
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie has exited (its parent is gone too)
+    except FileNotFoundError:
+        return True
+
+
+def _start(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([*SERVE, "--port", str(port), "--num-blocks", "512", "--drain-timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(240):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    proc.kill()
+    pytest.fail("server did not come up: " + proc.stderr.read())
+
+
+def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1() -> None:
+    port = _port()
+    proc = _start(port)
+    try:
+        (core,) = _children(proc.pid)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        streaming = threading.Barrier(17)
+        errors_at: list[float] = []
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"Chapter {i}.", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url, json=body, timeout=30) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                streaming.wait()
+                for line in lines:
+                    if '"engine_failed"' in line:
+                        errors_at.append(time.monotonic())
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(16)]
+        for t in threads:
+            t.start()
+        streaming.wait(timeout=120)
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(timeout=10)
+        assert len(errors_at) == 16, "every open stream gets an engine_failed error event"
+        assert max(errors_at) - killed < 2.0, [round(t - killed, 2) for t in errors_at]
+        assert proc.wait(timeout=30) == 1  # it stops on its own, non-zero, for a supervisor to restart
+        assert "engine" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_shutdown_leaves_no_core_process_behind() -> None:
+    port = _port()
+    proc = _start(port)
+    try:
+        (core,) = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while not _gone(core) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(core), "the engine core outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_killed_server_leaves_no_orphan_core() -> None:
+    """SIGKILL gives the server no chance to stop its child: the core notices and leaves by itself."""
+    port = _port()
+    proc = _start(port)
+    (core,) = _children(proc.pid)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while not _gone(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(core), "the engine core was orphaned"

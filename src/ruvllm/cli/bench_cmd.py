@@ -25,11 +25,12 @@ import typer
 from rich.table import Table
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
+from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
 from ruvllm.config import CacheConfig
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.core.engine_core import EngineCore
+    from ruvllm.engine.llm import LLM
 
 FORMATS = ("table", "json", "csv")
 MODEL_HELP = ("Model path (GGUF file or Hugging Face folder), or a downloaded alias or Hub id; "
@@ -100,21 +101,21 @@ class PromptSource:
 
 def run_batch(core: EngineCore, prompts: list[list[int]], gen_length: int, tag: str) -> tuple[list[float], float, int]:
     """Submit all prompts at once and step to the end: (each request's TTFT, wall time, tokens generated)."""
+    from ruvllm.messages import CoreRequest
     from ruvllm.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=gen_length, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        core.add_request(f"{tag}-{i}", ids, params)
+        core.add_request(CoreRequest(f"{tag}-{i}", ids, params))
     first: dict[str, float] = {}
     generated = 0
     while core.has_unfinished:
         outputs = core.step()
         now = time.perf_counter()
         for out in outputs:
-            if out.request_id not in first and out.outputs[0].token_ids:
+            if out.request_id not in first and out.new_token_ids:
                 first[out.request_id] = now - start
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
+            generated += len(out.new_token_ids)
     wall = time.perf_counter() - start
     return [first[f"{tag}-{i}"] for i in range(len(prompts))], wall, generated
 
@@ -133,12 +134,13 @@ def peak_memory_mib() -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
-def summarize(core: EngineCore, s: Settings, dtype: str, source: str, its: list[Iteration]) -> dict[str, Any]:
+def summarize(llm: LLM, s: Settings, dtype: str, source: str, its: list[Iteration]) -> dict[str, Any]:
     ttfts = [t for it in its for t in it.ttfts_s]
+    info = llm.info
     return {
-        "model": str(core.model_path), "dtype": dtype, "prompt_source": source,
-        "quantization": core.config.quantization.method, "weight_mib": round(core.weight_bytes / 2**20, 1),
-        "kv_cache_dtype": core.config.cache.kv_cache_dtype,
+        "model": info.model, "dtype": dtype, "prompt_source": source,
+        "quantization": info.quantization, "weight_mib": round(info.weight_bytes / 2**20, 1),
+        "kv_cache_dtype": info.kv_cache_dtype,
         "prompt_length": s.prompt_length, "gen_length": s.gen_length, "concurrency": s.concurrency,
         "warmup": s.warmup, "iterations": s.iterations,
         "prefill_latency_ms": round(1000 * statistics.fmean(it.prefill_s for it in its), 3),
@@ -191,14 +193,8 @@ def benchmark(
     gen_length: int = typer.Option(64, "--gen-length", help="Generated tokens per request (EOS ignored)."),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests submitted together in the batch phase."),
     fmt: str = typer.Option("table", "--format", help="table, json or csv (json and csv: stdout only)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
-    threads: int | None = typer.Option(None, "--threads", help="Torch threads (default: all cores)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
-    quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
-    kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
+    engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Measure prefill latency, time to first token, decode and batch throughput, and peak memory."""
     state: CliState = ctx.obj or CliState()
@@ -206,11 +202,8 @@ def benchmark(
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     settings = Settings(prompt_length, gen_length, concurrency, warmup, iterations)
     settings.check()
-    if threads is not None and threads < 1:
-        raise fail(f"--threads must be at least 1, got {threads}")
 
-    from ruvllm.core.engine_core import EngineCore
-    from ruvllm.engine.llm import build_engine_config
+    from ruvllm.engine.llm import LLM
     from ruvllm.device import resolve_device
     from ruvllm.loader.hub import resolve_cli_model
 
@@ -218,38 +211,41 @@ def benchmark(
     # The KV pool holds exactly the batch phase, so nothing is preempted and peak memory reflects
     # this workload rather than the default 1 GiB pool.
     blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
-    resolve_device(device)  # a bad --device fails before any model is looked for
-    engine_kw = dict(dtype=dtype, num_threads=threads, quantization=quantization, group_size=group_size, device=device,
-                    enable_prefix_caching=False, max_num_seqs=concurrency, kv_cache_dtype=kv_cache_dtype,
-                    kv_hot_tokens=kv_hot_tokens)
-    config = build_engine_config(resolve_cli_model(model, cache_dir), num_blocks=blocks, **engine_kw)
+    device = resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
+    path = resolve_cli_model(model, cache_dir)
+    config = engine.to_config(path, num_blocks=blocks, max_num_seqs=concurrency)
     if config.cache.quantized_kv:
         # A two-tier pool keeps every sequence's hot window and one step's new tokens in 16-bit
         # besides the batch's tokens: size it as that hot tier plus the batch in 16-bit blocks.
         from ruvllm.worker.model_runner import hot_blocks_wanted
 
-        hot, _ = hot_blocks_wanted(config.cache, config.scheduler, config.scheduler.max_num_batched_tokens)
-        config = build_engine_config(config.model, num_blocks=blocks + hot, **engine_kw)
+        sched = config.scheduler.resolved(device.type)
+        hot, _ = hot_blocks_wanted(config.cache, sched, sched.token_budget)
+        config = engine.to_config(path, num_blocks=blocks + hot, max_num_seqs=concurrency)
     err = state.console(stderr=True)
     with err.status("loading model…") as status:
-        core = EngineCore(config)
-        if prompt_length + gen_length > core.max_seq_len:
+        llm = LLM.from_config(config)
+        if prompt_length + gen_length > llm.info.max_seq_len:
             raise fail(f"--prompt-length + --gen-length = {prompt_length + gen_length} exceeds the model's "
-                       f"context of {core.max_seq_len} tokens")
+                       f"context of {llm.info.max_seq_len} tokens")
         book = find_book()
         text = book.read_text(encoding="utf-8") if book else FALLBACK_TEXT
         # Tokenize only about as much text as the run needs (English prose is ~4-5 characters a token).
         text = text[:8 * prompt_length * (warmup + iterations) * (1 + concurrency) + 4096]
-        prompts = PromptSource(core.tokenizer, prompt_length, text)
+        prompts = PromptSource(llm.tokenizer, prompt_length, text)
         measured: list[Iteration] = []
         for i in range(warmup + iterations):
             counted = i >= warmup
             status.update(f"iteration {i - warmup + 1}/{iterations}" if counted else f"warmup {i + 1}/{warmup}")
-            it = run_iteration(core, prompts, settings, f"it{i}")
+            it = run_iteration(llm.core, prompts, settings, f"it{i}")
             if counted:
                 measured.append(it)
-    render(summarize(core, settings, dtype, book.name if book else "built-in text", measured), fmt, state)
+    render(summarize(llm, settings, llm.info.dtype, book.name if book else "built-in text", measured), fmt, state)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("benchmark")(clean_errors(benchmark))
+    # The workload sizes the KV pool and the running cap; prefix caching is off so that every
+    # iteration computes its prompts (turn it on with --prefix-caching).
+    app.command("benchmark")(clean_errors(with_engine_flags(
+        exclude=("num_blocks", "kv_cache_memory_bytes", "max_num_seqs"),
+        defaults={"enable_prefix_caching": False})(benchmark)))

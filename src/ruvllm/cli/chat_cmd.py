@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
-from ruvllm.config import CacheConfig
+from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.engine.async_engine import AsyncEngine
@@ -113,14 +113,16 @@ async def _stream(engine: AsyncEngine, ids: list[int], params: SamplingParams, r
     # `reply` is filled as we go so a Ctrl-C (which cancels this coroutine) leaves the partial text.
     # aclosing: however we leave (cancelled, or a second Ctrl-C raised right here), the stream's
     # cleanup runs now and aborts the request, instead of whenever the generator is collected.
-    async with contextlib.aclosing(engine.generate(ids, params)) as outputs:
+    from ruvllm.outputs import OutputKind
+
+    async with contextlib.aclosing(engine.generate(ids, params, output_kind=OutputKind.DELTA)) as outputs:
         async for out in outputs:
-            completion = out.outputs[0]
-            delta = completion.text[len(reply.text):]
-            if delta:
-                console.print(delta, end="", markup=False, highlight=False, emoji=False, soft_wrap=True)
-            reply.text = completion.text
-            reply.finish_reason = completion.finish_reason
+            for completion in out.outputs:  # DELTA: only the new text
+                if completion.text:
+                    console.print(completion.text, end="", markup=False, highlight=False, emoji=False,
+                                  soft_wrap=True)
+                reply.text += completion.text
+                reply.finish_reason = completion.finish_reason
 
 
 def _fit(session: ChatSession, tokenizer: Any, user: str, max_seq_len: int) -> tuple[list[int], int]:
@@ -142,7 +144,7 @@ def _turn(session: ChatSession, engine: AsyncEngine, runner: asyncio.Runner, use
     reply = _Reply()
     interrupted = False
     try:
-        ids, dropped = _fit(session, engine.tokenizer, user, engine.core.max_seq_len)
+        ids, dropped = _fit(session, engine.tokenizer, user, engine.info.max_seq_len)
         if dropped:
             console.print(f"[dim](dropped the {dropped} oldest exchange(s) to fit the context)[/]")
         runner.run(_stream(engine, ids, session.params(), reply, console))
@@ -191,43 +193,31 @@ def chat(
     temperature: float = typer.Option(0.7, "--temperature", "-t", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling threshold in (0, 1]."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply in tokens."),
-    max_context: int | None = typer.Option(None, "--max-context",
-                                           help="Context length in tokens (default: the model's)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
-    quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
-    kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
+    engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
     state: CliState = ctx.obj or CliState()
     console = state.console()
     session = ChatSession(system, temperature, top_p, max_tokens)
     session.params()  # validate the sampling flags before spending seconds on loading the model
-    if max_context is not None and max_context < 2:
-        raise fail(f"--max-context must be at least 2 tokens, got {max_context}")
 
     from ruvllm.engine.async_engine import AsyncEngine
-    from ruvllm.engine.llm import build_engine_config
     from ruvllm.device import resolve_device
     from ruvllm.loader.hub import resolve_cli_model
 
-    resolve_device(device)  # a bad --device fails before any model is looked for
-    config = build_engine_config(resolve_cli_model(model, cache_dir), dtype=dtype, max_model_len=max_context,
-                                 quantization=quantization, group_size=group_size, device=device,
-                                 kv_cache_dtype=kv_cache_dtype, kv_hot_tokens=kv_hot_tokens)
+    resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
+    config = engine.to_config(resolve_cli_model(model, cache_dir))
     with console.status("loading model…"):
-        engine = AsyncEngine(config)
+        async_engine = AsyncEngine(config)
     try:
-        console.print(f"[bold]ruvllm chat[/] · {escape(engine.core.model_path.name)} · "
-                      f"context {engine.core.max_seq_len} tokens · /help for commands, Ctrl-D to leave",
+        console.print(f"[bold]ruvllm chat[/] · {escape(Path(async_engine.info.model).name)} · "
+                      f"context {async_engine.info.max_seq_len} tokens · /help for commands, Ctrl-D to leave",
                       soft_wrap=True)
-        run_chat(session, engine, console)
+        run_chat(session, async_engine, console)
     finally:
-        engine.shutdown()
+        async_engine.shutdown()
 
 
 def register(app: typer.Typer) -> None:
-    app.command("chat")(clean_errors(chat))
+    app.command("chat")(clean_errors(with_engine_flags()(chat)))

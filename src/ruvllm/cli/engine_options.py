@@ -1,52 +1,114 @@
-"""Engine settings shared by the commands that start an engine, turned into an EngineConfig."""
+"""The engine's CLI flags, generated from the config dataclasses' `setting(...)` fields.
+
+Every engine setting is declared once, in ruvllm/config.py, with its default, help and choices;
+serve, chat and benchmark take the flags `engine_flags` generates from those fields, and
+`LLM(**kwargs)` takes the same fields as keywords (engine/llm.py::build_engine_config). A command
+decorated with `with_engine_flags` receives the parsed values as one `EngineFlags`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
+
+import typer
 
 from ruvllm.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 
-
-DEVICE_HELP = "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or cuda:N."
-
-QUANTIZATION_HELP = (
-    "auto: keep GGUF 4/8-bit weights packed when computing in bf16; none: dequantize everything; "
-    "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
-    "w8a8: int8 weights and int8 activations (int8 x int8 matmuls); q8, q4k: llama.cpp's Q8_0 and Q4_K "
-    "quantizers applied at load.")
-
-KV_CACHE_DTYPE_HELP = (
-    "auto, bf16, fp16: the KV cache in the compute dtype; int8, int4: a two-tier cache, the newest "
-    "--kv-hot-tokens of each sequence in the compute dtype and older blocks quantized (CPU only; "
-    "1.8-3.2x the tokens in the same memory).")
-KV_HOT_TOKENS_HELP = "With --kv-cache-dtype int8/int4: tokens per sequence read exactly (the hot window)."
+_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, QuantConfig)
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    dtype: str = "auto"
-    max_context: int | None = None
-    block_size: int = 16
-    kv_cache_gib: float | None = None  # None: 1 GiB on CPU, profiled on CUDA
-    num_blocks: int | None = None
-    max_num_batched_tokens: int = 512
-    no_prefix_caching: bool = False
-    threads: int | None = None
-    quantization: str = "auto"
-    group_size: int = 32
-    device: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    kv_hot_tokens: int = CacheConfig.kv_hot_tokens
+class EngineSetting:
+    config: type
+    name: str  # the dataclass field (and the LLM keyword, but for QuantConfig.method: `quantization`)
+    param: str  # the Python parameter name of the CLI option
+    default: Any
+    meta: dict[str, Any]
 
-    def to_config(self, model: str | None, max_num_seqs: int) -> EngineConfig:
-        kv_bytes = None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30)
-        return EngineConfig(
-            model=model, device=self.device, dtype=self.dtype, max_model_len=self.max_context, num_threads=self.threads,
-            quantization=QuantConfig(self.quantization, self.group_size),
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=kv_bytes,
-                              gpu_memory_utilization=self.gpu_memory_utilization,
-                              num_blocks=self.num_blocks, enable_prefix_caching=not self.no_prefix_caching,
-                              kv_cache_dtype=self.kv_cache_dtype, kv_hot_tokens=self.kv_hot_tokens),
-            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=max_num_seqs),
-        )
+    @property
+    def keyword(self) -> str:
+        return "quantization" if (self.config, self.name) == (QuantConfig, "method") else self.name
+
+    def option(self, default: Any = dataclasses.MISSING) -> inspect.Parameter:
+        m = self.meta
+        flag = m["flag"] or "--" + self.name.replace("_", "-")
+        names = [flag, *m["aliases"]]
+        help_text = m["help"]
+        value = self.default if default is dataclasses.MISSING else default
+        if m["cli_type"] is not None and value is not None:
+            raise TypeError(f"{self.name}: a setting given in other units needs a None default")
+        ftype = m["cli_type"] or _field_type(self.config, self.name)
+        opt = typer.Option(value, *names, help=help_text, min=m["min"], max=m["max"], show_default=value is not None)
+        annotation = Optional[ftype] if value is None else ftype
+        return inspect.Parameter(self.param, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=annotation)
+
+
+def _field_type(cls: type, name: str) -> type:
+    hints = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int, "float | None": float,
+             "str | None": str}
+    ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    return hints[ftype] if isinstance(ftype, str) else ftype
+
+
+def engine_settings() -> list[EngineSetting]:
+    out = []
+    for cls in _SECTIONS:
+        for f in dataclasses.fields(cls):
+            if "setting" in f.metadata:
+                param = f"engine_{f.name}"
+                out.append(EngineSetting(cls, f.name, param, f.default, f.metadata["setting"]))
+    return out
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine flags as one command parsed them."""
+
+    values: dict[str, Any]  # LLM keyword -> value (only flags given a value)
+
+    def get(self, keyword: str) -> Any:
+        return self.values.get(keyword)
+
+    def to_config(self, model: str | None, **overrides: Any) -> EngineConfig:
+        from ruvllm.engine.llm import build_engine_config
+
+        return build_engine_config(model, **{**self.values, **overrides})
+
+
+def with_engine_flags(exclude: tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> Callable:
+    """Decorate a typer command that takes `engine: EngineFlags`: its signature gains one option per
+    engine setting (but those in `exclude`), and the parsed values reach it as `engine`.
+    `defaults` replaces a setting's default for this command (benchmark turns prefix caching off)."""
+    defaults = defaults or {}
+
+    def wrap(fn: Callable) -> Callable:
+        settings = [s for s in engine_settings() if s.keyword not in exclude]
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.name != "engine"]
+        params += [s.option(defaults.get(s.keyword, dataclasses.MISSING)) for s in settings]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {}
+            for s in settings:
+                value = kwargs.pop(s.param)
+                if value is None:
+                    continue
+                choices = s.meta["choices"]
+                if choices and value not in choices:  # before any model is looked for
+                    flag = (s.meta["flag"] or "--" + s.name.replace("_", "-")).split("/")[0]
+                    raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+                if s.meta["to_value"] is not None:
+                    value = s.meta["to_value"](value)
+                values[s.keyword] = value
+            return fn(*args, engine=EngineFlags(values), **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        return wrapper
+
+    return wrap

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import DEVICE_HELP, KV_CACHE_DTYPE_HELP, KV_HOT_TOKENS_HELP, QUANTIZATION_HELP
-from ruvllm.config import CacheConfig
+from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
 from ruvllm.server.config import ServerConfig
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -17,13 +17,14 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 def register(app: typer.Typer) -> None:
     @app.command()
     @clean_errors
+    @with_engine_flags()
     def serve(
         ctx: typer.Context,
         model: str = typer.Argument(None, help="Path, alias or Hub id (default: the embedded SmolLM2-135M)."),
         host: str = typer.Option("127.0.0.1", help="Interface to bind."),
         port: int = typer.Option(8000, min=0, max=65535, help="Port to bind."),
-        max_concurrent: int = typer.Option(32, min=1, help="Sequences running at once."),
-        max_queue: int = typer.Option(256, min=0, help="Sequences that may wait beyond those; then 429."),
+        max_queue: int = typer.Option(ServerConfig.max_queue, min=0,
+                                      help="Sequences that may wait beyond --max-num-seqs; then 429."),
         api_key: str = typer.Option(None, envvar="RUVLLM_API_KEY",
                                     help="Require 'Authorization: Bearer KEY' on every route but /health."),
         metrics_without_key: bool = typer.Option(False, "--metrics-without-key",
@@ -39,26 +40,11 @@ def register(app: typer.Typer) -> None:
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
         chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
-        dtype: str = typer.Option("auto", help="auto (bf16 where the CPU has native bf16, else float32), float32, bfloat16, float16."),
-        max_context: int = typer.Option(None, "--max-context", min=1, help="Context length cap."),
-        block_size: int = typer.Option(16, min=1, help="Tokens per KV-cache block."),
-        kv_cache_gib: float = typer.Option(None, "--kv-cache-gib", min=0.001,
-                                           help="KV-cache memory budget (default: 1 GiB on CPU; on CUDA what "
-                                                "--gpu-memory-utilization leaves after a profiled warm-up)."),
-        num_blocks: int = typer.Option(None, min=1, help="KV blocks (overrides --kv-cache-gib)."),
-        max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
-        no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
-        threads: int = typer.Option(None, min=1, help="Intra-op threads (default: all cores)."),
-        quantization: str = typer.Option("auto", "--quantization", "-q", help=QUANTIZATION_HELP),
-        group_size: int = typer.Option(32, "--group-size", help="Inputs per int4 quantization group (32, 64, 128, 256)."),
-        device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-        gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", min=0.01, max=1.0,
-                                                     help="Share of the GPU's memory the engine may use (CUDA)."),
-        kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
-        kv_hot_tokens: int = typer.Option(CacheConfig.kv_hot_tokens, "--kv-hot-tokens", help=KV_HOT_TOKENS_HELP),
+        engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
-        """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming)."""
-        from ruvllm.cli.engine_options import EngineOptions
+        """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
+
+        The engine core (model, scheduler, KV cache) runs in a child process of its own."""
         from ruvllm.engine.async_engine import AsyncEngine
         from ruvllm.device import resolve_device
         from ruvllm.loader.hub import resolve_cli_model
@@ -70,33 +56,40 @@ def register(app: typer.Typer) -> None:
         template = chat_template
         if template and Path(template).is_file():
             template = Path(template).read_text(encoding="utf-8")
-        opts = EngineOptions(dtype, max_context, block_size, kv_cache_gib, num_blocks, max_num_batched_tokens,
-                             no_prefix_caching, threads, quantization, group_size, device, gpu_memory_utilization,
-                             kv_cache_dtype=kv_cache_dtype, kv_hot_tokens=kv_hot_tokens)
-        resolve_device(device)  # a bad --device fails before any model is looked for
+        resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
+        check_port_free(host, port)  # before seconds of loading, not after
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):
-            engine = AsyncEngine(opts.to_config(path, max_concurrent))
-        core = engine.core
+            async_engine = AsyncEngine(engine.to_config(path))
+        info = async_engine.info
         open_routes = (*route_without_key, *(["/metrics"] if metrics_without_key else []))
         cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
                            max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
-                           graceful_shutdown_s=drain_timeout,
-                           max_concurrent=max_concurrent,
-                           max_queue=max_queue, chat_template=template,
+                           graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
-        kv_mib = core.runner.kv_cache_bytes / 2**20
-        pool = core.kv.pool
-        tiers = f" ({pool.num_hot} hot + {pool.num_cold} {kv_cache_dtype} cold)" if pool.num_cold else ""
-        console.print(f"model [bold]{cfg.served_model_name}[/bold] ({core.model_path}), "
-                      f"{core.model_config.architecture}, context {core.max_seq_len}; KV cache "
-                      f"{core.num_blocks} blocks{tiers} x {block_size} = {core.num_blocks * block_size:,} tokens "
-                      f"({kv_mib:.0f} MiB)")
-        app = create_app(engine, cfg, owns_engine=True)
+        kv_mib = info.kv_cache_bytes / 2**20
+        tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
+                 if info.num_cold_blocks else "")
+        console.print(f"model [bold]{cfg.served_model_name}[/bold] ({info.model}), "
+                      f"{info.architecture}, context {info.max_seq_len}; KV cache "
+                      f"{info.num_blocks} blocks{tiers} x {info.block_size} = {info.num_blocks * info.block_size:,} "
+                      f"tokens ({kv_mib:.0f} MiB); {info.dtype} on {info.device}")
+        app = create_app(async_engine, cfg, owns_engine=True)
         console.print(f"starting the server on http://{host}:{port}/v1  (Ctrl-C stops it)")
         try:
-            started = serve_app(app, engine, host, port, cfg.graceful_shutdown_s)
+            started = serve_app(app, async_engine, host, port, cfg.graceful_shutdown_s)
         finally:
-            engine.shutdown()
+            async_engine.shutdown()
         if not started:
             raise fail(f"could not start the server on {host}:{port} (is the port in use?)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail at once, with one line, when the port is taken: a bind test as uvicorn will bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise fail(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is the port in use?)") from None

@@ -25,6 +25,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Ended since the last schedule(): the next SchedulerOutput tells the worker to forget them.
+        self._finished_ids: list[str] = []
 
     # --- queue ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -51,13 +53,18 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
 
     # --- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunk_cap = cfg.long_prefill_token_threshold or budget
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        # Two-tier KV cache: blocks that left every holder's hot window since the last step move
+        # cold now, before this step allocates (the worker copies them before its forward pass).
+        out.kv_moves = self.kv.migrate_cold(self.running)
         scheduled: list[tuple[Request, int]] = []
 
         self.running.sort(key=Request.sort_key)
@@ -119,7 +126,7 @@ class Scheduler:
         it on), skipping positions already scored before a preemption."""
         if req.params.prompt_logprobs is None:
             return None
-        lo = max(start + 1, 1 + len(req.prompt_logprobs))
+        lo = max(start + 1, 1 + req.num_prompt_logprobs)
         hi = min(start + n + 1, req.num_prompt_tokens)
         if lo >= hi:
             return None
@@ -143,20 +150,21 @@ class Scheduler:
     def update(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[Request]:
         """Account for the computed tokens, append sampled ones, finish what is done.
 
-        Returns the requests that received a token this step (finished ones included)."""
+        Returns the requests that received a token or prompt logprobs this step (finished ones included)."""
         touched = []
         for seq in so.seqs:
             req = self.requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_full_blocks(req)
-            if req.request_id in ro.prompt_logprobs:
-                req.prompt_logprobs.extend(ro.prompt_logprobs[req.request_id])
+            scored = ro.prompt_logprobs.get(req.request_id)
+            if scored:
+                req.num_prompt_logprobs += len(scored)
             if not seq.sample:
+                if scored:
+                    touched.append(req)
                 continue
             token = ro.sampled[req.request_id]
             req.output_token_ids.append(token)
-            if req.request_id in ro.logprobs:
-                req.logprobs.append(ro.logprobs[req.request_id])
             touched.append(req)
             self._check_stop(req, token)
         return touched

@@ -1,14 +1,13 @@
-"""Streaming front of the engine: one thread owns the model and loops over step(); asyncio callers
-submit requests, receive outputs through per-request queues, and abort by cancelling.
+"""Streaming front of the engine: asyncio callers submit requests and read their outputs; the core
+runs elsewhere (a child process by default, or a thread of this one) behind a CoreClient.
 
-Callers never lock around model calls: the engine thread is the only one that touches the model,
-the scheduler and the KV cache; everything crosses over through a command queue.
-
-No caller can hurt the loop: a caller that gives up (a dropped connection cancels its task) at any
-point, before its request was taken, while it waits or streams, or after it finished, leaves a
-command that is skipped or an abort that frees what the request held. If the loop fails anyway,
-it fails loudly: every open request and every later call gets EngineDeadError, `is_alive` turns
-false, and the failure callbacks run (the server exits non-zero so a supervisor restarts it).
+The front tokenizes, checks and fans a request out into the core's sequences (input_processor),
+and turns the core's per-step deltas into each caller's outputs (output_processor): detokenizing
+and stop strings happen here, never in the core's loop. Adding and aborting never wait for the
+core, so a caller that gives up at any point (a dropped connection cancels its task) leaves at
+most an abort behind. If the core fails or its process dies, every open request and every later
+call gets EngineDeadError, `is_alive` turns false, and the failure callbacks run (the server exits
+non-zero so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -16,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from ruvllm.engine.input_processor import core_requests, stop_token_set
+from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import PromptInput, encode_prompt
-from ruvllm.outputs import RequestOutput
+from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.messages import CoreOutput, EngineInfo, EngineStats
+from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 
@@ -41,47 +42,66 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None) -> None:
-        self.core = core or EngineCore(config)
-        self.tokenizer = self.core.tokenizer
-        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any] | None]] = queue.Queue()
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        """The core in a child process, loading `config`'s model there while the tokenizer loads here."""
+        from ruvllm.loader import load_tokenizer, resolve_model
+
+        config = config or EngineConfig()
+        client = ProcessCoreClient(config)
+        try:
+            tokenizer = load_tokenizer(resolve_model(config.model))
+        except BaseException:
+            client.shutdown()
+            raise
+        self._attach(client, tokenizer)
+
+    @classmethod
+    def in_process(cls, core: EngineCore, tokenizer: Any) -> AsyncEngine:
+        """The core on a thread of this process (tests, notebooks, models built in memory)."""
+        engine = object.__new__(cls)
+        engine._attach(ThreadCoreClient(core), tokenizer)
+        return engine
+
+    def _attach(self, client: CoreClient, tokenizer: Any) -> None:
+        self._client = client
+        self.tokenizer = tokenizer
+        self.info: EngineInfo = client.info
+        self._eos = stop_token_set(self.info, tokenizer)
+        self._processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._snapshot = self._take_snapshot()
-        self._stopping = threading.Event()
-        # Guards the hand-off into the command queue against the engine closing: once `_closed` is
-        # set, no command is queued again, so none can wait for a loop that is gone.
+        # Guards the processor and the streams: callers add and abort on their event loops while
+        # the client's thread hands outputs in.
         self._lock = threading.Lock()
         self._closed: EngineDeadError | EngineShutdownError | None = None
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._thread = threading.Thread(target=self._loop, name="ruvllm-engine", daemon=True)
-        self._thread.start()
+        client.start(self._on_outputs, self._fail)
 
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       priority: Priority = Priority.NORMAL) -> AsyncIterator[RequestOutput]:
-        """Yields the request's growing output after every step that changes it; the last is finished.
+                       request_id: str | None = None, priority: Priority = Priority.NORMAL,
+                       output_kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs after every step that changes it (what `output_kind` says:
+        everything so far, only what is new, or only the end); the last one is finished.
 
         Leaving the iteration early (break, cancellation, a disconnected client) aborts the request."""
         if self._closed is not None:
             raise self._closed
-        if self._stopping.is_set():
-            raise EngineShutdownError("engine is shut down")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids, text = encode_prompt(self.tokenizer, prompt)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._processor.add(request_id, token_ids, text, params, [s.request_id for s in seqs], output_kind)
+            self._streams[request_id] = stream
         finished = False
         try:
-            try:
-                await self._call(lambda: self.core.add_request(request_id, token_ids, params, priority, text))
-            except Exception:
-                finished = True  # the engine refused it: nothing was added, nothing to abort
-                raise
+            self._client.add(seqs)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -91,162 +111,97 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                # Queued behind the add (commands run in order), so it also undoes an add that a
-                # cancelled caller never saw complete.
-                self._submit(lambda: self.core.abort(request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+                running = self._processor.abort(request_id)
+            if running and not finished:
+                self._client.abort(running)
 
     async def abort(self, request_id: str) -> None:
-        await self._call(lambda: self.core.abort(request_id))
-
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        fut: Future[Any] = Future()
-        self._put(fn, fut)
-        return await asyncio.wrap_future(fut)
-
-    def _put(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
+        """Abort a request by id (another task's): its stream ends with a finished output whose
+        running completions say "abort". Unknown or finished ids are ignored."""
         with self._lock:
-            if self._closed is not None:
-                raise self._closed
-            self._commands.put((fn, fut))
+            running, last = self._processor.abort_with_output(request_id)
+            stream = self._streams.get(request_id)
+        if running:
+            self._client.abort(running)
+        if stream is not None and last is not None:
+            _deliver(stream, last)
 
-    def _submit(self, fn: Callable[[], Any]) -> None:
-        """Fire and forget; once the engine is closed there is nothing left to do it to."""
-        try:
-            self._put(fn, None)
-        except (EngineDeadError, EngineShutdownError):
-            pass
+    def stats(self) -> EngineStats:
+        """The core's load now: answered after every command sent before this call (waits for the
+        current step to end)."""
+        if self._closed is not None:
+            return self._client.latest_stats
+        return self._client.call("stats")
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot taken on the engine thread now (waits for the current step to end)."""
-        fut: Future[dict[str, Any]] = Future()
-        self._put(self._take_snapshot, fut)
-        return fut.result(timeout=60)
+    def reset_prefix_cache(self) -> EngineStats:
+        return self._client.call("reset_prefix_cache")
 
     @property
-    def snapshot(self) -> dict[str, Any]:
-        """The snapshot the engine thread published after its latest step; never blocks."""
-        return self._snapshot
+    def snapshot(self) -> EngineStats:
+        """The stats the core published after its latest step; never blocks."""
+        return self._client.latest_stats
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set() and self._closed is None
+        return self._closed is None and self._client.is_alive
 
     @property
     def failure(self) -> EngineDeadError | None:
-        """Why the engine loop stopped, when it failed (None while it runs, or after a clean shutdown)."""
+        """Why the engine stopped, when it failed (None while it runs, or after a clean shutdown)."""
         return self._closed if isinstance(self._closed, EngineDeadError) else None
 
     def on_failure(self, callback: Callable[[EngineDeadError], None]) -> None:
-        """Call `callback` (on the engine thread) if the loop fails; at once if it already has."""
+        """Call `callback` (on the client's thread) if the core fails; at once if it already has."""
         self._failure_callbacks.append(callback)
         if self.failure is not None:
             callback(self.failure)
 
-    def _take_snapshot(self) -> dict[str, Any]:
-        core = self.core
-        return {
-            "running": core.num_running, "waiting": core.num_waiting,
-            "free_blocks": core.num_free_blocks, "total_blocks": core.num_blocks,
-            "kv_usage": 1.0 - core.num_free_blocks / core.num_blocks,
-            "prefix_queries": core.kv.stats.queries, "prefix_hits": core.kv.stats.hits,
-            "preemptions": core.scheduler.num_preemptions,
-        }
-
     def abort_all(self) -> None:
         """Abort every request in flight; their callers get EngineShutdownError."""
-        self._submit(self._abort_all)
-
-    def shutdown(self) -> None:
-        if not self._thread.is_alive():
-            return
-        self._stopping.set()
-        self._submit(lambda: None)  # wakes the loop if it waits for a command
-        self._thread.join(timeout=30)
-
-    # --- engine thread -----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self._run_commands(block=not self.core.has_unfinished)
-                if self._stopping.is_set() or not self.core.has_unfinished:
-                    continue
-                # A failed step is a failed engine: its scheduler and cache may be half-updated, so
-                # serving on would risk wrong output. Requests cannot cause one (they are checked
-                # at admission), so what remains is a bug or a broken device: say so and stop.
-                outputs = self.core.step()
-                self._snapshot = self._take_snapshot()
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        _deliver(stream, out)
-        except BaseException as exc:
-            log.exception("the engine loop failed; every open request is failed and the engine stops")
-            self._fail(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
-            return
-        # Shut down: abort what is left so every block returns, and tell the callers.
-        self._close(EngineShutdownError("the engine is shutting down"))
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            while True:
-                fn, fut = self._commands.get(block=block)
-                block = False
-                self._run_command(fn, fut)
-        except queue.Empty:
-            pass
-
-    def _run_command(self, fn: Callable[[], Any], fut: Future[Any] | None) -> None:
-        if fut is not None and not fut.set_running_or_notify_cancel():
-            return  # its caller gave up before it ran (cancelled); the caller's abort follows it
-        try:
-            result = fn()
-        except Exception as exc:
-            if fut is None:
-                raise  # an abort or snapshot that fails means the engine's state is broken
-            fut.set_exception(exc)  # the caller's own error (e.g. a refused request)
-            return
-        self._snapshot = self._take_snapshot()
-        if fut is not None:
-            fut.set_result(result)
-
-    def _abort_all(self) -> None:
-        for rid, stream in list(self._streams.items()):
-            self.core.abort(rid)
+        with self._lock:
+            streams = list(self._streams.items())
+            running = [sid for rid, _ in streams for sid in self._processor.abort(rid)]
+            self._streams.clear()
+        if running:
+            self._client.abort(running)
+        for rid, stream in streams:
             _deliver(stream, EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
 
-    def _close(self, error: EngineDeadError | EngineShutdownError) -> None:
-        """No command is taken from now on; queued ones, and every open request, get `error`."""
+    def shutdown(self) -> None:
         with self._lock:
-            self._closed = error
-            pending = []
-            while not self._commands.empty():
-                pending.append(self._commands.get_nowait())
-        for _, fut in pending:
-            if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
-        for rid, stream in list(self._streams.items()):
-            try:
-                self.core.abort(rid)
-            except Exception:  # a failed engine may not manage it; the request is failed regardless
-                log.exception("could not abort %s", rid)
-            _deliver(stream, error)
-        self._snapshot = self._take_snapshot_or_last()
+            if self._closed is None:
+                self._closed = EngineShutdownError("the engine is shut down")
+        self.abort_all()
+        self._client.shutdown()
+
+    # --- the client's thread ---------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[CoreOutput]) -> None:
+        with self._lock:
+            results, aborts = self._processor.process(outputs)
+            targets = [(self._streams.get(r.request_id), r) for r in results]
+        if aborts:
+            self._client.abort(aborts)  # stop strings matched: the core frees those sequences
+        for stream, result in targets:
+            if stream is not None:
+                _deliver(stream, result)
 
     def _fail(self, error: EngineDeadError) -> None:
-        self._close(error)
+        log.error("%s; every open request is failed and the engine stops", error)
+        with self._lock:
+            self._closed = error
+            streams = list(self._streams.items())
+            for rid, _ in streams:
+                self._processor.abort(rid)
+            self._streams.clear()
+        for _, stream in streams:
+            _deliver(stream, error)
         for callback in self._failure_callbacks:
             try:
                 callback(error)
             except Exception:
                 log.exception("engine failure callback failed")
-
-    def _take_snapshot_or_last(self) -> dict[str, Any]:
-        try:
-            return self._take_snapshot()
-        except Exception:
-            return self._snapshot
 
 
 def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:

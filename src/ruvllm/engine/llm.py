@@ -10,8 +10,12 @@ from rich.progress import Progress
 
 from ruvllm.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
+from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.engine.input_processor import core_requests, stop_token_set
+from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import encode_prompt, normalize_prompts, render_chat
-from ruvllm.outputs import RequestOutput
+from ruvllm.messages import EngineInfo, EngineStats
+from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 
@@ -40,19 +44,63 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
 
 
 class LLM:
+    """Offline generation: the core runs in this process, stepped by the caller's thread."""
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self._attach(EngineCore(build_engine_config(model, **kwargs)))
+        self._load(build_engine_config(model, **kwargs))
 
     @classmethod
-    def from_engine(cls, engine: EngineCore) -> LLM:
+    def from_config(cls, config: EngineConfig) -> LLM:
         llm = object.__new__(cls)
-        llm._attach(engine)
+        llm._load(config)
         return llm
 
-    def _attach(self, engine: EngineCore) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def _load(self, config: EngineConfig) -> None:
+        from ruvllm.loader import load_tokenizer, resolve_model
+        from ruvllm.worker.worker import Worker
+
+        tokenizer = load_tokenizer(resolve_model(config.model))
+        self._attach(EngineCore(Worker(config), config), tokenizer)
+
+    @classmethod
+    def from_core(cls, core: EngineCore, tokenizer: Any) -> LLM:
+        llm = object.__new__(cls)
+        llm._attach(core, tokenizer)
+        return llm
+
+    def _attach(self, core: EngineCore, tokenizer: Any) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.info: EngineInfo = core.info
+        self._eos = stop_token_set(self.info, tokenizer)
         self._ids = itertools.count()
+
+    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> LLM:
+        """Another LLM over the same loaded model, with its own KV pool and scheduler (tests and
+        benchmarks compare settings without loading the model again)."""
+        worker = self.core.executor.with_settings(cache, scheduler)  # type: ignore[attr-defined]
+        return LLM.from_core(EngineCore(worker, worker.config), self.tokenizer)
+
+    def async_engine(self) -> AsyncEngine:
+        """An AsyncEngine over this LLM's core, on a thread of this process (the LLM must not
+        generate while it runs)."""
+        return AsyncEngine.in_process(self.core, self.tokenizer)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion (the model's EOS ids and the tokenizer's)."""
+        return self._eos
+
+    @property
+    def model(self) -> Any:
+        """The loaded torch module, for inspection (which form each layer's weights took)."""
+        return self.core.executor.model  # type: ignore[attr-defined]
+
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: Priority | list[Priority] = Priority.NORMAL,
@@ -76,22 +124,26 @@ class LLM:
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
              prios: list[Priority], show_progress: bool) -> list[RequestOutput]:
-        ids = []
-        try:
-            for (tokens, text), p, prio in zip(encoded, params, prios):
-                rid = str(next(self._ids))
-                self.engine.add_request(rid, tokens, p, prio, prompt=text)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
+        # Every request is checked before any is added: a bad one refuses the whole call.
+        rids = [str(next(self._ids)) for _ in encoded]
+        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos)
+                for rid, (tokens, _), p, prio in zip(rids, encoded, params, prios)]
+        processor = OutputProcessor(self.tokenizer)
+        for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
+            processor.add(rid, tokens, text, p, [s.request_id for s in group], OutputKind.FINAL_ONLY)
+            for seq in group:
+                self.core.add_request(seq)
         results: dict[str, RequestOutput] = {}
-        with Progress(disable=not show_progress, transient=True) as progress:
-            task = progress.add_task("generating", total=len(ids))
-            while self.engine.has_unfinished:
-                for out in self.engine.step():
-                    if out.finished:
+        try:
+            with Progress(disable=not show_progress, transient=True) as progress:
+                task = progress.add_task("generating", total=len(rids))
+                while self.core.has_unfinished:
+                    outs, aborts = processor.process(self.core.step())
+                    self.core.abort(aborts)  # stop strings matched: free those sequences now
+                    for out in outs:
                         results[out.request_id] = out
                         progress.advance(task)
-        return [results[rid] for rid in ids]
+        finally:
+            # Interrupted (Ctrl-C, an error): nothing of this call stays in the engine.
+            self.core.abort([s.request_id for group in seqs for s in group])
+        return [results[rid] for rid in rids]

@@ -7,9 +7,30 @@ not depend on what else shares the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ruvllm.request import Logprob, Request
+from ruvllm.request import Logprob
+from ruvllm.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """What the sampler reads of one sequence. The worker keeps one per sequence from its first step
+    to its end (preemptions included): the seeded generator's position and the output tokens that
+    penalties and min-tokens count live here, not in the scheduler."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
 
 
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
@@ -21,7 +42,7 @@ def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor
     return out.to(device)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, reqs: list[SamplingState]) -> None:
     """Repetition (on prompt and output, CTRL style), presence and frequency (on output) penalties."""
     rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties()]
     if not rows:
@@ -45,7 +66,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits[rows] = sub
 
 
-def apply_bans_and_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+def apply_bans_and_bias(logits: torch.Tensor, reqs: list[SamplingState]) -> None:
     for i, r in enumerate(reqs):
         p = r.params
         if p.logit_bias:
@@ -74,7 +95,7 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator | None = None
+def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Generator | None = None
            ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs.
 

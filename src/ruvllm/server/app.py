@@ -24,7 +24,7 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
-from ruvllm.server.generation import Admission, EnginePrompt, api_error, check_context, follow
+from ruvllm.server.generation import Accumulated, Admission, EnginePrompt, api_error, check_context, follow
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -44,7 +44,7 @@ class _State:
 
     @property
     def max_len(self) -> int:
-        return self.engine.core.max_seq_len
+        return self.engine.info.max_seq_len
 
 
 def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False) -> FastAPI:
@@ -56,7 +56,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
     app = FastAPI(title="ruvllm", lifespan=lifespan)
     st = _State(engine, cfg, ServerMetrics(lambda: engine.snapshot, cfg.served_model_name),
-                Admission(cfg.max_concurrent + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
+                Admission(engine.info.max_num_seqs + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
     app.state.ruvllm = st
     install_error_handlers(app)
 
@@ -99,7 +99,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         _check_model(st, body.model)
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
@@ -236,13 +236,12 @@ async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 async def _collect(outs: AsyncIterator[tuple[int, RequestOutput]], request: Request, num_prompts: int,
                    tracker: RequestTracker) -> list[RequestOutput] | None:
     """Wait for the final outputs; None if the client went away first (its requests are aborted)."""
-    final: dict[int, RequestOutput] = {}
+    acc = [Accumulated() for _ in range(num_prompts)]
 
     async def consume() -> None:
         async for i, out in outs:
             tracker.on_output(sum(len(c.token_ids) for c in out.outputs), out.queue_time)
-            if out.finished:
-                final[i] = out
+            acc[i].add(out)
 
     task = asyncio.create_task(consume())
     gone = False
@@ -262,7 +261,7 @@ async def _collect(outs: AsyncIterator[tuple[int, RequestOutput]], request: Requ
                 raise
     if gone:
         return None
-    results = [final[i] for i in range(num_prompts)]
+    results = [a.result() for a in acc]
     _finish_metrics(tracker, results)
     return results
 
@@ -319,20 +318,6 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Progress:
-    """Per choice: how much text and how many tokens have been sent, and whether it is done."""
-
-    def __init__(self) -> None:
-        self.text: dict[int, int] = {}
-        self.tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def delta(self, idx: int, c: CompletionOutput) -> tuple[str, list[int], int]:
-        t0, k0 = self.text.get(idx, 0), self.tokens.get(idx, 0)
-        self.text[idx], self.tokens[idx] = len(c.text), len(c.token_ids)
-        return c.text[t0:], c.token_ids[k0:], k0
-
-
 async def _stream_chat(st: _State, body: ChatCompletionRequest, prompts: list[EnginePrompt],
                        outs: AsyncIterator[tuple[int, RequestOutput]], n: int, top_n: int, rid: str,
                        tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
@@ -341,30 +326,25 @@ async def _stream_chat(st: _State, body: ChatCompletionRequest, prompts: list[En
     for i in range(n):
         yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
-    prog = _Progress()
-    last: RequestOutput | None = None
+    acc = Accumulated()
     async with _closing(outs):
         async for _, out in outs:
-            last = out
+            acc.add(out)
             tracker.on_output(sum(len(c.token_ids) for c in out.outputs), out.queue_time)
-            for c in out.outputs:
-                if c.index in prog.done:
-                    continue
-                text, toks, k0 = prog.delta(c.index, c)
-                if not text and not toks and not c.finished:
+            for c in out.outputs:  # DELTA: each holds only what is new
+                if not c.text and not c.token_ids and not c.finished:
                     continue
                 lps = None
-                if body.logprobs and toks:
-                    lps = R.chat_logprobs(toks, (c.logprobs or [])[k0:], top_n, st.text_of)
-                delta = {"content": text} if text else {}
+                if body.logprobs and c.token_ids:
+                    lps = R.chat_logprobs(c.token_ids, c.logprobs or [], top_n, st.text_of)
+                delta = {"content": c.text} if c.text else {}
                 yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lps,
                                                  "finish_reason": _reason(c)}], **extra})
-                if c.finished:
-                    prog.done.add(c.index)
-    if last is not None:
-        _finish_metrics(tracker, [last])
+    if acc.first is not None:
+        result = acc.result()
+        _finish_metrics(tracker, [result])
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage([last])})
+            yield _sse({**base, "choices": [], "usage": _usage([result])})
     yield "data: [DONE]\n\n"
 
 
@@ -373,38 +353,31 @@ async def _stream_completion(st: _State, body: CompletionRequest, prompts: list[
                              tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
     base = {"id": rid, "object": "text_completion", "created": R.now(), "model": st.cfg.served_model_name}
     extra = {"usage": None} if include_usage else {}
-    prog = _Progress()
     echoed: set[int] = set()
-    finals: dict[int, RequestOutput] = {}
+    acc = [Accumulated() for _ in prompts]
     async with _closing(outs):
         async for pi, out in outs:
-            tracker.on_output(sum(len(c.token_ids) for r in [*finals.values(), out] for c in r.outputs),
-                              out.queue_time)
-            for c in out.outputs:
+            acc[pi].add(out)
+            tracker.on_output(sum(len(c.token_ids) for c in out.outputs), out.queue_time)
+            for c in out.outputs:  # DELTA: each holds only what is new
                 idx = pi * n + c.index
-                if idx in prog.done:
-                    continue
-                text, toks, k0 = prog.delta(idx, c)
+                text, toks = c.text, c.token_ids
                 lps = None
                 if body.echo and idx not in echoed:
                     echoed.add(idx)
                     p = prompts[pi]
                     text = _echo_text(st, p) + text
                     if body.logprobs is not None:
-                        plps = list(out.prompt_logprobs or [None] * len(p.token_ids))
-                        lps = R.completion_logprobs(p.token_ids + toks, plps + (c.logprobs or [])[k0:],
+                        plps = list(acc[pi].first.prompt_logprobs or [None] * len(p.token_ids))
+                        lps = R.completion_logprobs(p.token_ids + toks, plps + (c.logprobs or []),
                                                     top_n, st.text_of, 0)
                 elif body.logprobs is not None and toks:
-                    lps = R.completion_logprobs(toks, (c.logprobs or [])[k0:], top_n, st.text_of, 0)
+                    lps = R.completion_logprobs(toks, c.logprobs or [], top_n, st.text_of, 0)
                 if not text and not toks and not c.finished:
                     continue
                 yield _sse({**base, "choices": [{"index": idx, "text": text, "logprobs": lps,
                                                  "finish_reason": _reason(c)}], **extra})
-                if c.finished:
-                    prog.done.add(idx)
-            if out.finished:
-                finals[pi] = out
-    results = [finals[i] for i in sorted(finals)]
+    results = [a.result() for a in acc if a.finished]
     _finish_metrics(tracker, results)
     if include_usage:
         yield _sse({**base, "choices": [], "usage": _usage(results)})

@@ -12,8 +12,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
     routes_without_key: tuple[str, ...] = ()  # paths the operator opens without the key (e.g. /metrics)
     served_model_name: str = "default"
-    max_concurrent: int = 64  # running sequences (the scheduler's max_num_seqs)
-    max_queue: int = 256  # requests allowed to wait beyond max_concurrent before 429
+    # Sequences allowed to wait beyond the engine's running cap (EngineInfo.max_num_seqs) before 429.
+    max_queue: int = 256
     chat_template: str | None = None  # overrides the model's template
     graceful_shutdown_s: float = 10.0
     max_request_bytes: int = 16 * 2**20  # a larger body gets 413 (a 128k-token prompt is ~1 MB)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.errors import EngineDeadError, EngineShutdownError, RequestError
-from ruvllm.outputs import RequestOutput
+from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
@@ -68,15 +68,54 @@ def check_context(prompt: EnginePrompt, max_tokens: int | None, max_len: int) ->
     return max_tokens
 
 
+class Accumulated:
+    """One prompt's DELTA outputs gathered into its whole output (pieces are joined once, at the end)."""
+
+    def __init__(self) -> None:
+        self.first: RequestOutput | None = None
+        self.finished = False
+        self._text: dict[int, list[str]] = {}
+        self._tokens: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list] = {}
+        self._finish: dict[int, tuple] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        if self.first is None:
+            self.first = out
+        self.finished = out.finished
+        for c in out.outputs:
+            self._text.setdefault(c.index, []).append(c.text)
+            self._tokens.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._logprobs.setdefault(c.index, []).extend(c.logprobs)
+            if c.finish_reason is not None:
+                self._finish[c.index] = (c.finish_reason, c.stop_reason)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self._tokens.values())
+
+    def result(self) -> RequestOutput:
+        first = self.first
+        assert first is not None
+        outs = [CompletionOutput(i, "".join(self._text[i]), self._tokens[i], *self._finish.get(i, (None, None)),
+                                 logprobs=self._logprobs.get(i))
+                for i in sorted(self._text)]
+        return RequestOutput(first.request_id, first.prompt_token_ids, outs, self.finished,
+                             first.num_cached_tokens, first.prompt, first.prompt_logprobs, first.queue_time)
+
+
 async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[SamplingParams],
                  priority: Priority, request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of every prompt as they come, tagged with the prompt's index. Leaving early (client
-    gone, error) cancels the others, and each cancelled stream aborts its engine request."""
+    """Outputs of every prompt as they come (DELTA: only what is new), tagged with the prompt's
+    index. Leaving early (client gone, error) cancels the others, and each cancelled stream aborts
+    its engine request."""
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority):
+            async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
+                                             OutputKind.DELTA):
                 await queue.put((i, out))
             await queue.put(None)
         except asyncio.CancelledError:

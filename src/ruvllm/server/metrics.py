@@ -10,14 +10,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ruvllm.messages import EngineStats
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's latest snapshot at scrape time (written by the engine thread after each step)."""
+    """Reads the engine's latest stats at scrape time (published by the core after each step)."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], model: str) -> None:
         self._snapshot, self._model = snapshot, model
 
     _FAMILIES = (
@@ -35,12 +37,12 @@ class _EngineCollector(Collector):
         s = self._snapshot()
         for family, name, doc, key in self._FAMILIES:
             metric = family(name, doc, labels=["model_name"])
-            metric.add_metric([self._model], float(s.get(key, 0)))
+            metric.add_metric([self._model], float(getattr(s, key)))
             yield metric
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats], model: str) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r = self.registry
@@ -75,11 +77,12 @@ class RequestTracker:
         self.last: float | None = None
         self.tokens = 0
 
-    def on_output(self, num_tokens: int, queue_time: float | None) -> None:
+    def on_output(self, new: int, queue_time: float | None) -> None:
+        """`new`: tokens this output added (over all its completions)."""
         now = time.monotonic()
-        new = num_tokens - self.tokens
         if new <= 0:
             return
+        num_tokens = self.tokens + new
         label = self.m.model
         if self.last is None:
             self.m.ttft.labels(label).observe(now - self.start)

@@ -51,8 +51,7 @@ class GracefulServer(uvicorn.Server):
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_s
         while time.monotonic() < deadline:
-            snap = self.engine.snapshot
-            if snap["running"] == 0 and snap["waiting"] == 0:
+            if self.engine.snapshot.idle:
                 return
             time.sleep(0.05)
         self.engine.abort_all()

@@ -13,10 +13,9 @@ from ruvllm.attention.kv_quant import (KV_BITS, ColdLayer, KVTier, code_dtype, c
                                        meta_width)
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
-from ruvllm.layers.sampler import sample, token_logprobs
+from ruvllm.layers.sampler import SamplingState, sample, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
-from ruvllm.request import Request
 
 if TYPE_CHECKING:
     from ruvllm.worker.cuda_graphs import DecodeGraphs
@@ -230,7 +229,7 @@ class ModelRunner:
         return self._logits(self.forward(so), rows), ids
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, requests: dict[str, Request]) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, states: dict[str, SamplingState]) -> ModelRunnerOutput:
         # A decode-only step runs as one CUDA graph (forward and LM head) where one was captured.
         logits = self.graphs.run(so) if self.graphs is not None else None
         if logits is not None:
@@ -239,18 +238,18 @@ class ModelRunner:
         else:
             hidden = self.forward(so)
             rows, sample_ids = self._last_rows(so)
-            out = ModelRunnerOutput({}, {}, self._prompt_logprobs(so, hidden, requests))
+            out = ModelRunnerOutput({}, {}, self._prompt_logprobs(so, hidden, states))
             if not sample_ids:
                 return out
             logits = self._logits(hidden, rows)
-        reqs = [requests[rid] for rid in sample_ids]
+        reqs = [states[rid] for rid in sample_ids]
         tokens, logprobs = sample(logits.float(), reqs, self.generator)
         out.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
         out.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
         return out
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
-                         requests: dict[str, Request]) -> dict[str, list]:
+                         states: dict[str, SamplingState]) -> dict[str, list]:
         result = {}
         start = 0
         for seq in so.seqs:
@@ -258,7 +257,7 @@ class ModelRunner:
                 first, targets = seq.prompt_logprob_targets
                 rows = list(range(start + first, start + first + len(targets)))
                 lps = self._logits(hidden, rows).log_softmax(dim=-1)
-                n = requests[seq.request_id].params.prompt_logprobs or 0
+                n = states[seq.request_id].params.prompt_logprobs or 0
                 result[seq.request_id] = token_logprobs(lps, targets, [n] * len(targets))
             start += len(seq.token_ids)
         return result

@@ -1,0 +1,106 @@
+"""The engine core's own process: load the model, then loop over commands and steps.
+
+Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT PARENT_PID` with the
+pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It connects to the front's two sockets, says Ready with the EngineInfo (or
+CoreFailed with the load error), and then, until Shutdown: takes every queued command, runs one
+step if anything is unfinished, and sends that step's deltas with the stats after it. It leaves on
+its own when the front's process is gone, so a killed server leaves no orphan holding memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from ruvllm.config import EngineConfig
+from ruvllm.errors import EngineDeadError
+
+log = logging.getLogger("ruvllm.core")
+
+_IDLE_POLL_MS = 500  # how often an idle core checks that its front still lives
+
+
+def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group; the front decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("RUVLLM_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ruvllm.messages import CoreFailed, CoreInput, Ready
+
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(in_addr)
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 5000)  # the last message (a failure) must get out before exit
+    results.connect(out_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from ruvllm.core.engine_core import EngineCore
+        from ruvllm.worker.worker import Worker
+
+        core = EngineCore(Worker(config), config)
+    except Exception as exc:
+        results.send(encoder.encode(CoreFailed(type(exc).__name__, str(exc))))
+        _close(ctx, commands, results)
+        sys.exit(1)
+    results.send(encoder.encode(Ready(core.info, core.stats())))
+    try:
+        _serve(core, commands, results, encoder, msgspec.msgpack.Decoder(CoreInput), parent_pid)
+    except Exception as exc:
+        log.exception("the engine core failed")
+        error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
+        results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
+        _close(ctx, commands, results)
+        sys.exit(1)
+    _close(ctx, commands, results)
+
+
+def _serve(core, commands, results, encoder, decoder, parent_pid: int) -> None:  # noqa: ANN001
+    from ruvllm.engine.core_client import run_utility
+    from ruvllm.messages import AbortRequests, AddRequests, Shutdown, StepOutputs, Utility, UtilityResult
+
+    while True:
+        timeout = _IDLE_POLL_MS if not core.has_unfinished else 0
+        did_something = False
+        while commands.poll(timeout):
+            timeout = 0
+            did_something = True
+            msg = decoder.decode(commands.recv())
+            if isinstance(msg, AddRequests):
+                for req in msg.requests:
+                    core.add_request(req)
+            elif isinstance(msg, AbortRequests):
+                core.abort(msg.request_ids)
+            elif isinstance(msg, Utility):
+                try:
+                    results.send(encoder.encode(UtilityResult(msg.call_id, run_utility(core, msg.method))))
+                except ValueError as exc:
+                    results.send(encoder.encode(UtilityResult(msg.call_id, core.stats(), str(exc))))
+            elif isinstance(msg, Shutdown):
+                return
+        if os.getppid() != parent_pid:
+            log.warning("the front process is gone; the engine core leaves")
+            return
+        if core.has_unfinished:
+            outputs = core.step()
+            results.send(encoder.encode(StepOutputs(outputs, core.stats())))
+        elif did_something:
+            results.send(encoder.encode(StepOutputs([], core.stats())))
+
+
+def _close(ctx, *sockets) -> None:  # noqa: ANN001
+    for s in sockets:
+        s.close()
+    ctx.term()
+
+
+if __name__ == "__main__":
+    import pickle
+
+    _config = pickle.loads(sys.stdin.buffer.read())
+    run_core(_config, sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,64 @@
+"""A user request turned into the core's self-contained sequences, checked once, in the front."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ruvllm.errors import RequestError
+from ruvllm.messages import CoreRequest, EngineInfo
+from ruvllm.request import Priority
+from ruvllm.sampling_params import SamplingParams
+
+
+def stop_token_set(info: EngineInfo, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids: the model's, and the tokenizer's (they disagree in some checkpoints)."""
+    ids = set(info.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def check_request(ids: list[int], params: SamplingParams, info: EngineInfo) -> None:
+    """What a request brings that SamplingParams cannot judge alone (it needs the model's numbers).
+    Checked before anything reaches the core: a step that a request's values broke would fail every
+    request in it."""
+    if not ids:
+        raise RequestError("prompt is empty: at least one token is needed", "prompt")
+    vocab = info.vocab_size
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+    if len(ids) >= info.max_seq_len:
+        raise RequestError(f"prompt has {len(ids)} tokens, but this engine's context holds at most "
+                           f"{info.max_seq_len} tokens (prompt plus at least one generated token)", "prompt")
+    if params.top_k > vocab:
+        raise RequestError(f"top_k must be -1 (off) or at most the vocabulary size ({vocab}), "
+                           f"got {params.top_k}", "top_k")
+    for field_name, tids in (("logit_bias", list((params.logit_bias or {}).keys())),
+                             ("stop_token_ids", list(params.stop_token_ids or []))):
+        for tid in tids:
+            if not 0 <= tid < vocab:
+                raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})", field_name)
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    return [f"{request_id}#{i}" for i in range(n)] if n > 1 else [request_id]
+
+
+def core_requests(request_id: str, ids: list[int], params: SamplingParams, priority: Priority,
+                  info: EngineInfo, eos_token_ids: tuple[int, ...]) -> list[CoreRequest]:
+    """One CoreRequest per completion: n > 1 becomes n sequences over the same prompt, each with
+    its own seed (seed + i, wrapping in the generator's 64-bit range) when the request has one."""
+    check_request(ids, params, info)
+    now = time.monotonic()
+    out = []
+    for i, cid in enumerate(child_ids(request_id, params.n)):
+        p = params
+        if params.n > 1:
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            p = dataclasses.replace(params, n=1, seed=seed)
+        out.append(CoreRequest(cid, list(ids), p, eos_token_ids, int(priority), now,
+                               prompt_sibling=out[0].request_id if out else None))
+    return out

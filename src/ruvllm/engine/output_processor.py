@@ -1,0 +1,181 @@
+"""The core's per-step deltas turned into what callers read: text, n > 1 completions, finish reasons.
+
+Runs in the front, beside the tokenizer. It detokenizes incrementally, matches stop strings (a match
+finishes the completion here and asks the core to abort it), gathers the n completions of a request,
+and hands each caller what its OutputKind asks for. A completion's finish reason is decided here
+only: the core reports EOS, stop tokens and length; a stop string seen on the same token wins over
+length (the text ended at the stop string).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ruvllm.engine.detokenizer import IncrementalDetokenizer
+from ruvllm.messages import CoreOutput
+from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
+from ruvllm.request import FinishReason, Logprob
+from ruvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    index: int
+    detok: IncrementalDetokenizer
+    want_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    sent_text: int = 0  # DELTA: how much has been handed out
+    sent_tokens: int = 0
+    finish_sent: bool = False
+
+    @property
+    def has_news(self) -> bool:
+        return len(self.token_ids) > self.sent_tokens or (self.finish_reason is not None and not self.finish_sent)
+
+    def output(self, kind: OutputKind) -> CompletionOutput:
+        text = self.detok.visible_text(self.finish_reason is not None)
+        if kind is OutputKind.DELTA:
+            t0, k0 = self.sent_text, self.sent_tokens
+            self.sent_text, self.sent_tokens = max(len(text), t0), len(self.token_ids)
+            self.finish_sent = self.finish_reason is not None
+            return CompletionOutput(self.index, text[t0:], self.token_ids[k0:], self.finish_reason,
+                                    self.stop_reason, self.logprobs[k0:] if self.want_logprobs else None)
+        return CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                list(self.logprobs) if self.want_logprobs else None)
+
+
+@dataclass
+class _Group:
+    """One user request: its n completions share a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    kind: OutputKind
+    completions: dict[str, _Completion]  # core sequence id -> completion
+    prompt_logprobs: list[dict[int, Logprob]] | None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, _Group] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams,
+            seq_ids: list[str], kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        completions = {
+            sid: _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                                                       params.include_stop_str_in_output, params.skip_special_tokens),
+                             params.logprobs is not None)
+            for i, sid in enumerate(seq_ids)}
+        group = _Group(request_id, list(prompt_token_ids), prompt, kind, completions,
+                       [] if params.prompt_logprobs is not None else None)
+        self._groups[request_id] = group
+        for sid in seq_ids:
+            self._seq_to_group[sid] = group
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    @property
+    def num_open(self) -> int:
+        return len(self._groups)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its sequences the core still runs (to abort there)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return []
+        for sid in group.completions:
+            self._seq_to_group.pop(sid, None)
+        return [sid for sid, c in group.completions.items() if c.finish_reason is None]
+
+    def abort_with_output(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """Abort a request and give its caller a last, finished output (finish reason "abort" for
+        completions still running); also returns the sequences the core still runs."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return [], None
+        running = [sid for sid, c in group.completions.items() if c.finish_reason is None]
+        for sid in running:
+            group.completions[sid].finish_reason = FinishReason.ABORT
+        return running, self._result(group)
+
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's deltas. Returns the caller outputs due now, and the sequences the core
+        must abort (their stop string matched)."""
+        changed: dict[str, _Group] = {}
+        aborts: list[str] = []
+        for out in outputs:
+            group = self._seq_to_group.get(out.request_id)
+            if group is None:
+                continue  # aborted by its caller while this step ran
+            comp = group.completions[out.request_id]
+            if comp.finish_reason is not None:
+                continue  # finished here by a stop string; the core's abort is on the way
+            if comp.index == 0:
+                group.num_cached_tokens = out.num_cached_tokens
+                if out.queue_time is not None:
+                    group.queue_time = out.queue_time
+                if out.new_prompt_logprobs and group.prompt_logprobs is not None:
+                    group.prompt_logprobs.extend(out.new_prompt_logprobs)
+            if self._apply(comp, out):
+                aborts.append(out.request_id)
+            changed[group.request_id] = group
+        results = []
+        for group in changed.values():
+            result = self._result(group)
+            if result is not None:
+                results.append(result)
+        return results, aborts
+
+    @staticmethod
+    def _apply(comp: _Completion, out: CoreOutput) -> bool:
+        """Returns True when a stop string ended a completion the core still runs."""
+        stop = None
+        for token in out.new_token_ids:
+            comp.token_ids.append(token)
+            stop = comp.detok.add(token)
+        if comp.want_logprobs and out.new_logprobs:
+            comp.logprobs.extend(out.new_logprobs)
+        if stop is not None:
+            comp.finish_reason, comp.stop_reason = FinishReason.STOP, stop
+            return out.finish_reason is None
+        if out.finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = FinishReason(out.finish_reason), out.stop_reason
+        return False
+
+    def _result(self, group: _Group) -> RequestOutput | None:
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for sid in group.completions:
+                self._seq_to_group.pop(sid, None)
+        if group.kind is OutputKind.FINAL_ONLY and not finished:
+            return None
+        comps = list(group.completions.values())
+        if group.kind is OutputKind.DELTA:
+            outs = [c.output(OutputKind.DELTA) for c in comps if c.has_news]
+        else:
+            outs = [c.output(group.kind) for c in comps]
+        prompt_lps = None
+        if group.prompt_logprobs is not None and not (group.kind is OutputKind.DELTA and group.prompt_logprobs_sent):
+            prompt_lps = [None, *group.prompt_logprobs]
+            group.prompt_logprobs_sent = bool(outs)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
+                             num_cached_tokens=group.num_cached_tokens, prompt=group.prompt,
+                             prompt_logprobs=prompt_lps, queue_time=group.queue_time)

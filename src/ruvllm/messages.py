@@ -1,0 +1,146 @@
+"""What crosses between the front (tokenizer, detokenizer, API) and the engine core.
+
+Every message is self-contained and plain data (msgspec structs over lists and numbers), so the
+same messages serve a core in this process and one in a child process behind sockets: a request
+crosses once with everything the core needs, and each step sends back only what is new.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from ruvllm.request import Logprob
+from ruvllm.sampling_params import SamplingParams
+
+
+class CoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    """One sequence for the core (a request with n > 1 is n of these, one per completion)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # n == 1; a derived seed for each of n completions
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 1
+    arrival_time: float = 0.0  # time.monotonic(): one clock for every process of a machine
+    # The first completion of the same prompt (n > 1): this one waits until that prompt is cached.
+    prompt_sibling: str | None = None
+    adapter: str | None = None  # a LoRA adapter's name (none is served yet)
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step added to one sequence."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    new_prompt_logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length"; stop strings are the front's
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled (sent once)
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the front needs to know about the engine it talks to, fixed once the model is loaded."""
+
+    model: str  # the model's path (or a name for models built in memory)
+    architecture: str
+    vocab_size: int
+    max_model_len: int  # the model's context, as configured
+    max_seq_len: int  # prompt + output one sequence can hold (max_model_len, or less with a small pool)
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_hot_blocks: int
+    num_cold_blocks: int
+    hot_block_bytes: int  # one block of every layer's K and V in the compute dtype
+    cold_block_bytes: int  # the same in the cold tier's int8/int4 codes and scales (0 without one)
+    kv_cache_bytes: int  # both tiers
+    kv_cache_dtype: str
+    weight_bytes: int
+    device: str
+    dtype: str
+    quantization: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_hot_blocks + self.num_cold_blocks
+
+
+class EngineStats(msgspec.Struct):
+    """A snapshot of the core's load, taken after a step or a batch of commands."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0  # both tiers
+    total_blocks: int = 0
+    free_cold_blocks: int = 0  # of the quantized tier (0 without one)
+    cold_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = {f: getattr(self, f) for f in self.__struct_fields__}
+        d["kv_usage"] = self.kv_usage
+        return d
+
+
+# --- the wire between the front and a core process --------------------------------------------------
+class AddRequests(msgspec.Struct, tag=True):
+    requests: list[CoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Utility(msgspec.Struct, tag=True):
+    """A call answered in order with the other commands: "stats", "reset_prefix_cache"."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+CoreInput = Union[AddRequests, AbortRequests, Utility, Shutdown]
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: EngineInfo
+    stats: EngineStats
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    outputs: list[CoreOutput]
+    stats: EngineStats
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    stats: EngineStats
+    error: str | None = None
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core could not start (error_type names a ruvllm.errors class or ValueError) or stopped."""
+
+    error_type: str
+    message: str
+
+
+CoreMessage = Union[Ready, StepOutputs, UtilityResult, CoreFailed]

@@ -1,0 +1,151 @@
+"""The worker: everything about the device and the model, behind one call per step.
+
+It chooses device, dtype and the weights' form; loads the model; sizes the KV cache (both tiers, or
+on CUDA by profiling a warm-up); picks the attention backend; captures CUDA graphs. Each step it
+takes a SchedulerOutput (plain data) and returns the sampled tokens. It keeps what sampling needs of
+each sequence (seeded generator, output tokens for penalties) from the sequence's first step to its
+end, so it never reads the scheduler's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
+from ruvllm.device import resolve_device
+from ruvllm.dtypes import resolve_model_dtype
+from ruvllm.layers.sampler import SamplingState
+from ruvllm.loader import iter_weights, load_model_config, resolve_model
+from ruvllm.messages import EngineInfo
+from ruvllm.models.registry import build_model, weight_bytes
+from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
+from ruvllm.quant.plan import quantization_for_device, quantizes_weights
+from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
+from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
+
+log = logging.getLogger(__name__)
+
+WeightSource = Callable[[torch.dtype, QuantConfig], Iterable[tuple[str, Any]]]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        src = resolve_model(config.model)
+        self._load(config, load_model_config(src), src.path,
+                   lambda dtype, quant: iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype)))
+
+    @classmethod
+    def from_weights(cls, model_config: ModelConfig, weights: Callable[[torch.dtype], Iterable[tuple[str, Any]]],
+                     config: EngineConfig, name: str = "in-memory") -> Worker:
+        """A worker over weights that come from code rather than a file (tests and benchmarks on
+        random models): `weights(dtype)` yields Hugging Face-named tensors."""
+        worker = object.__new__(cls)
+        worker._load(config, model_config, Path(name), lambda dtype, quant: weights(dtype))
+        return worker
+
+    def _load(self, config: EngineConfig, mc: ModelConfig, path: Path, weights: WeightSource) -> None:
+        self.device = resolve_device(config.device)
+        config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
+        self.quant = quantization_for_device(config.quantization, self.device)
+        self.dtype = resolve_model_dtype(config.dtype, self.quant, self.device.type)
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.model_config = mc
+        self.model_path = path
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if self.device.type == "cuda":
+            check_weights_fit(mc, self.dtype, self.device, config.cache.gpu_memory_utilization)
+        model = build_model(mc, weights(self.dtype, self.quant), str(path), self.max_model_len, self.dtype,
+                            self.device, quant=self.quant)
+        self.weight_bytes = weight_bytes(model)
+        self._start(model, config)
+        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
+                 mc.architecture, mc.num_layers, self.max_model_len, str(self.dtype).removeprefix("torch."),
+                 self.device, self.quant.method, self.weight_bytes / 2**20)
+
+    def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = self._runner(model, config)
+        self._states: dict[str, SamplingState] = {}
+
+    def _runner(self, model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
+        """The model runner with its KV pool: sized as configured, or on CUDA by profiling a warm-up
+        (worker/gpu_memory.py); then, on CUDA, the decode graphs are captured."""
+        cache, sched, mc = config.cache, config.scheduler, self.model_config
+        check_kv_cache_dtype(cache.kv_cache_dtype, self.dtype, self.device, config.attention)
+        profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
+        warm_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        if profiled:
+            blocks, cold = -(-warm_tokens // cache.block_size), 0
+        else:
+            blocks, cold = kv_tier_blocks(mc, cache, sched, self.dtype, self.max_model_len)
+        runner = ModelRunner(model, mc, cache.block_size, blocks, self.dtype, self.device,
+                             seed=config.seed, attention=config.attention, num_cold_blocks=cold,
+                             kv_cache_dtype=cache.kv_cache_dtype, kv_hot_tokens=cache.kv_hot_tokens)
+        if profiled:
+            profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
+            runner.allocate_kv_cache(kv_blocks_from_profile(
+                profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.max_model_len))
+        if self.device.type == "cuda" and config.cuda_graphs:
+            runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
+        return runner
+
+    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> Worker:
+        """A new worker over the same loaded model, with its own KV pool (sized by the new settings)."""
+        clone = object.__new__(Worker)
+        for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes"):
+            setattr(clone, name, getattr(self, name))
+        config = dataclasses.replace(self.config, cache=cache or self.config.cache,
+                                     scheduler=(scheduler or self.config.scheduler).resolved(self.device.type))
+        clone._start(self.runner.model, config)
+        return clone
+
+    def info(self) -> EngineInfo:
+        runner, cache, sched = self.runner, self.config.cache, self.config.scheduler
+        num_blocks = runner.num_blocks + runner.num_cold_blocks
+        return EngineInfo(
+            model=str(self.model_path), architecture=self.model_config.architecture,
+            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            # A sequence can never outgrow the pool, so a request running alone always fits.
+            max_seq_len=min(self.max_model_len, num_blocks * cache.block_size),
+            eos_token_ids=tuple(self.model_config.eos_token_ids), block_size=cache.block_size,
+            num_hot_blocks=runner.num_blocks, num_cold_blocks=runner.num_cold_blocks,
+            hot_block_bytes=kv_bytes_per_block(self.model_config, cache.block_size, self.dtype),
+            cold_block_bytes=(cold_kv_bytes_per_block(self.model_config, cache.block_size, KV_BITS[cache.kv_cache_dtype])
+                              if cache.quantized_kv else 0),
+            kv_cache_bytes=runner.kv_cache_bytes, kv_cache_dtype=cache.kv_cache_dtype,
+            weight_bytes=self.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quant.method, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""
+        for rid in so.finished_ids:
+            self._states.pop(rid, None)
+        for req in so.new_requests:
+            self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
+                                                         tuple(req.eos_token_ids))
+        if so.kv_moves:
+            self.runner.migrate_blocks(so.kv_moves)
+        if so.is_empty:
+            return ModelRunnerOutput({}, {}, {})
+        out = self.runner.execute(so, self._states)
+        for rid, token in out.sampled.items():
+            self._states[rid].output_token_ids.append(token)
+        return out
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose sampling state the worker holds (for leak checks)."""
+        return len(self._states)
