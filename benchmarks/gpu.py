@@ -26,7 +26,9 @@ import torch
 from ruvllm import SamplingParams
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.models.random_weights import random_weights, word_tokenizer
+from ruvllm.messages import CoreRequest
+from ruvllm.models.random_weights import random_weights
+from ruvllm.worker.worker import Worker
 
 LLAMA3_ROPE_1B = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -69,19 +71,20 @@ def make_engine(cfg: ModelConfig, max_num_seqs: int, max_tokens: int, quantizati
                           quantization=QuantConfig(quantization, group_size=128),
                           cache=CacheConfig(gpu_memory_utilization=0.9),
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs))
-    return EngineCore.from_weights(cfg, lambda dt: random_weights(cfg, dt, "cuda"), word_tokenizer(cfg.vocab_size),
-                                   config, name="random")
+    worker = Worker.from_weights(cfg, lambda dt: random_weights(cfg, dt, "cuda"), config, name="random")
+    return EngineCore(worker, config)
 
 
 def run_to_end(core: EngineCore, requests: list[tuple[list[int], int]], tag: str) -> tuple[float, dict[str, float]]:
     """Submit all, step until done. Returns the wall time and each request's first-token time."""
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(requests):
-        core.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+        params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+        core.add_request(CoreRequest(f"{tag}{i}", prompt, params, core.info.eos_token_ids))
     first: dict[str, float] = {}
     while core.has_unfinished:
         for out in core.step():
-            if out.request_id not in first and out.outputs[0].token_ids:
+            if out.request_id not in first and out.new_token_ids:
                 first[out.request_id] = time.perf_counter() - start
     torch.cuda.synchronize()
     return time.perf_counter() - start, first
@@ -90,7 +93,8 @@ def run_to_end(core: EngineCore, requests: list[tuple[list[int], int]], tag: str
 def decode_one(core: EngineCore, prompt_len: int, gen: int, vocab: int) -> tuple[float, float]:
     """Batch-1 decode: seconds per token after the first, and the mean context length."""
     prompt = [random.randrange(1, vocab) for _ in range(prompt_len)]
-    core.add_request("solo", prompt, SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    core.add_request(CoreRequest("solo", prompt, params, core.info.eos_token_ids))
     times = []
     while core.has_unfinished:
         core.step()
@@ -101,7 +105,7 @@ def decode_one(core: EngineCore, prompt_len: int, gen: int, vocab: int) -> tuple
 
 def graph_replay_seconds(core: EngineCore) -> float | None:
     """GPU time of the batch-1 decode graph (forward only), timed with CUDA events over many replays."""
-    graphs = core.runner.graphs
+    graphs = core.executor.runner.graphs  # type: ignore[attr-defined]  # the Worker's model runner
     if graphs is None:
         return None
     graphs.reset_inputs()  # padding rows only: the replays write nothing but the scratch block
@@ -165,13 +169,13 @@ def bench_model(key: str, args: argparse.Namespace, bandwidth: float) -> list[Ro
     core = make_engine(cfg, args.max_num_seqs, args.max_num_batched_tokens, args.quantization)
     if args.quantization != "auto":
         name = f"{name} ({args.quantization} g128)"
-    print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s, {core.num_blocks} KV blocks, "
-          f"weights {core.weight_bytes / 2**30:.2f} GiB", flush=True)
+    print(f"{name}: engine up in {time.perf_counter() - t0:.1f} s, {core.info.num_blocks} KV blocks, "
+          f"weights {core.info.weight_bytes / 2**30:.2f} GiB", flush=True)
 
     decode_one(core, 128, 16, cfg.vocab_size)  # warm-up
     per_token, ctx = decode_one(core, 512, 256, cfg.vocab_size)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    bytes_per_step = core.weight_bytes + ctx * kv_per_token
+    bytes_per_step = core.info.weight_bytes + ctx * kv_per_token
     share = bytes_per_step / per_token / bandwidth
     rows.append(Row(name, "batch-1 decode tok/s", 1 / per_token,
                     note=f"{per_token * 1e3:.2f} ms/token; {share:.0%} of roofline "

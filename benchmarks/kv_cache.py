@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ruvllm import LLM, SamplingParams
+from ruvllm.messages import CoreRequest
 
 
 def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, list[float]]:
@@ -35,18 +36,18 @@ def decode_speed(llm: LLM, ids: list[int], streams: int, prompt_len: int, gen: i
     """Decode tokens/s of `streams` sequences generating together after their prompts are in, from
     the median and from the fastest decode step (on a shared machine the fastest step is the
     steadiest figure of what the code itself costs)."""
-    engine = llm.engine
+    core = llm.core
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     for i in range(streams):
         start = (i * 7919) % max(1, len(ids) - prompt_len)
-        engine.add_request(f"d{i}", ids[start:start + prompt_len], params)
-    produced = 0
-    while produced < streams:  # every prompt prefilled and its first token out
-        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+        core.add_request(CoreRequest(f"d{i}", ids[start:start + prompt_len], params, llm.eos_token_ids))
+    started: set[str] = set()
+    while len(started) < streams:  # every prompt prefilled and its first token out
+        started.update(out.request_id for out in core.step() if out.new_token_ids)
     times = []
-    while engine.has_unfinished:
+    while core.has_unfinished:
         t0 = time.perf_counter()
-        n = len(engine.step())
+        n = sum(len(out.new_token_ids) for out in core.step())
         times.append((time.perf_counter() - t0) / n)
     times.sort()
     return 1 / times[len(times) // 2], 1 / times[0]
@@ -76,10 +77,10 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, kv_hot_tokens=args.kv_hot_tokens,
                   kv_cache_memory_bytes=int(args.budget_gib * 2**30), max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs)
-        engine = llm.engine
+        info = llm.info
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        row = {"kv": kv, "tokens": engine.num_blocks * engine.config.cache.block_size,
-               "hot": engine.kv.pool.num_hot, "cold": engine.kv.pool.num_cold}
+        row = {"kv": kv, "tokens": info.num_blocks * info.block_size,
+               "hot": info.num_hot_blocks, "cold": info.num_cold_blocks}
         if args.max_tokens:
             t0 = time.perf_counter()
             row["ppl"], row["lps"] = perplexity(llm, ids[:args.max_tokens], args.window)
@@ -88,7 +89,7 @@ def main() -> None:
             for n in args.streams:
                 row[f"tok/s@{n}"] = decode_speed(llm, ids, n, args.decode_prompt, args.decode_gen)
         rows.append(row)
-        del llm, engine
+        del llm
 
     base = rows[0]
     table = Table(title=f"KV cache dtypes: {args.path.name}, {args.window}-token windows, hot window "

@@ -37,28 +37,28 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 def run_ruvllm(n: int, prompt_len: int, gen_len: int, dtype: str, quantization: str = "auto",
                kv_cache_dtype: str = "auto") -> dict:
     from ruvllm import LLM, SamplingParams
+    from ruvllm.messages import CoreRequest
     llm = LLM(dtype=dtype, quantization=quantization, max_num_seqs=max(n, 1), max_num_batched_tokens=2048,
               kv_cache_dtype=kv_cache_dtype)
     prompts = make_prompts(llm.tokenizer, n, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    engine = llm.engine
+    core, info = llm.core, llm.info
     start = time.perf_counter()
     first: dict[str, float] = {}
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, params)
+        core.add_request(CoreRequest(f"b{i}", p, params, llm.eos_token_ids))
     total = 0
-    while engine.has_unfinished:
-        for out in engine.step():
+    while core.has_unfinished:
+        for out in core.step():
             if out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - start
-            if out.finished:
-                total += len(out.outputs[0].token_ids)
+            total += len(out.new_token_ids)
     elapsed = time.perf_counter() - start
     last_first = max(first.values())
     return {"tokens": total, "seconds": elapsed, "ttft_s": sum(first.values()) / len(first),
             "decode_tok_s": (total - n) / (elapsed - last_first) if elapsed > last_first else None,
-            "weight_mib": engine.weight_bytes / 2**20, "kv_tokens": engine.num_blocks * engine.config.cache.block_size}
+            "weight_mib": info.weight_bytes / 2**20, "kv_tokens": info.num_blocks * info.block_size}
 
 
 def run_transformers(n: int, prompt_len: int, gen_len: int, dtype: str) -> dict:

@@ -8,6 +8,8 @@ first token p50/p99 and end-to-end latency, side by side for every server in one
     .venv/bin/python benchmarks/serve_load.py --start-ruvllm --llama-server ~/llama.cpp/build/bin/llama-server
     # servers already running:
     .venv/bin/python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --peer-url http://127.0.0.1:8080
+    # the server against the same engine offline (LLM.generate, same prompts, same settings):
+    .venv/bin/python benchmarks/serve_load.py --start-ruvllm --offline --concurrency 1 32
 """
 
 from __future__ import annotations
@@ -87,6 +89,22 @@ async def run_load(url: str, model: str, texts: list[str], concurrency: int, gen
     }
 
 
+def run_offline(texts: list[str], concurrency: int, gen_len: int, extra: dict) -> dict:
+    """The same prompts through the offline API in this process (nothing else running): the rate
+    the server is measured against."""
+    from ruvllm import LLM, SamplingParams
+
+    llm = LLM(**extra)
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    llm.generate([texts[0][:200]], SamplingParams(max_tokens=4))  # warm-up, as the server gets
+    start = time.perf_counter()
+    outs = llm.generate(texts[:concurrency], params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"concurrency": concurrency, "output_tok_s": tokens / wall, "ttft_p50": float("nan"),
+            "ttft_p99": float("nan"), "e2e_mean": wall, "tokens": tokens}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,6 +157,9 @@ def llama_server_version(binary: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="a running ruvllm (or any) server")
+    ap.add_argument("--base-label", default="ruvllm", help="its name in the table (e.g. 'ruvllm before')")
+    ap.add_argument("--offline", action="store_true",
+                    help="also run the same prompts through ruvllm's offline LLM API (the reference rate)")
     ap.add_argument("--peer-url", help="a running peer server to compare with")
     ap.add_argument("--start-ruvllm", action="store_true", help="start `ruvllm serve` per concurrency level")
     ap.add_argument("--ruvllm-args", default="", help="extra arguments for the started ruvllm serve")
@@ -150,7 +171,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not (args.base_url or args.start_ruvllm or args.peer_url or args.llama_server):
+    if not (args.base_url or args.start_ruvllm or args.peer_url or args.llama_server or args.offline):
         ap.error("give at least one server: --base-url, --start-ruvllm, --peer-url or --llama-server")
 
     console = Console()
@@ -160,7 +181,7 @@ def main() -> None:
         # (name, URL of a running server, or a function that starts one for this concurrency)
         targets = []
         if args.base_url:
-            targets.append(("ruvllm", args.base_url, None))
+            targets.append((args.base_label, args.base_url, None))
         if args.start_ruvllm:
             targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split())))
         if args.peer_url:
@@ -181,19 +202,29 @@ def main() -> None:
                 if proc is not None:
                     proc.terminate()
                     proc.wait(timeout=60)
+    if args.offline:  # last, alone on the machine
+        for n in args.concurrency:
+            with console.status(f"offline: {n} prompts"):
+                row = run_offline(texts, n, args.gen_len, {})
+            row["server"] = "offline (LLM)"
+            rows.append(row)
 
     title = f"serve load: {args.prompt_len}-token prompts, {args.gen_len} generated (ignore_eos), streaming"
     if args.llama_server:
         title += f"; peer: {llama_server_version(args.llama_server)}"
     table = Table(title=title)
-    for col in ("server", "clients", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "e2e mean (s)", "vs peer"):
+    for col in ("server", "clients", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "e2e mean (s)", "vs peer",
+                "vs offline"):
         table.add_column(col, justify="right")
     by = {(r["server"], r["concurrency"]): r for r in rows}
     for r in rows:
         peer = by.get(("llama-server", r["concurrency"])) or by.get(("peer", r["concurrency"]))
-        ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}x" if r["server"] == "ruvllm" and peer else ""
+        offline = by.get(("offline (LLM)", r["concurrency"]))
+        ours = r["server"].startswith("ruvllm")
+        ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}x" if ours and peer else ""
+        vs_offline = f"{r['output_tok_s'] / offline['output_tok_s']:.2f}x" if ours and offline else ""
         table.add_row(r["server"], str(r["concurrency"]), f"{r['output_tok_s']:.1f}", f"{r['ttft_p50']:.2f}",
-                      f"{r['ttft_p99']:.2f}", f"{r['e2e_mean']:.2f}", ratio)
+                      f"{r['ttft_p99']:.2f}", f"{r['e2e_mean']:.2f}", ratio, vs_offline)
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -33,11 +33,11 @@ def _default_llm() -> LLM:
 
 
 def _checked(engine_llm: LLM):
-    engine_llm.engine.kv.pool.reset_prefix_cache()
+    engine_llm.reset_prefix_cache()
     yield engine_llm
-    engine = engine_llm.engine
-    assert not engine.has_unfinished
-    assert engine.num_free_blocks == engine.num_blocks, "KV blocks leaked"
+    stats = engine_llm.stats()
+    assert stats.idle
+    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
 
 
 @pytest.fixture

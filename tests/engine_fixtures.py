@@ -8,6 +8,7 @@ from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.llm import LLM
 from ruvllm.models.random_weights import random_weights, word_tokenizer
+from ruvllm.worker.worker import Worker
 
 TINY_GQA = ModelConfig("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -27,4 +28,4 @@ def tiny_llm(device: str, dtype: str = "float32", cfg: ModelConfig = TINY_GQA, *
     def weights(dt):
         return ((n, t.to(device, dt)) for n, t in random_weights(cfg, torch.float32, "cpu", seed=0, std=0.1))
 
-    return LLM.from_engine(EngineCore.from_weights(cfg, weights, word_tokenizer(cfg.vocab_size), config))
+    return LLM.from_core(EngineCore(Worker.from_weights(cfg, weights, config), config), word_tokenizer(cfg.vocab_size))

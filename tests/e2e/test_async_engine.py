@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from ruvllm import LLM, AsyncEngine, SamplingParams
+from ruvllm.messages import EngineStats
 from tests.conftest import novel_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -14,16 +15,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture
 def engine(llm: LLM):
-    eng = AsyncEngine(core=llm.engine)
+    eng = llm.async_engine()
     yield eng
     eng.shutdown()
 
 
-async def _idle(engine: AsyncEngine) -> dict:
+async def _idle(engine: AsyncEngine) -> EngineStats:
     """Engine stats once nothing runs or waits (aborts land at the next step), or after 5 s."""
     for _ in range(100):
         stats = engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
+        if stats.idle:
             return stats
         await asyncio.sleep(0.05)
     return engine.stats()
@@ -58,7 +59,7 @@ def test_concurrent_callers_are_batched_and_isolated(llm: LLM, engine: AsyncEngi
         last = None
         async for out in engine.generate(p, GREEDY):
             last = out
-            max_running = max(max_running, engine.core.num_running)
+            max_running = max(max_running, engine.snapshot.running)
         return last.outputs[0].token_ids
 
     async def run():
@@ -77,14 +78,14 @@ def test_cancelling_a_stream_aborts_and_frees_blocks(llm: LLM, engine: AsyncEngi
                 pass
         task = asyncio.create_task(consume())
         await asyncio.sleep(1.0)
-        assert engine.stats()["free_blocks"] < engine.stats()["total_blocks"]
+        assert engine.stats().free_blocks < engine.stats().total_blocks
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return await _idle(engine)
 
     stats = asyncio.run(run())
-    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks
 
 
 def test_breaking_out_early_aborts(engine: AsyncEngine) -> None:
@@ -97,7 +98,7 @@ def test_breaking_out_early_aborts(engine: AsyncEngine) -> None:
         return await _idle(engine)
 
     stats = asyncio.run(run())
-    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks
 
 
 def test_bad_request_raises_to_the_caller_only(engine: AsyncEngine) -> None:

@@ -164,7 +164,7 @@ def test_cli_writes_a_checkpoint_that_loads_and_generates(tiny: Path, calibratio
     assert result.exit_code == 0, result.output
     assert f"wrote {out} (awq int4, group size {GROUP}" in result.stdout
     llm = LLM(str(out), dtype="bfloat16", num_blocks=16)  # auto: the int4 codes stay packed
-    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantLinear)
+    assert isinstance(llm.model.layers[0].qkv_proj, QuantLinear)
     got = llm.generate(["It is a truth universally"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(got[0].outputs[0].token_ids) == 4
     # An existing non-empty output is refused, and replaced with --force.

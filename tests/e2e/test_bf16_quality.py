@@ -24,7 +24,7 @@ def bf16_llm(_shared_llm: LLM) -> LLM:
     # The default precision on this CPU: bf16 compute with the GGUF's Q4_1 codes kept packed
     # (quantization "auto"), i.e. the same weights transformers dequantizes, held differently.
     llm = LLM(dtype="bfloat16", num_blocks=256)
-    assert llm.engine.config.quantization.method == "auto"
+    assert llm.info.quantization == "auto"
     return llm
 
 

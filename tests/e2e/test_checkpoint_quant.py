@@ -117,7 +117,7 @@ def test_checkpoint_codes_are_kept_packed(tmp_path: Path, method: str) -> None:
     # A tokenizer for the engine (ids below are given directly): the default model's one.
     load_tokenizer(resolve_model(None)).save_pretrained(quant_dir)
     llm = LLM(str(quant_dir), dtype="bfloat16", num_blocks=16)  # auto: computes with the packed codes
-    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantLinear)
+    assert isinstance(llm.model.layers[0].qkv_proj, QuantLinear)
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
     # `ruvllm info -q` estimates from the headers what this load holds.
@@ -128,7 +128,7 @@ def test_checkpoint_codes_are_kept_packed(tmp_path: Path, method: str) -> None:
     # At the dtype the engine above computes in (auto is fp32 on CPUs without native bf16).
     estimate = _estimate_weights(load_model_config(src), _file_tensors(src), QuantConfig(), str(quant_dir),
                                  "bfloat16")
-    assert estimate.total == llm.engine.weight_bytes
+    assert estimate.total == llm.info.weight_bytes
 
 
 def test_act_order_checkpoint_loads_as_int8(tmp_path: Path) -> None:

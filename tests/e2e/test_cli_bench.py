@@ -47,7 +47,7 @@ def test_csv_report() -> None:
     (["--format", "xml"], "--format must be one of table, json, csv"),
     (["--concurrency", "0"], "--concurrency must be at least 1"),
     (["--gen-length", "1"], "--gen-length must be at least 2"),
-    (["--kv-cache-dtype", "int2"], "unknown kv_cache_dtype 'int2'; choose one of auto, bf16, fp16, int8, int4"),
+    (["--kv-cache-dtype", "int2"], "--kv-cache-dtype must be one of auto, bf16, fp16, int8, int4, got 'int2'"),
     (["--kv-cache-dtype", "int8", "--device", "cuda"], "CUDA"),
 ])
 def test_bad_values_fail_in_one_line(flags: list[str], message: str) -> None:

@@ -21,8 +21,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=
 
 def _run(llm, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompts, params)
-    engine = llm.engine
-    assert engine.num_free_blocks == engine.num_blocks, "KV blocks leaked"
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     return ([o.outputs[0].token_ids for o in outs],
             [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs])
 
@@ -48,7 +48,7 @@ def _prompt_logprobs(llm) -> torch.Tensor:
 
 def test_bf16_on_cuda_stays_close_to_fp32() -> None:
     llm = tiny_llm("cuda", dtype="auto")
-    assert llm.engine.dtype == torch.bfloat16 and llm.engine.device.type == "cuda"
+    assert llm.info.dtype == "bfloat16" and torch.device(llm.info.device).type == "cuda"
     diff = (_prompt_logprobs(llm) - _prompt_logprobs(tiny_llm("cpu", attention="torch"))).abs()
     # bf16 on the CPU path measures max 0.067, mean 0.014 on these 750 tokens.
     assert diff.max() < 0.15 and diff.mean() < 0.03
@@ -68,16 +68,16 @@ def test_prefix_cache_hit_equals_miss_on_cuda() -> None:
     prompts = [shared + [100 + i] for i in range(4)]
     first = _run(llm, prompts[:1])[0]
     hits = _run(llm, prompts)[0]  # the shared 48 tokens (3 full blocks) come from the cache
-    llm.engine.kv.pool.reset_prefix_cache()
-    misses = [_run(tiny_llm("cuda", dtype="auto", cache=llm.engine.config.cache), [p])[0][0] for p in prompts]
+    llm.reset_prefix_cache()
+    cache = llm.core.executor.config.cache  # the same settings for the fresh engines (the Worker's config)
+    misses = [_run(tiny_llm("cuda", dtype="auto", cache=cache), [p])[0][0] for p in prompts]
     assert hits[0] == first[0] and hits == misses
 
 
 def test_kv_pool_is_sized_by_profiling() -> None:
     llm = tiny_llm("cuda", dtype="auto", cache=CacheConfig(gpu_memory_utilization=0.5))
-    runner = llm.engine.runner
     total = torch.cuda.mem_get_info()[1]
-    pool = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    pool = llm.info.kv_cache_bytes  # one tier: the 16-bit pool's bytes
     assert 0.2 * total < pool < 0.5 * total
 
 

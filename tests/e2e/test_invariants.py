@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from ruvllm.messages import CoreRequest
 from tests.conftest import novel_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -46,18 +47,17 @@ def test_prefix_cache_hit_equals_miss(precision_llm: LLM) -> None:
     shared = novel_prompts(1, words=120)[0]
     prompts = [shared + " And so", shared + " Then she"]
     miss = _alone(precision_llm, prompts[:1])
-    stats = precision_llm.engine.kv.stats
-    hits_before = stats.hits
+    hits_before = precision_llm.stats().prefix_hits
     outs = precision_llm.generate(prompts, GREEDY)
-    assert stats.hits > hits_before, "the shared prefix was not served from the cache"
+    assert precision_llm.stats().prefix_hits > hits_before, "the shared prefix was not served from the cache"
     assert outs[0].num_cached_tokens > 0 and outs[0].num_cached_tokens % 16 == 0
     assert outs[0].outputs[0].token_ids == miss[0]
-    precision_llm.engine.kv.pool.reset_prefix_cache()
+    precision_llm.reset_prefix_cache()
     assert _alone(precision_llm, prompts[1:]) == [outs[1].outputs[0].token_ids]
 
 
 def _variant(llm: LLM, **sched) -> LLM:
-    return LLM.from_engine(llm.engine.with_settings(scheduler=SchedulerConfig(**sched)))
+    return llm.with_settings(scheduler=SchedulerConfig(**sched))
 
 
 def test_chunked_prefill_equals_unchunked(precision_llm: LLM) -> None:
@@ -65,7 +65,8 @@ def test_chunked_prefill_equals_unchunked(precision_llm: LLM) -> None:
     whole = _tokens(precision_llm.generate(prompts, GREEDY))
     chunked = _variant(precision_llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
     assert _tokens(chunked.generate(prompts, GREEDY)) == whole
-    assert chunked.engine.num_free_blocks == chunked.engine.num_blocks
+    stats = chunked.stats()
+    assert stats.free_blocks == stats.total_blocks
 
 
 def test_preempted_and_resumed_equals_uninterrupted(precision_llm: LLM) -> None:
@@ -73,50 +74,53 @@ def test_preempted_and_resumed_equals_uninterrupted(precision_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(precision_llm.generate(prompts, params))
     # 8 sequences of ~90 tokens need ~48 blocks; 20 blocks force preemption by recompute.
-    tiny = LLM.from_engine(precision_llm.engine.with_settings(cache=CacheConfig(num_blocks=20)))
+    tiny = precision_llm.with_settings(cache=CacheConfig(num_blocks=20))
     assert _tokens(tiny.generate(prompts, params)) == expected
-    assert tiny.engine.scheduler.num_preemptions > 0
-    assert tiny.engine.num_free_blocks == tiny.engine.num_blocks
+    stats = tiny.stats()
+    assert stats.preemptions > 0
+    assert stats.free_blocks == stats.total_blocks
 
 
 def test_sampled_requests_resume_identically_after_preemption(precision_llm: LLM) -> None:
     prompts = novel_prompts(6)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11)
     expected = _tokens(precision_llm.generate(prompts, params))
-    tiny = LLM.from_engine(precision_llm.engine.with_settings(cache=CacheConfig(num_blocks=16)))
+    tiny = precision_llm.with_settings(cache=CacheConfig(num_blocks=16))
     assert _tokens(tiny.generate(prompts, params)) == expected
-    assert tiny.engine.scheduler.num_preemptions > 0
+    assert tiny.stats().preemptions > 0
 
 
 def test_priorities_order_admission_and_preemption(llm: LLM) -> None:
     from ruvllm import Priority
-    engine = llm.engine.with_settings(cache=CacheConfig(num_blocks=12),
-                                      scheduler=SchedulerConfig(max_num_seqs=2))
+    small = llm.with_settings(cache=CacheConfig(num_blocks=12), scheduler=SchedulerConfig(max_num_seqs=2))
+    engine = small.core
     prompts = novel_prompts(4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prios = [Priority.LOW, Priority.NORMAL, Priority.CRITICAL, Priority.HIGH]
     order: list[str] = []
     for i, (p, prio) in enumerate(zip(prompts, prios)):
-        engine.add_request(str(i), llm.tokenizer.encode(p), params, prio)
+        engine.add_request(CoreRequest(str(i), llm.tokenizer.encode(p), params, small.eos_token_ids, int(prio)))
     while engine.has_unfinished:
-        order += [o.request_id for o in engine.step() if o.finished]
+        order += [o.request_id for o in engine.step() if o.finish_reason is not None]
     assert order[:2] == ["2", "3"]  # critical, then high, finish first
     assert order[-1] == "0"  # low finishes last
-    assert engine.num_free_blocks == engine.num_blocks
+    stats = small.stats()
+    assert stats.free_blocks == stats.total_blocks
 
 
 def test_abort_returns_blocks_at_any_point(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.core
     prompts = novel_prompts(3, words=100)
     for i, p in enumerate(prompts):
-        engine.add_request(f"a{i}", llm.tokenizer.encode(p), GREEDY)
-    engine.abort("a2")  # still waiting
+        engine.add_request(CoreRequest(f"a{i}", llm.tokenizer.encode(p), GREEDY, llm.eos_token_ids))
+    engine.abort(["a2"])  # still waiting
     engine.step()
     engine.step()
-    assert engine.num_free_blocks < engine.num_blocks
-    engine.abort("a0")  # running
-    engine.abort("a1")
-    engine.abort("does-not-exist")
+    stats = llm.stats()
+    assert stats.free_blocks < stats.total_blocks
+    engine.abort(["a0"])  # running
+    engine.abort(["a1"])
+    engine.abort(["does-not-exist"])
     assert not engine.has_unfinished
 
 

@@ -1,16 +1,18 @@
 """The two-tier KV cache (kv_cache_dtype int8/int4) end to end on the default model: outputs close to
 the 16-bit cache, the engine's invariances kept bit for bit (a query reads a key dequantized by its
 position alone, whenever its block moved), prefix hits on cold blocks, and both tiers' blocks
-returned. Engines share the default engine's loaded model (EngineCore.with_settings)."""
+returned. Engines share the default engine's loaded model (LLM.with_settings)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
-from ruvllm.attention.kv_quant import KV_BITS
+from ruvllm.engine.output_processor import OutputProcessor
+from ruvllm.messages import CoreRequest
+from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Request
-from ruvllm.worker.model_runner import cold_kv_bytes_per_block, hot_blocks_wanted, kv_bytes_per_block
+from ruvllm.worker.model_runner import hot_blocks_wanted
 from tests.conftest import novel_prompts
 
 HOT = 32  # a short hot window: most of a 200-token context is read from the cold tier
@@ -23,18 +25,19 @@ def _cache(kv: str, **kw) -> CacheConfig:
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def _tiered(request: pytest.FixtureRequest, _default_llm: LLM) -> LLM:
-    return LLM.from_engine(_default_llm.engine.with_settings(cache=_cache(request.param)))
+    return _default_llm.with_settings(cache=_cache(request.param))
 
 
 def _assert_all_free(llm: LLM) -> None:
-    engine, pool = llm.engine, llm.engine.kv.pool
-    assert not engine.has_unfinished
-    assert (pool.num_free_hot, pool.num_free_cold) == (pool.num_hot, pool.num_cold), "KV blocks leaked"
+    stats = llm.stats()
+    assert stats.idle
+    free_hot, hot = stats.free_blocks - stats.free_cold_blocks, stats.total_blocks - stats.cold_blocks
+    assert (free_hot, stats.free_cold_blocks) == (hot, stats.cold_blocks), "KV blocks leaked"
 
 
 @pytest.fixture
 def kv_llm(_tiered: LLM):
-    _tiered.engine.kv.pool.reset_prefix_cache()
+    _tiered.reset_prefix_cache()
     yield _tiered
     _assert_all_free(_tiered)
 
@@ -48,18 +51,38 @@ def _logprobs(outs) -> list[list[float]]:
 
 
 def _kv(llm: LLM) -> str:
-    return llm.engine.config.cache.kv_cache_dtype
+    return llm.info.kv_cache_dtype
+
+
+class _Stepper:
+    """Steps an LLM's core by hand, to look at it between steps; outputs are assembled as
+    LLM.generate assembles them (the front's OutputProcessor)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.core = llm, llm.core
+        self.processor = OutputProcessor(llm.tokenizer)
+        self.finished: dict[str, RequestOutput] = {}
+
+    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self.processor.add(request_id, ids, None, params, [request_id], OutputKind.FINAL_ONLY)
+        self.core.add_request(CoreRequest(request_id, ids, params, self.llm.eos_token_ids))
+
+    def step(self) -> None:
+        outs, aborts = self.processor.process(self.core.step())
+        self.core.abort(aborts)
+        self.finished.update((o.request_id, o) for o in outs if o.finished)
 
 
 def test_sizes_and_start_up(kv_llm: LLM) -> None:
-    pool = kv_llm.engine.kv.pool
-    assert pool.num_cold > pool.num_hot > 0
-    assert kv_llm.engine.num_blocks == pool.num_hot + pool.num_cold
-    engine = kv_llm.engine
-    dense_block = kv_bytes_per_block(engine.model_config, 16, engine.dtype)
+    info, stats = kv_llm.info, kv_llm.stats()
+    assert info.num_cold_blocks > info.num_hot_blocks > 0
+    assert (stats.total_blocks, stats.cold_blocks) == (info.num_hot_blocks + info.num_cold_blocks, info.num_cold_blocks)
+    assert info.block_size == 16
+    dense_block = info.hot_block_bytes
     # within the 16-bit budget of 512 blocks (plus the hot tier's scratch block), holding more tokens
-    assert engine.runner.kv_cache_bytes <= (512 + 1) * dense_block
-    assert engine.num_blocks > (1.4 if _kv(kv_llm) == "int8" else 2) * 512  # (a small budget: the hot tier is a large share)
+    assert info.kv_cache_bytes <= (512 + 1) * dense_block
+    # (a small budget: the hot tier is a large share)
+    assert info.num_blocks > (1.4 if _kv(kv_llm) == "int8" else 2) * 512
 
 
 def test_close_to_the_16bit_cache(kv_llm: LLM, default_llm: LLM) -> None:
@@ -89,7 +112,7 @@ def test_batch_invariance(kv_llm: LLM) -> None:
     together = kv_llm.generate(prompts, GREEDY)
     alone = []
     for p in prompts:
-        kv_llm.engine.kv.pool.reset_prefix_cache()  # no prefix hits on the earlier runs' blocks
+        kv_llm.reset_prefix_cache()  # no prefix hits on the earlier runs' blocks
         alone += kv_llm.generate(p, GREEDY)
     assert _tokens(alone) == _tokens(together)
     assert _logprobs(alone) == _logprobs(together)  # bit for bit
@@ -98,18 +121,17 @@ def test_batch_invariance(kv_llm: LLM) -> None:
 def test_chunked_prefill_equals_unchunked_and_moves_blocks(kv_llm: LLM) -> None:
     prompts = novel_prompts(4, words=150)
     whole = kv_llm.generate(prompts, GREEDY)
-    chunked = LLM.from_engine(kv_llm.engine.with_settings(scheduler=SchedulerConfig(max_num_batched_tokens=48)))
-    engine = chunked.engine
+    chunked = kv_llm.with_settings(scheduler=SchedulerConfig(max_num_batched_tokens=48))
+    stepper = _Stepper(chunked)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), chunked.tokenizer.encode(p), GREEDY)
-    outs, most_cold = {}, 0
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        most_cold = max(most_cold, engine.kv.pool.num_cold - engine.kv.pool.num_free_cold)
+        stepper.add(str(i), chunked.tokenizer.encode(p), GREEDY)
+    most_cold = 0
+    while chunked.core.has_unfinished:
+        stepper.step()
+        stats = chunked.stats()
+        most_cold = max(most_cold, stats.cold_blocks - stats.free_cold_blocks)
     assert most_cold >= 4 * 9  # ~200-token sequences with a 32-token hot window: >= 9 blocks each went cold
-    got = [outs[str(i)] for i in range(len(prompts))]
+    got = [stepper.finished[str(i)] for i in range(len(prompts))]
     assert _tokens(got) == _tokens(whole) and _logprobs(got) == _logprobs(whole)
     _assert_all_free(chunked)
 
@@ -124,31 +146,33 @@ def test_preempted_and_resumed_equals_uninterrupted(kv_llm: LLM) -> None:
     # hot tier no more than one sequence needs, 11 or 7 cold blocks), not as a count of 16-bit
     # blocks: a hot block's bytes follow the compute dtype (twice as many in float32, which gave a
     # cold tier twice as large, where nothing was ever preempted).
-    engine, kv = kv_llm.engine, _kv(kv_llm)
+    info, kv = kv_llm.info, _kv(kv_llm)
+    assert info.block_size == 16
     sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64)
-    _, hot_needed = hot_blocks_wanted(_cache(kv), sched, engine.max_model_len)
-    budget = (hot_needed * kv_bytes_per_block(engine.model_config, 16, engine.dtype)
-              + (11 if kv == "int8" else 7) * cold_kv_bytes_per_block(engine.model_config, 16, KV_BITS[kv]))
-    tiny = LLM.from_engine(engine.with_settings(
+    _, hot_needed = hot_blocks_wanted(_cache(kv), sched, info.max_model_len)
+    budget = hot_needed * info.hot_block_bytes + (11 if kv == "int8" else 7) * info.cold_block_bytes
+    tiny = kv_llm.with_settings(
         cache=_cache(kv, num_blocks=None, kv_cache_memory_bytes=budget, enable_prefix_caching=False),
-        scheduler=sched))
-    assert (tiny.engine.kv.pool.num_hot, tiny.engine.kv.pool.num_cold) == (hot_needed, 11 if kv == "int8" else 7)
+        scheduler=sched)
+    assert (tiny.info.num_hot_blocks, tiny.info.num_cold_blocks) == (hot_needed, 11 if kv == "int8" else 7)
     got = tiny.generate(prompts, params)
-    assert tiny.engine.scheduler.num_preemptions > 0
+    assert tiny.stats().preemptions > 0
     assert _tokens(got) == _tokens(expected) and _logprobs(got) == _logprobs(expected)
     _assert_all_free(tiny)
 
 
 def test_abort_returns_blocks_of_both_tiers(kv_llm: LLM) -> None:
-    engine = kv_llm.engine
+    engine = kv_llm.core
     for i, p in enumerate(novel_prompts(3, words=150)):
-        engine.add_request(f"a{i}", kv_llm.tokenizer.encode(p), GREEDY)
-    engine.abort("a2")  # still waiting
+        engine.add_request(CoreRequest(f"a{i}", kv_llm.tokenizer.encode(p), GREEDY, kv_llm.eos_token_ids))
+    engine.abort(["a2"])  # still waiting
     for _ in range(3):
         engine.step()
-    assert engine.kv.pool.num_free_cold < engine.kv.pool.num_cold and engine.kv.pool.num_free_hot < engine.kv.pool.num_hot
-    engine.abort("a0")
-    engine.abort("a1")
+    stats = kv_llm.stats()
+    free_hot, hot = stats.free_blocks - stats.free_cold_blocks, stats.total_blocks - stats.cold_blocks
+    assert stats.free_cold_blocks < stats.cold_blocks and free_hot < hot
+    engine.abort(["a0"])
+    engine.abort(["a1"])
     assert not engine.has_unfinished  # the fixture checks every block of both tiers is free
 
 
@@ -158,15 +182,15 @@ def test_prefix_hit_on_cold_blocks(kv_llm: LLM) -> None:
     shared = novel_prompts(1, words=150)[0]
     prompts = [shared + " And so", shared + " Then she"]
     miss = kv_llm.generate(prompts[0], GREEDY)[0]
-    kv_llm.engine.kv.pool.reset_prefix_cache()
+    kv_llm.reset_prefix_cache()
     kv_llm.generate(prompts[1], GREEDY)  # caches the shared prefix; most of it moves to the cold tier
-    kv = kv_llm.engine.kv
+    kv = kv_llm.core.kv  # which tier a prefix hit's blocks are in: only the core's KV manager knows
     probe = Request("probe", kv_llm.tokenizer.encode(prompts[0]), GREEDY)
     hits, n = kv.get_computed_blocks(probe)
     assert n >= 160 and sum(kv.pool.is_cold(b) for b in hits) >= 6
-    hits_before = kv.stats.hits
+    hits_before = kv_llm.stats().prefix_hits
     hit = kv_llm.generate(prompts[0], GREEDY)[0]
-    assert kv.stats.hits > hits_before and hit.num_cached_tokens == n
+    assert kv_llm.stats().prefix_hits > hits_before and hit.num_cached_tokens == n
     assert _tokens([hit]) == _tokens([miss]) and _logprobs([hit]) == _logprobs([miss])
 
 
@@ -178,15 +202,15 @@ def test_a_request_sharing_a_running_requests_prefix_equals_it_alone(kv_llm: LLM
     a_ids, b_ids = tok.encode(shared + " And so"), tok.encode(shared + " Then she")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     alone = kv_llm.generate(b_ids, params)[0]
-    kv_llm.engine.kv.pool.reset_prefix_cache()
-    engine = kv_llm.engine
-    engine.add_request("a", a_ids, params)
+    kv_llm.reset_prefix_cache()
+    stepper = _Stepper(kv_llm)
+    stepper.add("a", a_ids, params)
     for _ in range(8):  # A's prompt and a few of its tokens
-        engine.step()
-    engine.add_request("b", b_ids, params)
-    outs = {}
-    while engine.has_unfinished:
-        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        stepper.step()
+    stepper.add("b", b_ids, params)
+    while kv_llm.core.has_unfinished:
+        stepper.step()
+    outs = stepper.finished
     assert outs["b"].num_cached_tokens >= 160
     assert _tokens([outs["b"]]) == _tokens([alone]) and _logprobs([outs["b"]]) == _logprobs([alone])
 
@@ -198,18 +222,17 @@ def test_continuation_hit_is_exact(kv_llm: LLM) -> None:
     follow = first.prompt_token_ids + first.outputs[0].token_ids[:-1] + kv_llm.tokenizer.encode(" Then", add_special_tokens=False)
     hit = kv_llm.generate(follow, GREEDY)[0]
     assert hit.num_cached_tokens >= 160
-    kv_llm.engine.kv.pool.reset_prefix_cache()
+    kv_llm.reset_prefix_cache()
     miss = kv_llm.generate(follow, GREEDY)[0]
     assert miss.num_cached_tokens == 0
     assert _tokens([hit]) == _tokens([miss]) and _logprobs([hit]) == _logprobs([miss])
 
 
 def test_bad_settings_give_clear_errors(default_llm: LLM) -> None:
-    engine = default_llm.engine
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'q8'"):
         LLM(kv_cache_dtype="q8")
     with pytest.raises(ValueError, match="kv_hot_tokens must be a whole number >= 0"):
         LLM(kv_hot_tokens=-4)
-    wrong = "fp16" if engine.dtype != __import__("torch").float16 else "bf16"
+    wrong = "fp16" if default_llm.info.dtype != "float16" else "bf16"
     with pytest.raises(ValueError, match=f"kv_cache_dtype '{wrong}' needs the model to compute in {wrong}"):
-        engine.with_settings(cache=CacheConfig(num_blocks=64, kv_cache_dtype=wrong))
+        default_llm.with_settings(cache=CacheConfig(num_blocks=64, kv_cache_dtype=wrong))

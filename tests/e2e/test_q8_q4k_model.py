@@ -19,7 +19,7 @@ BOUNDS = {"q8": (0.15, 0.6), "q4k": (0.4, 1.8)}
 @pytest.mark.parametrize("method", ["q8", "q4k"])
 def test_llamacpp_format_on_the_default_model(llm: LLM, method: str) -> None:
     quant = LLM(quantization=method, num_blocks=32)
-    layer = quant.engine.runner.model.layers[5]
+    layer = quant.model.layers[5]
     for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(proj, QuantLinear) and proj.group_size == 32
         assert proj.kind == ("int8" if method == "q8" else "int4")
@@ -28,4 +28,4 @@ def test_llamacpp_format_on_the_default_model(llm: LLM, method: str) -> None:
     diff = (_prompt_logprobs(quant) - _prompt_logprobs(llm)).abs()
     mean, top = BOUNDS[method]
     assert diff.mean() < mean and diff.max() < top, (float(diff.mean()), float(diff.max()))
-    assert quant.engine.num_free_blocks == quant.engine.num_blocks
+    assert quant.stats().free_blocks == quant.stats().total_blocks

@@ -24,20 +24,20 @@ def test_default_keeps_gguf_weights_packed(default_llm: LLM) -> None:
     # where the CPU computes it natively (dtypes.resolve_dtype). Elsewhere (AVX2 without AVX-512 BF16)
     # the default is float32 with every weight dense, the float32 reference engine; there the packing
     # is checked on an engine asked for bf16, which is what the default is on the other CPUs.
-    if default_llm.engine.dtype != torch.bfloat16:
-        dense = default_llm.engine.runner.model.layers[0].qkv_proj
-        assert not isinstance(dense, QuantLinear) and dense.weight.dtype == default_llm.engine.dtype
+    if default_llm.info.dtype != "bfloat16":
+        dense = default_llm.model.layers[0].qkv_proj
+        assert not isinstance(dense, QuantLinear) and dense.weight.dtype == getattr(torch, default_llm.info.dtype)
         default_llm = LLM(dtype="bfloat16", num_blocks=16)
-    model = default_llm.engine.runner.model
+    model = default_llm.model
     layer = model.layers[0]
     for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(proj, QuantLinear) and proj.kind == "int4" and proj.group_size == 32
     assert model.embed_tokens.weight.dtype == torch.bfloat16  # embeddings (and the tied LM head) stay 16-bit
-    cfg = default_llm.engine.model_config
+    cfg = default_llm.core.executor.model_config  # the layer count the model was built from
     dense_bf16 = 2 * sum(p.numel() for p in model.parameters()) + 2 * sum(
         proj.in_features * proj.out_features for lyr in model.layers
         for proj in (lyr.qkv_proj, lyr.o_proj, lyr.gate_up_proj, lyr.down_proj))
-    assert default_llm.engine.weight_bytes < 0.5 * dense_bf16, (default_llm.engine.weight_bytes, dense_bf16)
+    assert default_llm.info.weight_bytes < 0.5 * dense_bf16, (default_llm.info.weight_bytes, dense_bf16)
     assert cfg.num_layers == len(model.layers)
 
 
@@ -53,10 +53,10 @@ def test_runtime_int8_and_int4_generate_sense() -> None:
     params = SamplingParams(temperature=0, max_tokens=8)
     for method, group in (("int8", 32), ("int4", 64)):
         llm = LLM(quantization=method, group_size=group, num_blocks=32)
-        proj = llm.engine.runner.model.layers[3].gate_up_proj
+        proj = llm.model.layers[3].gate_up_proj
         assert isinstance(proj, QuantLinear) and proj.kind == method
         if method == "int4":
             assert proj.group_size == 64  # re-quantized from the file's 32-wide groups
         text = llm.generate(["The capital of France is"], params)[0].outputs[0].text
         assert "Paris" in text, (method, text)
-        assert llm.engine.num_free_blocks == llm.engine.num_blocks
+        assert llm.stats().free_blocks == llm.stats().total_blocks

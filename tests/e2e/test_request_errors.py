@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ruvllm import LLM, RequestError, SamplingParams
+from ruvllm.messages import CoreRequest
 
 
 def test_empty_prompt(llm: LLM) -> None:
+    assert llm.tokenizer.encode("") == []  # an empty text prompt reaches the check with no token ids
     with pytest.raises(RequestError, match="prompt is empty"):
-        llm.engine.add_request("x", [], SamplingParams())
+        llm.generate("", SamplingParams())
 
 
 def test_prompt_token_ids_out_of_vocabulary(llm: LLM) -> None:
@@ -18,7 +20,7 @@ def test_prompt_token_ids_out_of_vocabulary(llm: LLM) -> None:
 
 
 def test_prompt_longer_than_context(llm: LLM) -> None:
-    limit = llm.engine.max_seq_len
+    limit = llm.info.max_seq_len
     with pytest.raises(RequestError, match=f"prompt has {limit} tokens.*at most {limit}"):
         llm.generate([[5] * limit])
 
@@ -34,7 +36,7 @@ def test_a_bad_prompt_in_a_batch_rejects_the_batch_cleanly(llm: LLM) -> None:
     with pytest.raises(RequestError):
         llm.generate(["fine", [10**6]])
     # the good request queued before the bad one was withdrawn
-    assert not llm.engine.has_unfinished
+    assert llm.stats().idle
 
 
 def test_invalid_prompt_types(llm: LLM) -> None:
@@ -45,11 +47,11 @@ def test_invalid_prompt_types(llm: LLM) -> None:
 
 
 def test_duplicate_request_id(llm: LLM) -> None:
-    llm.engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
+    llm.core.add_request(CoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=1)))
     with pytest.raises(RequestError, match="already in use"):
-        llm.engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
-    while llm.engine.has_unfinished:
-        llm.engine.step()
+        llm.core.add_request(CoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=1)))
+    while llm.core.has_unfinished:
+        llm.core.step()
 
 
 def test_unknown_engine_setting() -> None:

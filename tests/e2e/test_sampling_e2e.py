@@ -50,22 +50,22 @@ def test_stop_token_ids(llm: LLM) -> None:
 def test_eos_stops_and_min_tokens_delays_it(llm: LLM) -> None:
     chat = [{"role": "user", "content": "Say hi."}]
     out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.eos_token_ids
     n = len(out.token_ids)
     longer = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200, min_tokens=n + 5))[0].outputs[0]
     assert len(longer.token_ids) >= n + 5
-    assert not set(longer.token_ids[: n + 4]) & set(llm.engine.eos_token_ids)
+    assert not set(longer.token_ids[: n + 4]) & set(llm.eos_token_ids)
 
 
 def test_n_completions_share_the_prompt_blocks(llm: LLM) -> None:
     prompt = novel_prompts(1, words=80)[0]  # ~100 tokens: 6 full blocks
-    hits_before = llm.engine.kv.stats.hits
+    hits_before = llm.stats().prefix_hits
     out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     n_prompt = len(out.prompt_token_ids)
     # Three of the four completions reuse every full block of the first one's prompt.
-    assert llm.engine.kv.stats.hits - hits_before == 3 * ((n_prompt - 1) // 16 * 16)
+    assert llm.stats().prefix_hits - hits_before == 3 * ((n_prompt - 1) // 16 * 16)
     again = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True))[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
@@ -104,11 +104,9 @@ def test_prompts_as_token_ids_and_text_agree(llm: LLM) -> None:
 
 
 def test_engine_seed_makes_unseeded_sampling_reproducible(llm: LLM) -> None:
-    from ruvllm import EngineConfig
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)  # no per-request seed
     runs = []
     for _ in range(2):
-        engine = llm.engine.with_settings()
-        engine.runner.generator.manual_seed(EngineConfig().seed)  # what a fresh engine starts with
-        runs.append(LLM.from_engine(engine).generate([PROMPT, "Tell me about dogs."], params))
+        fresh = llm.with_settings()  # a fresh engine: its generator starts from the config's seed
+        runs.append(fresh.generate([PROMPT, "Tell me about dogs."], params))
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

@@ -44,7 +44,7 @@ def test_cli_writes_a_smoothed_float_folder_that_runs_w8a8(tiny: Path, calibrati
     assert (after - before).abs().max().item() < 1e-4 * before.abs().max().item()
     # Loaded with -q w8a8: every projection runs int8 x int8, and it generates.
     llm = LLM(str(out), quantization="w8a8", num_blocks=16)
-    layer = llm.engine.runner.model.layers[0]
+    layer = llm.model.layers[0]
     for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(proj, QuantLinear) and proj.int8_activations
     got = llm.generate(["It is a truth universally"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

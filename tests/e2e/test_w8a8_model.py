@@ -10,7 +10,7 @@ from tests.e2e.test_quantized import _prompt_logprobs
 
 def test_w8a8_default_model(llm: LLM) -> None:
     w8a8 = LLM(quantization="w8a8", num_blocks=32)
-    layer = w8a8.engine.runner.model.layers[5]
+    layer = w8a8.model.layers[5]
     for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(proj, QuantLinear) and proj.int8_activations
     text = w8a8.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
@@ -19,4 +19,4 @@ def test_w8a8_default_model(llm: LLM) -> None:
     # smoothing lose on this model's outlier channels (docs/quantization.md). A broken path is off by many nats.
     diff = (_prompt_logprobs(w8a8) - _prompt_logprobs(llm)).abs()
     assert diff.mean() < 0.5 and diff.max() < 1.5, (float(diff.mean()), float(diff.max()))
-    assert w8a8.engine.num_free_blocks == w8a8.engine.num_blocks
+    assert w8a8.stats().free_blocks == w8a8.stats().total_blocks

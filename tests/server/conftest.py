@@ -16,6 +16,7 @@ import uvicorn
 
 from ruvllm import LLM, CacheConfig, SchedulerConfig
 from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.messages import EngineStats
 from ruvllm.server.app import create_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.process import uvicorn_config
@@ -35,12 +36,12 @@ class RunningServer:
         """Sequences the server counts as in flight (its admission slots)."""
         return self.app.state.ruvllm.admission.in_flight
 
-    def wait_idle(self, timeout: float = 30.0) -> dict:
+    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
         """Until nothing runs or waits; then every block must be back in the pool."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.engine.stats()
-            if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+            if stats.idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.05)
 
@@ -51,9 +52,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(llm: LLM, **server_kwargs) -> Iterator[RunningServer]:
-    core = llm.engine.with_settings(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=32))
-    engine = AsyncEngine(core=core)
+def start_server(llm: LLM, max_num_seqs: int = 32, **server_kwargs) -> Iterator[RunningServer]:
+    """max_num_seqs: the engine's running cap, which the server admits (plus max_queue waiting)."""
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs)
+    engine = llm.with_settings(cache=CacheConfig(num_blocks=512), scheduler=sched).async_engine()
     port = _free_port()
     cfg = ServerConfig(port=port, served_model_name=MODEL, **server_kwargs)
     app = create_app(engine, cfg)
@@ -69,7 +71,7 @@ def start_server(llm: LLM, **server_kwargs) -> Iterator[RunningServer]:
         yield running
         if engine.failure is None:  # a failed engine (the failure tests) has no pool to check
             stats = running.wait_idle()
-            assert stats["free_blocks"] == stats["total_blocks"], "KV blocks leaked"
+            assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -86,4 +88,4 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
     stats = server.wait_idle()
-    assert stats["free_blocks"] == stats["total_blocks"], "KV blocks leaked"
+    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"

@@ -97,7 +97,7 @@ def test_404_quotes_a_non_ascii_model_name(http: httpx.Client) -> None:
 # --- limits: servers of their own -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_server(_shared_llm: LLM):
-    yield from start_server(_shared_llm, max_concurrent=2, max_queue=2, max_request_bytes=64 * 1024,
+    yield from start_server(_shared_llm, max_num_seqs=2, max_queue=2, max_request_bytes=64 * 1024,
                             request_read_timeout_s=0.5)
 
 

@@ -15,6 +15,7 @@ from benchmarks.adversarial_clients import disconnect_fuzz, soak
 from ruvllm import LLM, CacheConfig, SchedulerConfig
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.errors import EngineDeadError
+from ruvllm.messages import EngineStats
 from ruvllm.server.app import create_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.process import serve
@@ -23,15 +24,15 @@ from tests.server.conftest import MODEL, RunningServer, _free_port, start_server
 COMP = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
 
-def _settled(server: RunningServer, timeout: float = 30.0) -> dict:
+def _settled(server: RunningServer, timeout: float = 30.0) -> EngineStats:
     """Engine idle and every admission slot back; then the KV pool must be whole."""
     deadline = time.monotonic() + timeout
     while server.sequences_admitted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.sequences_admitted == 0, "admission slots leaked"
     stats = server.wait_idle(timeout)
-    assert stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["free_blocks"] == stats["total_blocks"], "KV blocks leaked"
+    assert stats.running == 0 and stats.waiting == 0
+    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     return stats
 
 
@@ -58,7 +59,8 @@ def test_soak_with_random_drops_loses_nothing(server: RunningServer) -> None:
 def _break(engine: AsyncEngine) -> None:
     def step() -> list:
         raise RuntimeError("injected fault: the device went away")
-    engine.core.step = step  # type: ignore[method-assign]
+    # No public hook for fault injection: the in-process client's EngineCore (private) is made to fail.
+    engine._client.core.step = step  # type: ignore[attr-defined, method-assign]
 
 
 def test_engine_failure_fails_open_requests_and_health(_shared_llm: LLM) -> None:
@@ -79,8 +81,8 @@ def test_engine_failure_fails_open_requests_and_health(_shared_llm: LLM) -> None
 
 
 def test_serve_stops_when_the_engine_fails(_shared_llm: LLM) -> None:
-    core = _shared_llm.engine.with_settings(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4))
-    engine = AsyncEngine(core=core)
+    small = _shared_llm.with_settings(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4))
+    engine = small.async_engine()
     port = _free_port()
     app = create_app(engine, ServerConfig(port=port, served_model_name=MODEL), owns_engine=True)
     outcome: dict[str, object] = {}
@@ -111,8 +113,8 @@ def test_serve_stops_when_the_engine_fails(_shared_llm: LLM) -> None:
 def test_cancel_at_any_point_of_the_hand_off(_shared_llm: LLM, when: str) -> None:
     """The engine's own hand-off, without HTTP: callers cancelled while their add waits behind a
     busy engine, or while they stream, leave nothing behind and the engine keeps serving."""
-    core = _shared_llm.engine.with_settings(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=8))
-    engine = AsyncEngine(core=core)
+    small = _shared_llm.with_settings(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=8))
+    engine = small.async_engine()
     from ruvllm import SamplingParams
 
     async def consume(i: int) -> None:
@@ -132,6 +134,6 @@ def test_cancel_at_any_point_of_the_hand_off(_shared_llm: LLM, when: str) -> Non
         asyncio.run(main())
         assert engine.is_alive
         stats = engine.stats()
-        assert stats["running"] == stats["waiting"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+        assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
     finally:
         engine.shutdown()

@@ -58,7 +58,7 @@ def test_unknown_model_is_404(http: httpx.Client) -> None:
 
 
 def test_prompt_longer_than_context_is_400_with_both_numbers(http: httpx.Client, server: RunningServer) -> None:
-    limit = server.engine.core.max_seq_len
+    limit = server.engine.info.max_seq_len
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * (limit - 4), "max_tokens": 10})
     err = _error(r, 400)
     assert str(limit) in err["message"] and str(limit + 6) in err["message"]
@@ -93,9 +93,9 @@ def test_streaming_client_disconnect_aborts(server: RunningServer) -> None:
             for line in lines:
                 if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
                     break
-            assert server.engine.stats()["running"] == 1
+            assert server.engine.stats().running == 1
     stats = server.wait_idle(timeout=10)
-    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks
 
 
 def test_non_streaming_client_disconnect_aborts(server: RunningServer) -> None:
@@ -104,7 +104,7 @@ def test_non_streaming_client_disconnect_aborts(server: RunningServer) -> None:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", json=body)
     stats = server.wait_idle(timeout=10)
-    assert stats["running"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks
 
 
 def test_metrics(http: httpx.Client) -> None:
@@ -160,7 +160,7 @@ def test_bodies_validate_against_openai_schema(http: httpx.Client, schemas) -> N
 
 # --- limits (a server of its own) ---------------------------------------------------------
 def test_queue_full_is_429(_shared_llm: LLM) -> None:
-    for srv in start_server(_shared_llm, max_concurrent=1, max_queue=0):
+    for srv in start_server(_shared_llm, max_num_seqs=1, max_queue=0):
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             started = threading.Event()
 

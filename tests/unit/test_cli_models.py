@@ -430,7 +430,7 @@ def test_info_quantization_auto_matches_a_real_load() -> None:
     src = resolve_model(None)
     weights = iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype))
     model = build_model(load_model_config(src), weights, str(src.path), 16, dtype, quant=quant)  # seconds
-    loaded = weight_bytes(model)  # what EngineCore.weight_bytes reports
+    loaded = weight_bytes(model)  # what EngineInfo.weight_bytes reports
     result = invoke("info", "-q", "auto")
     assert _estimate_line(result.output, "weights as loaded (auto)").startswith(_mib(loaded) + " ("), result.output
     assert loaded == _default_model_bytes("auto")

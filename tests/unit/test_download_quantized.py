@@ -155,7 +155,7 @@ def test_int4_variant_loads_by_tagged_name_and_generates(standin: _HubStandIn, i
     assert (int4_cache / "models" / "ruvllm-test--tiny-st" / "config.json").is_file()  # the plain download stays
 
     llm = LLM(hub.resolve_cli_model(name, int4_cache), dtype="bfloat16", num_blocks=16)  # int4 stays packed
-    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, QuantLinear)
+    assert isinstance(llm.model.layers[0].qkv_proj, QuantLinear)
     out = llm.generate(["It is a truth universally"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 

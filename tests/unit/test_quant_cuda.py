@@ -39,7 +39,7 @@ def test_int4_engine_on_cuda_matches_the_cpu_one() -> None:
         return torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
 
     cuda = tiny_llm("cuda", dtype="bfloat16", quantization=QuantConfig("int4"))
-    assert any(isinstance(m, QuantLinear) and m.on_cuda for m in cuda.engine.runner.model.modules())
+    assert any(isinstance(m, QuantLinear) and m.on_cuda for m in cuda.model.modules())
     diff = (prompt_logprobs(cuda) - prompt_logprobs(tiny_llm("cpu", dtype="bfloat16", quantization=QuantConfig("int4")))).abs()
     # Same codes, different bf16 kernels. Measured on an H100: max 0.156 / mean 0.034 between the
     # two, while each is max ~1.4 / mean 0.28 from the fp32 dense model (RTN int4 error on this

@@ -7,15 +7,14 @@ import math
 import pytest
 import torch
 
-from ruvllm.layers.sampler import apply_bans_and_bias, apply_penalties, sample, truncate
-from ruvllm.request import Request
+from ruvllm.layers.sampler import SamplingState, apply_bans_and_bias, apply_penalties, sample, truncate
 from ruvllm.sampling_params import SamplingParams
 
 NEG = float("-inf")
 
 
-def R(prompt=(0,), out=(), rid: str = "r", **params) -> Request:
-    r = Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=(2,))
+def R(prompt=(0,), out=(), rid: str = "r", **params) -> SamplingState:
+    r = SamplingState(rid, SamplingParams(**params), list(prompt), eos_token_ids=(2,))
     r.output_token_ids.extend(out)
     return r
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
+from ruvllm.cli.download_progress import rich_progress
 from ruvllm.errors import (
     CorruptModelError,
     ModelLoadError,
@@ -125,7 +126,7 @@ def download_cmd(
 
         convert = converter(console)
     path = hub.download(base, revision=revision, force=force, cache_dir=cache_dir, gguf_file=gguf,
-                        quantization=tag, group_size=group_size, convert=convert, progress=console)
+                        quantization=tag, group_size=group_size, convert=convert, progress=rich_progress(console))
     size = _human_bytes(hub.folder_size(path))
     if tag is None:
         typer.echo(f"downloaded {label} ({size}) to {path}")
@@ -527,7 +528,7 @@ def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
          both(lambda d: f"{num_kv_blocks(cfg, cache, d) * cache.block_size:,}", same_kv)
          + " (the default --kv-cache-gib)"),
         (f"KV tokens in {cache.kv_cache_memory_bytes / 2**30:g} GiB, --kv-cache-dtype int8 / int4",
-         " / ".join(f"{sum(kv_tier_blocks(cfg, replace(cache, kv_cache_dtype=kv), SchedulerConfig(), after.dtype, cfg.max_position_embeddings)) * cache.block_size:,}"
+         " / ".join(f"{sum(kv_tier_blocks(cfg, replace(cache, kv_cache_dtype=kv), SchedulerConfig().resolved('cpu'), after.dtype, cfg.max_position_embeddings)) * cache.block_size:,}"
                     for kv in ("int8", "int4"))
          + f" (the newest {cache.kv_hot_tokens} tokens of each of up to {SchedulerConfig().max_num_seqs} sequences "
          "in the compute dtype, older blocks quantized; CPU only)"),

@@ -75,7 +75,8 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams,
             seq_ids: list[str], kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        if request_id in self._groups:
+        if request_id in self._groups or any(sid in self._seq_to_group for sid in seq_ids):
+            # A clash would reach the core, where a duplicate sequence id is a broken engine.
             raise ValueError(f"request id {request_id!r} is already in use")
         completions = {
             sid: _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,

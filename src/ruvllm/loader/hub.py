@@ -23,17 +23,13 @@ import os
 import re
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
-from rich.text import Text
 
 from ruvllm.errors import ModelLoadError, ModelNotFoundError
 
@@ -512,7 +508,7 @@ def download(
     quantization: str | None = None,
     group_size: int | None = None,
     convert: Converter | None = None,
-    progress: Console | None = None,
+    progress: ProgressHook | None = None,
 ) -> Path:
     """Download an alias or Hub id into the cache and return its folder.
 
@@ -524,7 +520,7 @@ def download(
     safetensors one, the plain download (fetched first if missing) converted by `convert`, int4
     in groups of `group_size` (None: the converter's default; then an int4 variant of any group
     size counts as present). `force` rewrites a converted variant but keeps the plain download.
-    `progress`: a rich Console to draw progress bars on; None draws nothing.
+    `progress`: a ProgressHook (the CLI's draws rich bars); None shows nothing.
     """
     base, tag = requested(model, quantization, gguf_file=gguf_file, group_size=group_size)
     if tag is None:
@@ -533,7 +529,7 @@ def download(
 
 
 def _download_plain(model: str, revision: str | None, force: bool, cache_dir: str | os.PathLike[str] | None,
-                    gguf_file: str | None, progress: Console | None) -> Path:
+                    gguf_file: str | None, progress: ProgressHook | None) -> Path:
     repo_id = hub_id(model)
     folder = model_dir(repo_id, cache_dir)
     if not force and _is_current(folder, revision, gguf_file):
@@ -549,7 +545,7 @@ def _download_plain(model: str, revision: str | None, force: bool, cache_dir: st
 
 def _download_variant(model: str, tag: str, revision: str | None, force: bool,
                       cache_dir: str | os.PathLike[str] | None, group_size: int | None,
-                      convert: Converter | None, progress: Console | None) -> Path:
+                      convert: Converter | None, progress: ProgressHook | None) -> Path:
     repo_id = hub_id(model)
     folder = model_dir(repo_id, cache_dir, tag)
     if not force and _is_current(folder, revision, group_size=group_size):
@@ -619,7 +615,7 @@ class _Fetch:
     commit: str
     endpoint: str | None
     cache_dir: str | os.PathLike[str] | None
-    progress: Console | None
+    progress: ProgressHook | None
 
 
 def _fetch(fetch: _Fetch, folder: Path, patterns: list[str], *, ignore: list[str] | None, force: bool,
@@ -631,7 +627,7 @@ def _fetch(fetch: _Fetch, folder: Path, patterns: list[str], *, ignore: list[str
     if force:
         shutil.rmtree(partial, ignore_errors=True)
     _reset_partial_if_other(partial, f"{fetch.commit} {' '.join(patterns)}")
-    with _progress_bars(fetch.progress, fetch.repo_id) as bar_class:
+    with (fetch.progress or _silent)(fetch.repo_id) as bar_class:
         snapshot_download(
             fetch.repo_id,
             revision=fetch.commit,
@@ -681,77 +677,18 @@ def _swap_in(new: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# ------------------------------------------------------------------ progress bars
+# A download reports its progress through a hook: given the repository id, a context manager that
+# yields a tqdm-like class for snapshot_download (the CLI's draws rich bars: cli/download_progress.py).
+ProgressHook = Callable[[str], AbstractContextManager[type]]
 
 
 @contextmanager
-def _progress_bars(console: Console | None, repo_id: str) -> Iterator[type]:
-    """A tqdm look-alike class for snapshot_download's `tqdm_class`, drawing on one rich Progress.
+def _silent(_repo_id: str) -> Iterator[type]:
+    from huggingface_hub.utils import tqdm as hf_tqdm
 
-    rich allows one live display at a time, and snapshot_download opens several bars at once
-    (files, bytes written, bytes received), so every bar becomes a task of a single Progress.
-    """
-    if console is None:
-        yield _bar_class(None, repo_id)
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), _AmountColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as prog:
-        yield _bar_class(prog, repo_id)
+    class _Quiet(hf_tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
 
-
-def _bar_class(prog: Progress | None, repo_id: str) -> type:
-    class _Bar:
-        """Just the parts of tqdm that huggingface_hub's snapshot_download calls."""
-
-        def __init__(self, *_args: Any, total: float | None = None, initial: float = 0,
-                     desc: str | None = None, unit: str = "it", **_ignored: Any) -> None:
-            self.n = initial
-            self._total = total
-            self._lock = threading.Lock()
-            self.format_dict: dict[str, Any] = {"rate": None}  # read for a speed postfix only
-            # The "received bytes" bar repeats the "written bytes" one for plain HTTP; show one.
-            hidden = (desc or "").startswith("Downloading bytes")
-            label = repo_id if unit == "B" else "files"
-            self._task = None if prog is None else prog.add_task(
-                label, total=total or None, completed=initial, visible=not hidden, unit=unit)
-
-        @property
-        def total(self) -> float | None:
-            return self._total
-
-        @total.setter
-        def total(self, value: float | None) -> None:
-            self._total = value
-            if self._task is not None:
-                prog.update(self._task, total=value or None)
-
-        def update(self, n: float | None = 1) -> None:
-            with self._lock:
-                self.n += n or 0
-            if self._task is not None:
-                prog.update(self._task, advance=n or 0)
-
-        def refresh(self, *_a: Any, **_k: Any) -> None: ...
-        def close(self) -> None: ...
-        def set_description(self, *_a: Any, **_k: Any) -> None: ...
-        def set_description_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix(self, *_a: Any, **_k: Any) -> None: ...
-
-        def __enter__(self) -> _Bar:
-            return self
-
-        def __exit__(self, *_exc: Any) -> None:
-            return None
-
-    return _Bar
-
-
-class _AmountColumn(ProgressColumn):
-    """Bytes for byte bars ("12.3/40.0 MB"), a count for the files bar ("3/7")."""
-
-    def render(self, task: Task) -> Text:
-        if task.fields.get("unit") == "B":
-            return DownloadColumn().render(task)
-        total = int(task.total) if task.total is not None else "?"
-        return Text(f"{int(task.completed)}/{total}")
+    yield _Quiet
