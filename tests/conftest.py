@@ -32,6 +32,15 @@ def _default_llm() -> LLM:
     return LLM(num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
 
 
+@pytest.fixture(scope="session")
+def _tiny_llm() -> LLM:
+    """A tiny random Llama (2 layers, built in memory in a second): the engine's invariants do not
+    depend on the model, and on it they run in a fraction of the real model's time."""
+    from tests.engine_fixtures import tiny_llm
+
+    return tiny_llm("cpu", num_blocks=512)
+
+
 def _checked(engine_llm: LLM):
     engine_llm.reset_prefix_cache()
     yield engine_llm
@@ -63,10 +72,13 @@ def default_precision_is_float32() -> bool:
 
 @pytest.fixture(params=["float32", "default"])
 def precision_llm(request: pytest.FixtureRequest):
-    """Each invariant holds at the fp32 reference precision and at the default (quantized) one."""
+    """Each invariant holds at the fp32 reference precision (on the tiny model: the engine's code
+    paths are the same, in a fraction of the time; the real model in fp32 is checked through the
+    core process, tests/e2e/test_process_engine.py) and at the default one (the real model as a user
+    gets it, where that differs from fp32: bf16 with packed int4 weights)."""
     if request.param == "default" and default_precision_is_float32():
         pytest.skip("the default precision on this CPU is float32 with dense weights: the float32 case is this case")
-    yield from _checked(request.getfixturevalue("_shared_llm" if request.param == "float32" else "_default_llm"))
+    yield from _checked(request.getfixturevalue("_tiny_llm" if request.param == "float32" else "_default_llm"))
 
 
 BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pride-and-prejudice.txt"

@@ -29,3 +29,29 @@ def tiny_llm(device: str, dtype: str = "float32", cfg: ModelConfig = TINY_GQA, *
         return ((n, t.to(device, dt)) for n, t in random_weights(cfg, torch.float32, "cpu", seed=0, std=0.1))
 
     return LLM.from_core(EngineCore(Worker.from_weights(cfg, weights, config), config), word_tokenizer(cfg.vocab_size))
+
+
+def is_tiny(llm: LLM) -> bool:
+    return llm.info.vocab_size == TINY_GQA.vocab_size
+
+
+def prompt_ids(llm: LLM, n: int, words: int = 40) -> list[list[int]]:
+    """n distinct prompts as token ids: the novel's text, tokenized, for a real model; for the tiny
+    model (whose word tokenizer knows no English: every word would be one unknown id) random ids,
+    about as many as the text's tokens (~1.3 per word). Prompt i is the same whatever n is."""
+    if not is_tiny(llm):
+        from tests.conftest import novel_prompts
+
+        return [llm.tokenizer.encode(p) for p in novel_prompts(n, words)]
+    import random
+
+    length = max(1, round(1.3 * words))
+    return [[random.Random(1000 * words + i).randrange(2, llm.info.vocab_size) for _ in range(length)]
+            for i in range(n)]
+
+
+def more_ids(llm: LLM, text: str) -> list[int]:
+    """A few tokens to append to a prompt: `text` tokenized, or ids derived from it for the tiny model."""
+    if not is_tiny(llm):
+        return llm.tokenizer.encode(text, add_special_tokens=False)
+    return [2 + sum(map(ord, word)) % (llm.info.vocab_size - 2) for word in text.split()]

@@ -1,7 +1,9 @@
-"""The engine's invariants on the real default model: isolation, batch invariance, prefix-cache hit ==
-miss, chunked == unchunked, preempted-and-resumed == uninterrupted, and every block returned.
+"""The engine's invariants: isolation, batch invariance, prefix-cache hit == miss, chunked ==
+unchunked, preempted-and-resumed == uninterrupted, and every block returned.
 
-Output-equality invariants run twice: at the fp32 reference precision and at the default one."""
+Output-equality invariants run at the fp32 reference precision on the tiny model, and at the default
+precision on the real model where that is not fp32 (conftest.precision_llm); the real model in fp32
+passes the same invariants through the core process (test_process_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,29 @@ import pytest
 from ruvllm import LLM, CacheConfig, SamplingParams, SchedulerConfig
 from ruvllm.messages import CoreRequest
 from tests.conftest import novel_prompts
+from tests.engine_fixtures import more_ids, prompt_ids
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+# logprobs=0: each chosen token's logprob comes back, and outputs are compared bit for bit on those
+# too. Tokens alone can hide a difference: a small random model's greedy continuation may be one
+# token repeated whatever the context, while its logprobs move with every bit of the context.
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 
 
-def _alone(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+def _seq(out) -> tuple[list[int], list[float]]:
+    c = out.outputs[0]
+    return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def _tokens(outs) -> list[tuple[list[int], list[float]]]:
+    return [_seq(o) for o in outs]
+
+
+def _alone(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[tuple[list[int], list[float]]]:
+    return [_seq(llm.generate(p, params)[0]) for p in prompts]
 
 
 def test_isolation_request_after_others_equals_alone(precision_llm: LLM) -> None:
-    prompts = novel_prompts(4)
+    prompts = prompt_ids(precision_llm, 4)
     first = _alone(precision_llm, prompts[:1])[0]
     precision_llm.generate(prompts[1:], SamplingParams(temperature=0.9, max_tokens=30, seed=3))
     precision_llm.generate(prompts[2:], GREEDY)
@@ -29,7 +42,7 @@ def test_isolation_request_after_others_equals_alone(precision_llm: LLM) -> None
 
 
 def test_batch_invariance_16_concurrent(precision_llm: LLM) -> None:
-    prompts = novel_prompts(16)
+    prompts = prompt_ids(precision_llm, 16)
     alone = _alone(precision_llm, prompts)
     together = _tokens(precision_llm.generate(prompts, GREEDY))
     assert together == alone
@@ -37,23 +50,23 @@ def test_batch_invariance_16_concurrent(precision_llm: LLM) -> None:
 
 def test_mixed_lengths_and_join_mid_flight(precision_llm: LLM) -> None:
     """Requests with different prompt and output lengths leave at different steps; later ones join."""
-    prompts = [p[: 20 + 15 * i] for i, p in enumerate(novel_prompts(6, words=60))]
-    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)]
-    alone = [precision_llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    prompts = [p[: 5 + 10 * i] for i, p in enumerate(prompt_ids(precision_llm, 6, words=60))]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True, logprobs=0) for i in range(6)]
+    alone = [_seq(precision_llm.generate(p, sp)[0]) for p, sp in zip(prompts, params)]
     assert _tokens(precision_llm.generate(prompts, params)) == alone
 
 
 def test_prefix_cache_hit_equals_miss(precision_llm: LLM) -> None:
-    shared = novel_prompts(1, words=120)[0]
-    prompts = [shared + " And so", shared + " Then she"]
+    shared = prompt_ids(precision_llm, 1, words=120)[0]
+    prompts = [shared + more_ids(precision_llm, " And so"), shared + more_ids(precision_llm, " Then she")]
     miss = _alone(precision_llm, prompts[:1])
     hits_before = precision_llm.stats().prefix_hits
     outs = precision_llm.generate(prompts, GREEDY)
     assert precision_llm.stats().prefix_hits > hits_before, "the shared prefix was not served from the cache"
     assert outs[0].num_cached_tokens > 0 and outs[0].num_cached_tokens % 16 == 0
-    assert outs[0].outputs[0].token_ids == miss[0]
+    assert _seq(outs[0]) == miss[0]
     precision_llm.reset_prefix_cache()
-    assert _alone(precision_llm, prompts[1:]) == [outs[1].outputs[0].token_ids]
+    assert _alone(precision_llm, prompts[1:]) == [_seq(outs[1])]
 
 
 def _variant(llm: LLM, **sched) -> LLM:
@@ -61,7 +74,7 @@ def _variant(llm: LLM, **sched) -> LLM:
 
 
 def test_chunked_prefill_equals_unchunked(precision_llm: LLM) -> None:
-    prompts = novel_prompts(4, words=150)
+    prompts = prompt_ids(precision_llm, 4, words=150)
     whole = _tokens(precision_llm.generate(prompts, GREEDY))
     chunked = _variant(precision_llm, max_num_batched_tokens=48)  # prompts of ~200 tokens take 5+ steps
     assert _tokens(chunked.generate(prompts, GREEDY)) == whole
@@ -70,8 +83,8 @@ def test_chunked_prefill_equals_unchunked(precision_llm: LLM) -> None:
 
 
 def test_preempted_and_resumed_equals_uninterrupted(precision_llm: LLM) -> None:
-    prompts = novel_prompts(8)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = prompt_ids(precision_llm, 8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     expected = _tokens(precision_llm.generate(prompts, params))
     # 8 sequences of ~90 tokens need ~48 blocks; 20 blocks force preemption by recompute.
     tiny = precision_llm.with_settings(cache=CacheConfig(num_blocks=20))
@@ -82,8 +95,8 @@ def test_preempted_and_resumed_equals_uninterrupted(precision_llm: LLM) -> None:
 
 
 def test_sampled_requests_resume_identically_after_preemption(precision_llm: LLM) -> None:
-    prompts = novel_prompts(6)
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11)
+    prompts = prompt_ids(precision_llm, 6)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=11, logprobs=0)
     expected = _tokens(precision_llm.generate(prompts, params))
     tiny = precision_llm.with_settings(cache=CacheConfig(num_blocks=16))
     assert _tokens(tiny.generate(prompts, params)) == expected

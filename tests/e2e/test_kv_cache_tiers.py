@@ -1,7 +1,8 @@
-"""The two-tier KV cache (kv_cache_dtype int8/int4) end to end on the default model: outputs close to
-the 16-bit cache, the engine's invariances kept bit for bit (a query reads a key dequantized by its
-position alone, whenever its block moved), prefix hits on cold blocks, and both tiers' blocks
-returned. Engines share the default engine's loaded model (LLM.with_settings)."""
+"""The two-tier KV cache (kv_cache_dtype int8/int4) end to end: outputs close to the 16-bit cache
+(on the default model), the engine's invariances kept bit for bit (a query reads a key dequantized
+by its position alone, whenever its block moved), prefix hits on cold blocks, and both tiers' blocks
+returned (on the tiny model: the same kernels and bookkeeping, in a fraction of the time). Engines
+share a loaded model (LLM.with_settings)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Request
 from ruvllm.worker.model_runner import hot_blocks_wanted
 from tests.conftest import novel_prompts
+from tests.engine_fixtures import more_ids, prompt_ids
 
 HOT = 32  # a short hot window: most of a 200-token context is read from the cold tier
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -24,7 +26,12 @@ def _cache(kv: str, **kw) -> CacheConfig:
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
-def _tiered(request: pytest.FixtureRequest, _default_llm: LLM) -> LLM:
+def _tiered(request: pytest.FixtureRequest, _tiny_llm: LLM) -> LLM:
+    return _tiny_llm.with_settings(cache=_cache(request.param))
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def _tiered_default(request: pytest.FixtureRequest, _default_llm: LLM) -> LLM:
     return _default_llm.with_settings(cache=_cache(request.param))
 
 
@@ -40,6 +47,14 @@ def kv_llm(_tiered: LLM):
     _tiered.reset_prefix_cache()
     yield _tiered
     _assert_all_free(_tiered)
+
+
+@pytest.fixture
+def kv_default_llm(_tiered_default: LLM):
+    """The default model with a two-tier cache: where the numbers of a real model are the point."""
+    _tiered_default.reset_prefix_cache()
+    yield _tiered_default
+    _assert_all_free(_tiered_default)
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -73,7 +88,8 @@ class _Stepper:
         self.finished.update((o.request_id, o) for o in outs if o.finished)
 
 
-def test_sizes_and_start_up(kv_llm: LLM) -> None:
+def test_sizes_and_start_up(kv_default_llm: LLM) -> None:
+    kv_llm = kv_default_llm
     info, stats = kv_llm.info, kv_llm.stats()
     assert info.num_cold_blocks > info.num_hot_blocks > 0
     assert (stats.total_blocks, stats.cold_blocks) == (info.num_hot_blocks + info.num_cold_blocks, info.num_cold_blocks)
@@ -85,10 +101,11 @@ def test_sizes_and_start_up(kv_llm: LLM) -> None:
     assert info.num_blocks > (1.4 if _kv(kv_llm) == "int8" else 2) * 512
 
 
-def test_close_to_the_16bit_cache(kv_llm: LLM, default_llm: LLM) -> None:
+def test_close_to_the_16bit_cache(kv_default_llm: LLM, default_llm: LLM) -> None:
     """Teacher-forced logprobs of the 16-bit cache's greedy continuations of ~200-token prompts stay
     close (measured with a 32-token hot window: int8 mean 0.027 / max 0.27 nats, int4 0.082 / 0.93;
     bf16 vs fp32 compute measures 0.014 / 0.067), and greedy decoding starts the same way."""
+    kv_llm = kv_default_llm
     prompts = novel_prompts(6, words=150)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = _tokens(default_llm.generate(prompts, params))
@@ -108,7 +125,7 @@ def test_close_to_the_16bit_cache(kv_llm: LLM, default_llm: LLM) -> None:
 
 
 def test_batch_invariance(kv_llm: LLM) -> None:
-    prompts = novel_prompts(12, words=60)
+    prompts = prompt_ids(kv_llm, 12, words=60)
     together = kv_llm.generate(prompts, GREEDY)
     alone = []
     for p in prompts:
@@ -119,12 +136,12 @@ def test_batch_invariance(kv_llm: LLM) -> None:
 
 
 def test_chunked_prefill_equals_unchunked_and_moves_blocks(kv_llm: LLM) -> None:
-    prompts = novel_prompts(4, words=150)
+    prompts = prompt_ids(kv_llm, 4, words=150)
     whole = kv_llm.generate(prompts, GREEDY)
     chunked = kv_llm.with_settings(scheduler=SchedulerConfig(max_num_batched_tokens=48))
     stepper = _Stepper(chunked)
     for i, p in enumerate(prompts):
-        stepper.add(str(i), chunked.tokenizer.encode(p), GREEDY)
+        stepper.add(str(i), p, GREEDY)
     most_cold = 0
     while chunked.core.has_unfinished:
         stepper.step()
@@ -137,7 +154,7 @@ def test_chunked_prefill_equals_unchunked_and_moves_blocks(kv_llm: LLM) -> None:
 
 
 def test_preempted_and_resumed_equals_uninterrupted(kv_llm: LLM) -> None:
-    prompts = novel_prompts(8)
+    prompts = prompt_ids(kv_llm, 8)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, logprobs=0)
     expected = kv_llm.generate(prompts, params)
     # A budget whose small cold tier fills: migrations stall, hot blocks run out, running requests are
@@ -163,8 +180,8 @@ def test_preempted_and_resumed_equals_uninterrupted(kv_llm: LLM) -> None:
 
 def test_abort_returns_blocks_of_both_tiers(kv_llm: LLM) -> None:
     engine = kv_llm.core
-    for i, p in enumerate(novel_prompts(3, words=150)):
-        engine.add_request(CoreRequest(f"a{i}", kv_llm.tokenizer.encode(p), GREEDY, kv_llm.eos_token_ids))
+    for i, p in enumerate(prompt_ids(kv_llm, 3, words=150)):
+        engine.add_request(CoreRequest(f"a{i}", p, GREEDY, kv_llm.eos_token_ids))
     engine.abort(["a2"])  # still waiting
     for _ in range(3):
         engine.step()
@@ -179,13 +196,13 @@ def test_abort_returns_blocks_of_both_tiers(kv_llm: LLM) -> None:
 def test_prefix_hit_on_cold_blocks(kv_llm: LLM) -> None:
     """A hit on a finished request's prefix lands on cold blocks (and on the exact hot copies of the
     blocks inside its hot window): the output equals the miss's bit for bit."""
-    shared = novel_prompts(1, words=150)[0]
-    prompts = [shared + " And so", shared + " Then she"]
+    shared = prompt_ids(kv_llm, 1, words=150)[0]
+    prompts = [shared + more_ids(kv_llm, " And so"), shared + more_ids(kv_llm, " Then she")]
     miss = kv_llm.generate(prompts[0], GREEDY)[0]
     kv_llm.reset_prefix_cache()
     kv_llm.generate(prompts[1], GREEDY)  # caches the shared prefix; most of it moves to the cold tier
     kv = kv_llm.core.kv  # which tier a prefix hit's blocks are in: only the core's KV manager knows
-    probe = Request("probe", kv_llm.tokenizer.encode(prompts[0]), GREEDY)
+    probe = Request("probe", prompts[0], GREEDY)
     hits, n = kv.get_computed_blocks(probe)
     assert n >= 160 and sum(kv.pool.is_cold(b) for b in hits) >= 6
     hits_before = kv_llm.stats().prefix_hits
@@ -197,9 +214,8 @@ def test_prefix_hit_on_cold_blocks(kv_llm: LLM) -> None:
 def test_a_request_sharing_a_running_requests_prefix_equals_it_alone(kv_llm: LLM) -> None:
     """B arrives while A, with the same long prefix, decodes: B hits A's blocks, and A's moves wait
     for the shared blocks B still reads exactly (KVCacheManager.migrate_cold), so B equals B alone."""
-    shared = novel_prompts(1, words=150)[0]
-    tok = kv_llm.tokenizer
-    a_ids, b_ids = tok.encode(shared + " And so"), tok.encode(shared + " Then she")
+    shared = prompt_ids(kv_llm, 1, words=150)[0]
+    a_ids, b_ids = shared + more_ids(kv_llm, " And so"), shared + more_ids(kv_llm, " Then she")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     alone = kv_llm.generate(b_ids, params)[0]
     kv_llm.reset_prefix_cache()
@@ -218,8 +234,8 @@ def test_a_request_sharing_a_running_requests_prefix_equals_it_alone(kv_llm: LLM
 def test_continuation_hit_is_exact(kv_llm: LLM) -> None:
     """A hit that ends where the cached sequence's last full block ends finds that sequence's hot
     window still hot (only older blocks cold), so it equals the miss bit for bit."""
-    first = kv_llm.generate(novel_prompts(1, words=120)[0], GREEDY)[0]
-    follow = first.prompt_token_ids + first.outputs[0].token_ids[:-1] + kv_llm.tokenizer.encode(" Then", add_special_tokens=False)
+    first = kv_llm.generate(prompt_ids(kv_llm, 1, words=120), GREEDY)[0]
+    follow = first.prompt_token_ids + first.outputs[0].token_ids[:-1] + more_ids(kv_llm, " Then")
     hit = kv_llm.generate(follow, GREEDY)[0]
     assert hit.num_cached_tokens >= 160
     kv_llm.reset_prefix_cache()

@@ -19,8 +19,9 @@ from ruvllm.outputs import OutputKind, RequestOutput
 
 from tests.conftest import novel_prompts
 
-# Small on purpose: 16 requests of ~60-token prompts and 24 new tokens need ~80 blocks, so with 40
-# some are preempted, and a 48-token budget chunks every prompt: every invariant is exercised at once.
+# Small on purpose: 16 requests of ~45-token prompts and 16 new tokens need ~64 blocks, so with 40
+# some are preempted, and a 48-token budget shared with decodes chunks prompts: every invariant is
+# exercised at once.
 TIGHT = dict(cache=CacheConfig(num_blocks=40), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
 
 
@@ -34,10 +35,10 @@ def process_engine() -> Iterator[AsyncEngine]:
 
 def _params() -> list[SamplingParams]:
     """Greedy, seeded sampling with n > 1, stop strings, logprobs, penalties: what crosses the wire."""
-    return [SamplingParams(temperature=0, max_tokens=24, logprobs=2),
-            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=24),
-            SamplingParams(temperature=0, max_tokens=24, stop=[".", ","], include_stop_str_in_output=True),
-            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=24, repetition_penalty=1.3,
+    return [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
+            SamplingParams(temperature=0, max_tokens=16, stop=[".", ","], include_stop_str_in_output=True),
+            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3,
                            presence_penalty=0.5, min_tokens=4)]
 
 
@@ -62,7 +63,7 @@ def test_sixteen_concurrent_through_the_process_equal_each_alone_in_process(proc
                                                                           llm: LLM) -> None:
     """Isolation, 16 concurrent = alone, chunked = unchunked and preempted = uninterrupted, through
     the process boundary: the tight pool preempts and the small budget chunks every prompt."""
-    prompts = novel_prompts(16, words=45)
+    prompts = novel_prompts(16, words=35)
     params = [_params()[i % 4] for i in range(16)]
     before = process_engine.stats()
     together = asyncio.run(_collect(process_engine, prompts, params))

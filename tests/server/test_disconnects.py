@@ -48,7 +48,7 @@ def test_disconnect_fuzz_leaves_the_engine_alive_and_whole(server: RunningServer
 
 
 def test_soak_with_random_drops_loses_nothing(server: RunningServer) -> None:
-    result = asyncio.run(soak(server.url, seconds=30, clients=64, drop_rate=0.1, model=MODEL, seed=7))
+    result = asyncio.run(soak(server.url, seconds=12, clients=64, drop_rate=0.1, model=MODEL, seed=7))
     assert not result.lost, result.lost[:3]
     assert not [s for s in result.statuses if s >= 500], result.statuses
     assert result.completed > 64 and result.dropped > 0

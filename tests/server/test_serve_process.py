@@ -40,6 +40,7 @@ def test_signal_stops_the_server_with_exit_0(sig: signal.Signals) -> None:
                 time.sleep(0.25)
         else:
             pytest.fail("server did not come up: " + proc.stderr.read() if proc.poll() is not None else "timeout")
+        (core,) = _children(proc.pid)  # the engine core's process
         ended = threading.Event()
 
         def long_stream() -> None:
@@ -59,6 +60,7 @@ def test_signal_stops_the_server_with_exit_0(sig: signal.Signals) -> None:
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
         assert ended.wait(10), "the in-flight stream was not ended"
+        assert _wait_gone(core), "the engine core outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -97,6 +99,13 @@ def _gone(pid: int) -> bool:
             return f.read().split(") ", 1)[1].startswith("Z")  # a zombie has exited (its parent is gone too)
     except FileNotFoundError:
         return True
+
+
+def _wait_gone(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _gone(pid)
 
 
 def _start(port: int) -> subprocess.Popen:
@@ -148,22 +157,6 @@ def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1() -> No
             proc.kill()
 
 
-def test_shutdown_leaves_no_core_process_behind() -> None:
-    port = _port()
-    proc = _start(port)
-    try:
-        (core,) = _children(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while not _gone(core) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _gone(core), "the engine core outlived the server"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def test_a_killed_server_leaves_no_orphan_core() -> None:
     """SIGKILL gives the server no chance to stop its child: the core notices and leaves by itself."""
     port = _port()
@@ -171,7 +164,4 @@ def test_a_killed_server_leaves_no_orphan_core() -> None:
     (core,) = _children(proc.pid)
     proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while not _gone(core) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(core), "the engine core was orphaned"
+    assert _wait_gone(core), "the engine core was orphaned"
