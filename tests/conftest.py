@@ -26,9 +26,12 @@ def _shared_llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
-def _default_llm() -> LLM:
-    """The engine as a user gets it: default dtype and quantization (on this CPU: bf16, GGUF weights
-    kept as packed int4, the compiled attention kernel)."""
+def _default_llm(_shared_llm: LLM) -> LLM:
+    """The engine as a user gets it: default dtype and quantization (on a CPU with native bf16:
+    bf16, GGUF weights kept as packed int4, the compiled attention kernel). Where the default is
+    float32 with dense weights it is the float32 engine itself: loading it twice would only cost."""
+    if default_precision_is_float32():
+        return _shared_llm
     return LLM(num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
 
 
