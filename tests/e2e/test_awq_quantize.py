@@ -17,8 +17,8 @@ from typer.testing import CliRunner, Result
 from ruvllm import LLM, SamplingParams
 from ruvllm.cli.main import _register, app
 from ruvllm.loader import iter_weights, load_tokenizer, resolve_model
-from ruvllm.quant.awq import awq_fold, calibration_ids, fake_quantize, forward_logits
-from ruvllm.quant.awq_writer import load_float_model, quantization_config, write_awq_folder
+from ruvllm.quantize.awq import awq_fold, calibration_ids, fake_quantize, forward_logits
+from ruvllm.quantize.awq_writer import load_float_model, quantization_config, write_awq_folder
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.weights import QuantizedWeight
 from tests.conftest import novel_prompts

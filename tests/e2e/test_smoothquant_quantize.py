@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from ruvllm import LLM, SamplingParams
 from ruvllm.loader import resolve_model
-from ruvllm.quant.awq import forward_logits
-from ruvllm.quant.awq_writer import load_float_model
+from ruvllm.quantize.awq import forward_logits
+from ruvllm.quantize.awq_writer import load_float_model
 from ruvllm.quant.linear import QuantLinear
 from tests.e2e.test_awq_quantize import _ids, calibration, invoke, tiny  # noqa: F401 (fixtures)
 from tests.unit.test_cli_models import assert_one_line_error

@@ -144,7 +144,7 @@ def test_pick_gguf_by_file_type() -> None:
 
 def test_int4_variant_loads_by_tagged_name_and_generates(standin: _HubStandIn, int4_cache: Path) -> None:
     from ruvllm import LLM, SamplingParams
-    from ruvllm.quant.awq_writer import quantization_config
+    from ruvllm.quantize.awq_writer import quantization_config
     from ruvllm.quant.linear import QuantLinear
 
     name = f"{ST_REPO}:int4"

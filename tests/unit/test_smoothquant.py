@@ -9,10 +9,10 @@ import torch
 
 from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.models.registry import build_model
-from ruvllm.quant.awq import FOLD_ORDER, forward_logits
+from ruvllm.quantize.awq import FOLD_ORDER, forward_logits
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.rtn import quantize_int8
-from ruvllm.quant.smoothquant import check_alpha, smooth_fold, smooth_scales, w8a8_mse
+from ruvllm.quantize.smoothquant import check_alpha, smooth_fold, smooth_scales, w8a8_mse
 
 CFG = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,

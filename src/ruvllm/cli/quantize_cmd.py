@@ -105,7 +105,7 @@ def quantize_cmd(
         raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
 
     from ruvllm.loader import hub, load_model_config, load_tokenizer, resolve_model
-    from ruvllm.quant.awq_writer import check_awq_shapes
+    from ruvllm.quantize.awq_writer import check_awq_shapes
 
     src = resolve_model(hub.resolve_cli_model(model, cache_dir))
     cfg = load_model_config(src)
@@ -119,7 +119,7 @@ def quantize_cmd(
     tokenizer = load_tokenizer(src)
     ids = None
     if text is not None:
-        from ruvllm.quant.awq import calibration_ids
+        from ruvllm.quantize.awq import calibration_ids
 
         ids = calibration_ids(tokenizer.encode(text, add_special_tokens=False), samples, seq_len)
 
@@ -136,11 +136,11 @@ def _check_method_options(method: str, group_size: int | None, alpha: float | No
         if group_size is not None:
             raise ValueError("--group-size applies only to --method awq and rtn (smoothquant writes a dense folder)")
         if alpha is not None:
-            from ruvllm.quant.smoothquant import check_alpha
+            from ruvllm.quantize.smoothquant import check_alpha
 
             check_alpha(alpha)
         if dtype is not None:
-            from ruvllm.quant.awq_writer import FLOAT_DTYPES
+            from ruvllm.quantize.awq_writer import FLOAT_DTYPES
 
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"--dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
@@ -162,8 +162,8 @@ def _progress(ctx: typer.Context) -> Any:
 def _run(ctx: typer.Context, src: ModelSource, out: Path, method: str, group_size: int, ids: torch.Tensor | None,
          tokenizer: Any, force: bool, calibration: Path | None, clip: bool) -> None:
     from ruvllm.loader import hub
-    from ruvllm.quant.awq import awq_fold
-    from ruvllm.quant.awq_writer import load_float_model, write_awq_folder
+    from ruvllm.quantize.awq import awq_fold
+    from ruvllm.quantize.awq_writer import load_float_model, write_awq_folder
 
     console = _state(ctx).console(stderr=True)
     with console.status("loading the model in float32"):
@@ -188,8 +188,8 @@ def _run(ctx: typer.Context, src: ModelSource, out: Path, method: str, group_siz
 def _run_smoothquant(ctx: typer.Context, src: ModelSource, out: Path, ids: torch.Tensor, tokenizer: Any,
                      force: bool, calibration: Path, alpha: float | None, dtype: str | None) -> None:
     from ruvllm.loader import hub
-    from ruvllm.quant.awq_writer import FLOAT_DTYPES, load_float_model, write_float_folder
-    from ruvllm.quant.smoothquant import DEFAULT_ALPHA, smooth_fold
+    from ruvllm.quantize.awq_writer import FLOAT_DTYPES, load_float_model, write_float_folder
+    from ruvllm.quantize.smoothquant import DEFAULT_ALPHA, smooth_fold
 
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     dtype = dtype or "float32"

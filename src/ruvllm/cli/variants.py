@@ -2,7 +2,7 @@
 written from the downloaded checkpoint into the cache (a loader.hub.Converter; the cache layout
 is described in loader/hub.py).
 
-- int4: what `ruvllm quantize --method rtn` writes (quant/awq_writer.py): round-to-nearest int4
+- int4: what `ruvllm quantize --method rtn` writes (quantize/awq_writer.py): round-to-nearest int4
   in the AWQ GEMM format, which the engine loads packed; group size as `quantize`'s default (128),
   or, when no --group-size is given and 128 does not divide the model's layers, the largest
   supported size that does (so `download smollm2 -q int4` works: its 576 inputs take 64).
@@ -58,7 +58,7 @@ def int4_group_size(cfg: ModelConfig, asked: int | None) -> int:
     """`asked`, else `ruvllm quantize`'s default, else the largest supported size that fits the model;
     ValueError (naming the sizes that fit) when the size taken does not fit."""
     from ruvllm.cli.quantize_cmd import DEFAULT_GROUP_SIZE
-    from ruvllm.quant.awq_writer import check_awq_shapes
+    from ruvllm.quantize.awq_writer import check_awq_shapes
     from ruvllm.quant.weights import INT4_GROUP_SIZES
 
     candidates = [asked] if asked is not None else [DEFAULT_GROUP_SIZE, *sorted(INT4_GROUP_SIZES, reverse=True)]
@@ -73,7 +73,7 @@ def int4_group_size(cfg: ModelConfig, asked: int | None) -> int:
 def _write_int4(src: ModelSource, out: Path, asked: int | None, console: Console | None) -> dict[str, Any]:
     from ruvllm.cli.quantize_cmd import DEFAULT_GROUP_SIZE
     from ruvllm.loader import load_model_config
-    from ruvllm.quant.awq_writer import load_float_model, write_awq_folder
+    from ruvllm.quantize.awq_writer import load_float_model, write_awq_folder
 
     group = int4_group_size(load_model_config(src), asked)
     with _status(console, "loading the checkpoint in float32"):

@@ -1,7 +1,7 @@
 """Writing Hugging Face model folders: config.json, tokenizer files, safetensors weights, and the
 build-beside-then-rename step that keeps a failed write from leaving half a folder.
 
-Shared by `ruvllm export` (cli/models_cmd.py) and `ruvllm quantize` (quant/awq_writer.py).
+Shared by `ruvllm export` (cli/models_cmd.py) and `ruvllm quantize` (quantize/awq_writer.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def _inner_k_tiles(k: int) -> int:
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's activation quantizer, shared with the SmoothQuant error estimate (quant/smoothquant.py)
+    """W8A8's activation quantizer, shared with the SmoothQuant error estimate (quantize/smoothquant.py)
     so both measure the same rounding: rows of x [T, K] to int8 codes, each with its own scale
     (absmax / 127, float32) [T, 1]."""
     x2 = x.float()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ruvllm.quant.awq import FOLD_ORDER, calibrate, fold_scales, o_proj_tie
+from ruvllm.quantize.awq import FOLD_ORDER, calibrate, fold_scales, o_proj_tie
 from ruvllm.quant.linear import quantize_rows_int8
 from ruvllm.quant.rtn import quantize_int8
 
