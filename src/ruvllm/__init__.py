@@ -1,19 +1,47 @@
-"""ruvllm: an LLM inference and serving engine in Python."""
+"""ruvllm: an LLM inference and serving engine in Python.
 
-from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.engine.llm import LLM
-from ruvllm.errors import (CorruptModelError, ModelLoadError, ModelNotFoundError, NotAModelError, RequestError,
-                           RuvllmError, UnsupportedArchitectureError, UnsupportedQuantizationError)
-from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
-from ruvllm.request import FinishReason, Priority
-from ruvllm.sampling_params import SamplingParams
+The names below load on first use (PEP 562), so importing one part (the engine core in its own
+process, the CLI's help) does not import every other part and torch with it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM", "AsyncEngine", "OutputKind", "SamplingParams", "Priority", "FinishReason", "RequestOutput", "CompletionOutput",
-    "EngineConfig", "CacheConfig", "SchedulerConfig", "ModelConfig", "RuvllmError", "ModelLoadError",
-    "ModelNotFoundError", "NotAModelError", "CorruptModelError", "UnsupportedArchitectureError",
-    "UnsupportedQuantizationError", "RequestError", "__version__",
-]
+_EXPORTS = {
+    "LLM": "ruvllm.engine.llm", "AsyncEngine": "ruvllm.engine.async_engine", "OutputKind": "ruvllm.outputs",
+    "SamplingParams": "ruvllm.sampling_params", "Priority": "ruvllm.request", "FinishReason": "ruvllm.request",
+    "RequestOutput": "ruvllm.outputs", "CompletionOutput": "ruvllm.outputs", "EngineConfig": "ruvllm.config",
+    "CacheConfig": "ruvllm.config", "SchedulerConfig": "ruvllm.config", "ModelConfig": "ruvllm.config",
+    "EngineInfo": "ruvllm.messages", "EngineStats": "ruvllm.messages",
+    **{name: "ruvllm.errors" for name in (
+        "RuvllmError", "ModelLoadError", "ModelNotFoundError", "NotAModelError", "CorruptModelError",
+        "UnsupportedArchitectureError", "UnsupportedQuantizationError", "RequestError", "EngineDeadError",
+        "EngineShutdownError")},
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ruvllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.engine.llm import LLM
+    from ruvllm.errors import (CorruptModelError, EngineDeadError, EngineShutdownError, ModelLoadError,
+                               ModelNotFoundError, NotAModelError, RequestError, RuvllmError,
+                               UnsupportedArchitectureError, UnsupportedQuantizationError)
+    from ruvllm.messages import EngineInfo, EngineStats
+    from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
+    from ruvllm.request import FinishReason, Priority
+    from ruvllm.sampling_params import SamplingParams

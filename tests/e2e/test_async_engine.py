@@ -9,6 +9,7 @@ import pytest
 from ruvllm import LLM, AsyncEngine, SamplingParams
 from ruvllm.messages import EngineStats
 from tests.conftest import novel_prompts
+from tests.engine_fixtures import prompt_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -49,23 +50,35 @@ def test_stream_matches_offline_and_grows(llm: LLM, engine: AsyncEngine) -> None
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # text only grows
 
 
-def test_concurrent_callers_are_batched_and_isolated(llm: LLM, engine: AsyncEngine) -> None:
-    prompts = novel_prompts(12)
-    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+def test_concurrent_callers_are_batched_and_isolated(_tiny_llm: LLM) -> None:
+    """On the tiny model (what is tested is the front's concurrency, not the model); compared on
+    tokens and their logprobs, bit for bit."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompts = prompt_ids(_tiny_llm, 12)
+
+    def seq(out):
+        c = out.outputs[0]
+        return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+    alone = [seq(_tiny_llm.generate(p, params)[0]) for p in prompts]
+    engine = _tiny_llm.async_engine()
     max_running = 0
 
-    async def one(p: str) -> list[int]:
+    async def one(p: list[int]):
         nonlocal max_running
         last = None
-        async for out in engine.generate(p, GREEDY):
+        async for out in engine.generate(p, params):
             last = out
             max_running = max(max_running, engine.snapshot.running)
-        return last.outputs[0].token_ids
+        return seq(last)
 
     async def run():
         return await asyncio.gather(*(one(p) for p in prompts))
 
-    assert asyncio.run(run()) == alone
+    try:
+        assert asyncio.run(run()) == alone
+    finally:
+        engine.shutdown()
     assert max_running > 1  # requests really shared steps
 
 

@@ -103,14 +103,15 @@ def test_sizes_and_start_up(kv_default_llm: LLM) -> None:
 
 def test_close_to_the_16bit_cache(kv_default_llm: LLM, default_llm: LLM) -> None:
     """Teacher-forced logprobs of the 16-bit cache's greedy continuations of ~200-token prompts stay
-    close (measured with a 32-token hot window: int8 mean 0.027 / max 0.27 nats, int4 0.082 / 0.93;
-    bf16 vs fp32 compute measures 0.014 / 0.067), and greedy decoding starts the same way."""
+    close (measured with a 32-token hot window, 6 prompts at bf16: int8 mean 0.027 / max 0.27 nats,
+    int4 0.082 / 0.93, where bf16 vs fp32 compute measures 0.014 / 0.067; these 4 prompts at fp32:
+    int8 0.006 / 0.095, int4 0.075 / 1.02), and greedy decoding starts the same way."""
     kv_llm = kv_default_llm
-    prompts = novel_prompts(6, words=150)
+    prompts = novel_prompts(4, words=150)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = _tokens(default_llm.generate(prompts, params))
     got = _tokens(kv_llm.generate(prompts, params))
-    assert sum(r[0] == g[0] for r, g in zip(ref, got)) >= 4
+    assert sum(r[0] == g[0] for r, g in zip(ref, got)) >= 3
     forced = [default_llm.tokenizer.encode(p) + r for p, r in zip(prompts, ref)]
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     a = default_llm.generate(forced, score)
