@@ -19,7 +19,7 @@ from ruvllm.outputs import OutputKind, RequestOutput
 
 from tests.conftest import novel_prompts
 
-# Small on purpose: 16 requests of ~45-token prompts and 16 new tokens need ~64 blocks, so with 40
+# Small on purpose: 16 requests of ~37-token prompts and 12 new tokens need ~64 blocks, so with 40
 # some are preempted, and a 48-token budget shared with decodes chunks prompts: every invariant is
 # exercised at once.
 TIGHT = dict(cache=CacheConfig(num_blocks=40), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
@@ -35,10 +35,10 @@ def process_engine() -> Iterator[AsyncEngine]:
 
 def _params() -> list[SamplingParams]:
     """Greedy, seeded sampling with n > 1, stop strings, logprobs, penalties: what crosses the wire."""
-    return [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
-            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
-            SamplingParams(temperature=0, max_tokens=16, stop=[".", ","], include_stop_str_in_output=True),
-            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3,
+    return [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=12),
+            SamplingParams(temperature=0, max_tokens=12, stop=[".", ","], include_stop_str_in_output=True),
+            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=12, repetition_penalty=1.3,
                            presence_penalty=0.5, min_tokens=4)]
 
 
@@ -63,7 +63,7 @@ def test_sixteen_concurrent_through_the_process_equal_each_alone_in_process(proc
                                                                           llm: LLM) -> None:
     """Isolation, 16 concurrent = alone, chunked = unchunked and preempted = uninterrupted, through
     the process boundary: the tight pool preempts and the small budget chunks every prompt."""
-    prompts = novel_prompts(16, words=35)
+    prompts = novel_prompts(16, words=28)
     params = [_params()[i % 4] for i in range(16)]
     before = process_engine.stats()
     together = asyncio.run(_collect(process_engine, prompts, params))
@@ -114,8 +114,17 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(process_engine: AsyncEngine
         assert [d.finish_reason for d in parts].count(c.finish_reason) == 1  # reported once, at the end
 
 
-def test_a_killed_core_fails_every_open_stream_within_two_seconds() -> None:
-    engine = AsyncEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=256)))
+def test_a_load_error_in_the_core_process_is_the_same_error_here(tmp_path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(NotAModelError, match="model.gguf"):
+        AsyncEngine(EngineConfig(model=str(bad)))
+
+
+def test_zz_a_killed_core_fails_every_open_stream_within_two_seconds(process_engine: AsyncEngine) -> None:
+    """Last in this file (pytest runs a file's tests in order): it kills the module's engine rather
+    than loading another one."""
+    engine = process_engine
     child = engine._client.process  # the core's process: what a crash or the OOM killer would take
     try:
         async def main() -> list[float]:
@@ -123,7 +132,7 @@ def test_a_killed_core_fails_every_open_stream_within_two_seconds() -> None:
             failed_at: list[float] = []
 
             async def stream(i: int) -> None:
-                params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+                params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
                 try:
                     async for _ in engine.generate(f"Story {i}:", params):
                         started.set()
@@ -148,10 +157,3 @@ def test_a_killed_core_fails_every_open_stream_within_two_seconds() -> None:
     finally:
         engine.shutdown()
     assert child.poll() is not None
-
-
-def test_a_load_error_in_the_core_process_is_the_same_error_here(tmp_path) -> None:
-    bad = tmp_path / "model.gguf"
-    bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(NotAModelError, match="model.gguf"):
-        AsyncEngine(EngineConfig(model=str(bad)))
