@@ -19,10 +19,11 @@ from ruvllm.outputs import OutputKind, RequestOutput
 
 from tests.conftest import novel_prompts
 
-# Small on purpose: 16 requests of ~37-token prompts and 12 new tokens need ~64 blocks, so with 40
-# some are preempted, and a 48-token budget shared with decodes chunks prompts: every invariant is
-# exercised at once.
-TIGHT = dict(cache=CacheConfig(num_blocks=40), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
+# Small on purpose: 16 requests of ~37-token prompts (3 blocks) grow to ~53 tokens (4 blocks) with 16
+# new tokens. 28 blocks admit 9 prompts, and the first of them to need a 4th block preempts
+# another (however the requests' arrivals interleave with the first steps); a 48-token budget
+# shared with decodes chunks prompts: every invariant is exercised at once.
+TIGHT = dict(cache=CacheConfig(num_blocks=28), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,10 @@ def process_engine() -> Iterator[AsyncEngine]:
 
 def _params() -> list[SamplingParams]:
     """Greedy, seeded sampling with n > 1, stop strings, logprobs, penalties: what crosses the wire."""
-    return [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=12),
-            SamplingParams(temperature=0, max_tokens=12, stop=[".", ","], include_stop_str_in_output=True),
-            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=12, repetition_penalty=1.3,
+    return [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
+            SamplingParams(temperature=0, max_tokens=16, stop=[".", ","], include_stop_str_in_output=True),
+            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3,
                            presence_penalty=0.5, min_tokens=4)]
 
 

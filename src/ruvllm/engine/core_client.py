@@ -68,7 +68,17 @@ def run_utility(core: EngineCore, method: str) -> EngineStats:
     return core.stats()
 
 
-class ThreadCoreClient:
+class _PublishedStats:
+    """The stats the core published last (after its latest step or command): read without waiting."""
+
+    _stats: EngineStats
+
+    @property
+    def latest_stats(self) -> EngineStats:
+        return self._stats
+
+
+class ThreadCoreClient(_PublishedStats):
     """The core on one dedicated thread of this process: the only thread that touches the model,
     the scheduler and the KV cache. For tests, notebooks and models built in memory."""
 
@@ -95,10 +105,6 @@ class ThreadCoreClient:
         fut: Future[EngineStats] = Future()
         self._commands.put(("call", (method, fut)))
         return fut.result(timeout=timeout)
-
-    @property
-    def latest_stats(self) -> EngineStats:
-        return self._stats
 
     @property
     def is_alive(self) -> bool:
@@ -170,7 +176,7 @@ def rebuild_error(failed: CoreFailed) -> Exception:
         return EngineDeadError(failed.message)
 
 
-class ProcessCoreClient:
+class ProcessCoreClient(_PublishedStats):
     """The core (worker, scheduler, KV cache) in a spawned child process.
 
     The front binds two sockets in a private directory: PUSH for commands, PULL for the child's
@@ -257,10 +263,6 @@ class ProcessCoreClient:
             self._calls[call_id] = fut
         self._send(Utility(call_id, method))
         return fut.result(timeout=timeout)
-
-    @property
-    def latest_stats(self) -> EngineStats:
-        return self._stats
 
     @property
     def is_alive(self) -> bool:
