@@ -206,9 +206,11 @@ class ProcessCoreClient(_PublishedStats):
         # A fresh interpreter (spawn semantics: no forked threads, locks or CUDA state), started as
         # `python -m` rather than through multiprocessing, which would re-import the caller's
         # __main__ in the child: scripts without a __main__ guard and notebooks work as they are.
+        # The child logs at this process's level (`ruvllm -v` shows the core's load and KV sizing too).
+        env = {**os.environ, "RUVLLM_LOG": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, out_addr, str(os.getpid())],
-            stdin=subprocess.PIPE)
+            stdin=subprocess.PIPE, env=env)
         try:
             assert self.process.stdin is not None
             self.process.stdin.write(pickle.dumps(config))
