@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from ruvllm.config import ModelConfig, QuantConfig
     from ruvllm.loader import ModelSource
 
-_EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _CACHE_DIR_HELP = "Model cache (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm or the platform's cache folder)."
 
@@ -554,9 +553,10 @@ def export_cmd(
 ) -> None:
     """Write MODEL as a Hugging Face folder (config.json, tokenizer, model.safetensors)."""
     from ruvllm.loader import resolve_model
+    from ruvllm.loader.export import EXPORT_DTYPES, export
 
-    if dtype not in _EXPORT_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(_EXPORT_DTYPES)}, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     src = resolve_model(hub.resolve_cli_model(model, cache_dir))
     out = out_dir.expanduser().absolute()
     if out.exists() and not out.is_dir():
@@ -565,38 +565,6 @@ def export_cmd(
         raise ValueError(f"{out}: exists and is not empty; export writes only into a new or empty directory")
     export(src, out, tokenizer_only=tokenizer_only, dtype=dtype)
     typer.echo(f"exported {model} to {out} ({_human_bytes(hub.folder_size(out))})")
-
-
-def export(src: ModelSource, out: Path, *, tokenizer_only: bool = False, dtype: str = "auto") -> None:
-    """Build the folder beside `out` and rename it into place, so a failure leaves nothing half-written."""
-    from ruvllm.loader import load_model_config, load_tokenizer
-    from ruvllm.loader.hf_writer import folder_in_place, hf_config, save_tokenizer, write_safetensors
-
-    cfg = load_model_config(src)  # first: an unsupported model fails before anything is written
-    torch_dtype = _export_dtype(src, dtype)
-    tokenizer = load_tokenizer(src)
-    with folder_in_place(out) as tmp:
-        hf_config(cfg, torch_dtype).save_pretrained(str(tmp))
-        save_tokenizer(tokenizer, cfg, tmp)
-        if not tokenizer_only:
-            from ruvllm.loader import iter_weights
-
-            write_safetensors(iter_weights(src, torch_dtype), tmp)
-
-
-def _export_dtype(src: ModelSource, name: str) -> torch.dtype:
-    import torch
-
-    if name == "auto":
-        name = "float32"  # GGUF: dequantized values are exact in float32, not in 16-bit types
-        if src.format == "hf":
-            from ruvllm.loader import hf_folder
-
-            cfg = hf_folder.read_config_json(src.path)
-            declared = cfg.get("dtype") or cfg.get("torch_dtype")
-            if declared in _EXPORT_DTYPES[1:]:
-                name = declared  # keep the checkpoint's own precision: an exact copy
-    return getattr(torch, name)
 
 
 # ------------------------------------------------------------------ registration

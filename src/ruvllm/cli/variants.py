@@ -6,7 +6,7 @@ is described in loader/hub.py).
   in the AWQ GEMM format, which the engine loads packed; group size as `quantize`'s default (128),
   or, when no --group-size is given and 128 does not divide the model's layers, the largest
   supported size that does (so `download smollm2 -q int4` works: its 576 inputs take 64).
-- bf16 / f16: what `ruvllm export --dtype bfloat16|float16` writes (cli/models_cmd.export).
+- bf16 / f16: what `ruvllm export --dtype bfloat16|float16` writes (loader/export.py).
 
 Heavy imports stay inside the functions, so importing this module costs nothing.
 """
@@ -86,7 +86,7 @@ def _write_int4(src: ModelSource, out: Path, asked: int | None, console: Console
 
 
 def _write_dense(src: ModelSource, out: Path, dtype: str, console: Console | None) -> dict[str, Any]:
-    from ruvllm.cli.models_cmd import export
+    from ruvllm.loader.export import export
 
     with _status(console, f"writing a {dtype} copy"):
         export(src, out, dtype=dtype)
