@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -126,9 +126,7 @@ class SchedulerConfig:
         """The same settings with the device's defaults filled in."""
         if self.max_num_batched_tokens is not None:
             return self
-        import dataclasses
-
-        return dataclasses.replace(self, max_num_batched_tokens=DEFAULT_BATCHED_TOKENS.get(device_type, 512))
+        return replace(self, max_num_batched_tokens=DEFAULT_BATCHED_TOKENS.get(device_type, 512))
 
     @property
     def token_budget(self) -> int:

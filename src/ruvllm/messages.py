@@ -91,11 +91,6 @@ class EngineStats(msgspec.Struct):
     def idle(self) -> bool:
         return self.running == 0 and self.waiting == 0
 
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = {f: getattr(self, f) for f in self.__struct_fields__}
-        d["kv_usage"] = self.kv_usage
-        return d
-
 
 # --- the wire between the front and a core process --------------------------------------------------
 class AddRequests(msgspec.Struct, tag=True):

@@ -175,6 +175,18 @@ def test_presence_and_frequency_penalties_openai_formula() -> None:
     assert logits[0].tolist() == pytest.approx([2.0, -2.0, 1.0 - 0.75 - 0.5, -1.0 - 0.25 - 0.5, 0.5, 3.0])
 
 
+def test_penalty_counts_follow_the_output_as_it_grows() -> None:
+    """The counts are kept between steps (not recounted): after more tokens, they equal a fresh count."""
+    kw = dict(prompt=[0, 1], repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    grown = R(out=[2], **kw)
+    apply_penalties(torch.tensor([ROW]), [grown])  # a first step builds the counts
+    grown.output_token_ids.extend([2, 5, 3])
+    after, fresh = torch.tensor([ROW]), torch.tensor([ROW])
+    apply_penalties(after, [grown])
+    apply_penalties(fresh, [R(out=[2, 2, 5, 3], **kw)])
+    assert after.tolist() == fresh.tolist() and after.tolist() != [ROW]
+
+
 def test_negative_presence_penalty_encourages() -> None:
     logits = torch.tensor([ROW])
     apply_penalties(logits, [R(out=[4], presence_penalty=-1.0)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -49,10 +50,10 @@ class EngineSetting:
 
 
 def _field_type(cls: type, name: str) -> type:
-    hints = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int, "float | None": float,
-             "str | None": str}
-    ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
-    return hints[ftype] if isinstance(ftype, str) else ftype
+    """The field's type without its `| None` (the CLI option's None default says that)."""
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def engine_settings() -> list[EngineSetting]:

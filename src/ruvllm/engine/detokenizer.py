@@ -64,9 +64,12 @@ class IncrementalDetokenizer:
         self.text = self.text[: idx + len(stop)] if self.include_stop_str else self.text[:idx]
         return stop
 
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show: while running, hold back a tail that could still become a stop string."""
+    def visible_len(self, finished: bool) -> int:
+        """How much of the text is safe to show: while running, a tail that could still become a stop
+        string is held back."""
         if finished or not self.stop_strings or self.include_stop_str:
-            return self.text
-        hold = max(len(s) for s in self.stop_strings) - 1
-        return self.text[: max(0, len(self.text) - hold)] if hold else self.text
+            return len(self.text)
+        return max(0, len(self.text) - (max(len(s) for s in self.stop_strings) - 1))
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text[: self.visible_len(finished)]

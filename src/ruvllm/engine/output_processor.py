@@ -37,15 +37,15 @@ class _Completion:
         return len(self.token_ids) > self.sent_tokens or (self.finish_reason is not None and not self.finish_sent)
 
     def output(self, kind: OutputKind) -> CompletionOutput:
-        text = self.detok.visible_text(self.finish_reason is not None)
-        if kind is OutputKind.DELTA:
+        end = self.detok.visible_len(self.finish_reason is not None)
+        if kind is OutputKind.DELTA:  # only the new part is sliced: O(new) per step, not O(text so far)
             t0, k0 = self.sent_text, self.sent_tokens
-            self.sent_text, self.sent_tokens = max(len(text), t0), len(self.token_ids)
+            self.sent_text, self.sent_tokens = max(end, t0), len(self.token_ids)
             self.finish_sent = self.finish_reason is not None
-            return CompletionOutput(self.index, text[t0:], self.token_ids[k0:], self.finish_reason,
+            return CompletionOutput(self.index, self.detok.text[t0:end], self.token_ids[k0:], self.finish_reason,
                                     self.stop_reason, self.logprobs[k0:] if self.want_logprobs else None)
-        return CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
-                                list(self.logprobs) if self.want_logprobs else None)
+        return CompletionOutput(self.index, self.detok.text[:end], list(self.token_ids), self.finish_reason,
+                                self.stop_reason, list(self.logprobs) if self.want_logprobs else None)
 
 
 @dataclass
@@ -88,13 +88,6 @@ class OutputProcessor:
         self._groups[request_id] = group
         for sid in seq_ids:
             self._seq_to_group[sid] = group
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._groups
-
-    @property
-    def num_open(self) -> int:
-        return len(self._groups)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its sequences the core still runs (to abort there)."""

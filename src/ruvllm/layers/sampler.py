@@ -27,19 +27,32 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Penalties' state, built on first use and kept up to date with the output tokens since, so a
+    # step costs one small update per penalized row rather than a recount of its whole output.
+    _counts: torch.Tensor | None = field(default=None, repr=False)
+    _counted: int = 0
+    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
+    def token_counts(self, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[vocab]: how often each token is in the output so far."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=dtype, device=device)
+        new = self.output_token_ids[self._counted:]
+        if new:
+            self._counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), dtype=dtype, device=device))
+            self._counted = len(self.output_token_ids)
+        return self._counts
 
-def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    def prompt_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[vocab]: whether each token is in the prompt (the repetition penalty's prompt part)."""
+        if self._prompt_mask is None:
+            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._prompt_mask[torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)] = True
+        return self._prompt_mask
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[SamplingState]) -> None:
@@ -49,15 +62,10 @@ def apply_penalties(logits: torch.Tensor, reqs: list[SamplingState]) -> None:
         return
     vocab, dev = logits.shape[1], logits.device
     sub = logits[rows]
-    out_ids = _pad([reqs[i].output_token_ids for i in rows], vocab, dev)
-    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]
+    counts = torch.stack([reqs[i].token_counts(vocab, dev, logits.dtype) for i in rows])
     rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], dtype=logits.dtype, device=dev).unsqueeze(1)
     if any(reqs[i].params.repetition_penalty != 1.0 for i in rows):
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _pad([reqs[i].prompt_token_ids for i in rows], vocab, dev), True)
-        seen = seen[:, :vocab] | (counts > 0)
+        seen = torch.stack([reqs[i].prompt_mask(vocab, dev) for i in rows]) | (counts > 0)
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
     freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], dtype=logits.dtype, device=dev).unsqueeze(1)

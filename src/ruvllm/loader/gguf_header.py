@@ -13,6 +13,7 @@ Every failure is one line, "<file>: <key or tensor>: <problem>", or "<file>: tru
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import struct
 from collections.abc import Mapping
@@ -72,10 +73,7 @@ class GGUFTensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return n
+        return math.prod(self.dims)
 
 
 @dataclass(frozen=True)

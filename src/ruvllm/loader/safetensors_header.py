@@ -9,6 +9,7 @@ bytes, and data that ends inside the file (a cut file fails here, naming the fir
 from __future__ import annotations
 
 import functools
+import math
 import json
 import struct
 from dataclasses import dataclass
@@ -37,10 +38,7 @@ class SafetensorsEntry:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def read_safetensors_header(file: Path) -> dict[str, SafetensorsEntry]:

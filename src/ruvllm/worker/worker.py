@@ -144,8 +144,3 @@ class Worker:
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences whose sampling state the worker holds (for leak checks)."""
-        return len(self._states)
