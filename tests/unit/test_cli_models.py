@@ -31,7 +31,7 @@ from typer.testing import CliRunner, Result
 from ruvllm.cli import main as cli_main
 from ruvllm.errors import ModelNotFoundError, NotAModelError
 from ruvllm.loader import hf_folder, iter_weights, load_model_config, load_tokenizer, resolve_model
-from ruvllm.loader import hub
+from ruvllm.loader import hub, model_cache
 
 if not any(c.name == "download" for c in cli_main.app.registered_commands):
     cli_main._register()
@@ -217,13 +217,13 @@ def test_download_list_info_and_load(hub_env: _HubStandIn, tiny_repo: Path, tmp_
     served = dict(iter_weights(resolve_model(tiny_repo), torch.float32))
     got = dict(iter_weights(src, torch.float32))
     assert served.keys() == got.keys() and all(torch.equal(served[k], got[k]) for k in served)
-    assert hub.resolve_cli_model(TINY_REPO, cache) == str(folder)
+    assert model_cache.resolve_cli_model(TINY_REPO, cache) == str(folder)
 
     listed = invoke("list", "--downloaded", "--cache-dir", str(cache))
     assert listed.exit_code == 0 and TINY_REPO in listed.output
     listed_long = invoke("list", "--downloaded", "--long", "--cache-dir", str(cache))
     assert str(folder) in listed_long.output and COMMIT[:12] in listed_long.output
-    [model] = hub.list_models(cache)
+    [model] = model_cache.list_models(cache)
     assert (model.repo_id, model.path, model.commit) == (TINY_REPO, folder, COMMIT) and model.size_bytes > 3_000_000
 
     info = invoke("info", TINY_REPO, "--cache-dir", str(cache))
@@ -242,7 +242,7 @@ def test_download_list_info_and_load(hub_env: _HubStandIn, tiny_repo: Path, tmp_
     forced = invoke("download", TINY_REPO, "--cache-dir", str(cache), "--force", "--revision", "main")
     assert forced.exit_code == 0 and f"downloaded {TINY_REPO}" in forced.output, forced.output
     assert hub_env.gets("model.safetensors") == gets + 1
-    assert hub.is_downloaded(TINY_REPO, cache, revision=COMMIT[:10])
+    assert model_cache.is_downloaded(TINY_REPO, cache, revision=COMMIT[:10])
 
 
 def test_download_alias_into_env_cache_dir(hub_env: _HubStandIn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -260,7 +260,7 @@ def test_download_alias_into_env_cache_dir(hub_env: _HubStandIn, tmp_path: Path,
 def test_download_unknown_repo(hub_env: _HubStandIn, tmp_path: Path) -> None:
     result = invoke("download", "nobody/nothing", "--cache-dir", str(tmp_path))
     assert_one_line_error(result, "nobody/nothing", "not found")
-    assert hub.list_models(tmp_path) == []
+    assert model_cache.list_models(tmp_path) == []
 
 
 def test_download_unknown_revision(hub_env: _HubStandIn, tmp_path: Path) -> None:
@@ -275,7 +275,7 @@ def test_download_unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     _point_hf_at(monkeypatch, f"http://127.0.0.1:{port}")
     result = invoke("download", TINY_REPO, "--cache-dir", str(tmp_path))
     assert_one_line_error(result, TINY_REPO, "cannot reach the Hub", str(port))
-    assert hub.list_models(tmp_path) == []
+    assert model_cache.list_models(tmp_path) == []
 
 
 def test_download_rejects_names_that_are_not_hub_models(tmp_path: Path) -> None:
@@ -284,28 +284,28 @@ def test_download_rejects_names_that_are_not_hub_models(tmp_path: Path) -> None:
 
 
 def test_resolve_cli_model(tmp_path: Path) -> None:
-    assert hub.resolve_cli_model(None, tmp_path) is None
-    assert hub.resolve_cli_model("default", tmp_path) is None
-    assert hub.resolve_cli_model(str(tmp_path), tmp_path) == str(tmp_path)
+    assert model_cache.resolve_cli_model(None, tmp_path) is None
+    assert model_cache.resolve_cli_model("default", tmp_path) is None
+    assert model_cache.resolve_cli_model(str(tmp_path), tmp_path) == str(tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"model qwen is not downloaded; run `ruvllm download qwen`"):
-        hub.resolve_cli_model("qwen", tmp_path)
+        model_cache.resolve_cli_model("qwen", tmp_path)
     with pytest.raises(ModelNotFoundError, match="not downloaded"):
-        hub.resolve_cli_model("Qwen/Qwen3-0.6B", tmp_path)
+        model_cache.resolve_cli_model("Qwen/Qwen3-0.6B", tmp_path)
     with pytest.raises(ModelNotFoundError, match="no such file"):
-        hub.resolve_cli_model(str(tmp_path / "missing"), tmp_path)
+        model_cache.resolve_cli_model(str(tmp_path / "missing"), tmp_path)
 
 
 def test_cache_dir_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RUVLLM_CACHE_DIR", raising=False)
-    monkeypatch.setattr(hub.sys, "platform", "linux")
+    monkeypatch.setattr(model_cache.sys, "platform", "linux")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hub.resolve_cache_dir() == tmp_path / "xdg" / "ruvllm"
+    assert model_cache.resolve_cache_dir() == tmp_path / "xdg" / "ruvllm"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
-    assert hub.resolve_cache_dir() == Path.home() / ".cache" / "ruvllm"
+    assert model_cache.resolve_cache_dir() == Path.home() / ".cache" / "ruvllm"
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path / "env"))
-    assert hub.resolve_cache_dir() == tmp_path / "env"
-    assert hub.resolve_cache_dir(tmp_path / "flag") == tmp_path / "flag"
-    assert hub.model_dir("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == tmp_path / "models" / "Qwen--Qwen2.5-0.5B-Instruct"
+    assert model_cache.resolve_cache_dir() == tmp_path / "env"
+    assert model_cache.resolve_cache_dir(tmp_path / "flag") == tmp_path / "flag"
+    assert model_cache.model_dir("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == tmp_path / "models" / "Qwen--Qwen2.5-0.5B-Instruct"
 
 
 # ------------------------------------------------------------------ list and info without downloads
@@ -316,7 +316,7 @@ def test_list_marks_aliases_and_default(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     rows = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
     assert "embedded" in rows["default"]
-    for alias, known in hub.ALIASES.items():
+    for alias, known in model_cache.ALIASES.items():
         assert known.repo_id in rows[alias] and rows[alias].split()[-1] == "no"
     assert f"cache: {tmp_path}" in result.output
     long = invoke("list", "--long", "--cache-dir", str(tmp_path))

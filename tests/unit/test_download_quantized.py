@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ruvllm.cli import quantize_cmd
-from ruvllm.loader import hub, load_model_config, load_tokenizer, resolve_model
+from ruvllm.loader import hub, load_model_config, model_cache, load_tokenizer, resolve_model
 from tests.unit.test_cli_models import COMMIT, _handler, _HubStandIn, _point_hf_at, assert_one_line_error, invoke
 
 GGUF_REPO = "ruvllm-test/tiny-GGUF"
@@ -96,7 +96,7 @@ def test_gguf_quantization_picks_the_file(standin: _HubStandIn, tmp_path: Path) 
         folder = tmp_path / "models" / f"ruvllm-test--tiny-GGUF--{method.lower()}"
         assert _gguf_in(folder) == [want], result.output
         assert f"GGUF file {want}" in result.stdout
-        assert hub.resolve_cli_model(f"{GGUF_REPO}:{method}", tmp_path) == str(folder)
+        assert model_cache.resolve_cli_model(f"{GGUF_REPO}:{method}", tmp_path) == str(folder)
         assert resolve_model(folder).path.name == want
     assert not (tmp_path / "models" / "ruvllm-test--tiny-GGUF").exists()  # variants only
 
@@ -108,7 +108,7 @@ def test_gguf_quantization_picks_the_file(standin: _HubStandIn, tmp_path: Path) 
 
     listed = invoke("list", "--downloaded", "--cache-dir", str(tmp_path))
     assert {f"{GGUF_REPO}:q8", f"{GGUF_REPO}:q4k", f"{GGUF_REPO}:q4_0"} <= set(listed.output.split()), listed.output
-    assert [m.variant for m in hub.list_models(tmp_path)] == ["q4_0", "q4k", "q8"]
+    assert [m.variant for m in model_cache.list_models(tmp_path)] == ["q4_0", "q4k", "q8"]
 
 
 def test_gguf_no_match_and_conflicts_are_one_line(standin: _HubStandIn, tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_gguf_no_match_and_conflicts_are_one_line(standin: _HubStandIn, tmp_path
                           "GGUF repository", "--group-size")
     assert_one_line_error(invoke("download", f"{GGUF_REPO}:q8", "-q", "q4k", *cache), ":q8", "q4k")
     assert_one_line_error(invoke("download", GGUF_REPO, "-q", "int3", *cache), "unknown quantization 'int3'")
-    assert hub.list_models(tmp_path) == []
+    assert model_cache.list_models(tmp_path) == []
 
 
 def test_pick_gguf_by_file_type() -> None:
@@ -149,12 +149,12 @@ def test_int4_variant_loads_by_tagged_name_and_generates(standin: _HubStandIn, i
 
     name = f"{ST_REPO}:int4"
     folder = int4_cache / "models" / "ruvllm-test--tiny-st--int4"
-    assert hub.resolve_cli_model(name, int4_cache) == str(folder)
+    assert model_cache.resolve_cli_model(name, int4_cache) == str(folder)
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"] == quantization_config(64)
     assert (int4_cache / "models" / "ruvllm-test--tiny-st" / "config.json").is_file()  # the plain download stays
 
-    llm = LLM(hub.resolve_cli_model(name, int4_cache), dtype="bfloat16", num_blocks=16)  # int4 stays packed
+    llm = LLM(model_cache.resolve_cli_model(name, int4_cache), dtype="bfloat16", num_blocks=16)  # int4 stays packed
     assert isinstance(llm.model.layers[0].qkv_proj, QuantLinear)
     out = llm.generate(["It is a truth universally"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -178,7 +178,7 @@ def test_variants_are_listed(int4_cache: Path) -> None:
     assert ["-", ST_REPO] in [r[:2] for r in rows] and ["-", f"{ST_REPO}:int4"] in [r[:2] for r in rows]
     everything = invoke("list", "--cache-dir", str(int4_cache))
     assert f"{ST_REPO}:int4" in everything.output.split(), everything.output
-    assert [(m.repo_id, m.variant) for m in hub.list_models(int4_cache)][:2] == [(ST_REPO, None), (ST_REPO, "int4")]
+    assert [(m.repo_id, m.variant) for m in model_cache.list_models(int4_cache)][:2] == [(ST_REPO, None), (ST_REPO, "int4")]
 
 
 def test_bf16_variant_reuses_the_download(standin: _HubStandIn, int4_cache: Path) -> None:
@@ -188,7 +188,7 @@ def test_bf16_variant_reuses_the_download(standin: _HubStandIn, int4_cache: Path
     result = invoke("download", ST_REPO, "-q", "bf16", "--cache-dir", str(int4_cache))
     assert result.exit_code == 0, result.output
     assert len(standin.requests) == gets  # written from the plain download: no network
-    src = resolve_model(hub.resolve_cli_model(f"{ST_REPO}:bf16", int4_cache))
+    src = resolve_model(model_cache.resolve_cli_model(f"{ST_REPO}:bf16", int4_cache))
     assert json.loads((src.path / "config.json").read_text())["dtype"] == "bfloat16"
     assert load_model_config(src) == load_model_config(resolve_model(int4_cache / "models" / "ruvllm-test--tiny-st"))
     assert {t.dtype for _, t in iter_weights(src, torch.float32)} == {torch.float32}  # read back as asked
@@ -202,15 +202,15 @@ def test_int4_group_size_option(int4_cache: Path) -> None:
     # Another group size than the variant's: written again.
     result = invoke("download", ST_REPO, "-q", "int4", "--group-size", "32", *cache)
     assert result.exit_code == 0 and "group size 32" in result.stdout, result.output
-    assert hub.is_downloaded(f"{ST_REPO}:int4", int4_cache, group_size=32)
-    assert not hub.is_downloaded(f"{ST_REPO}:int4", int4_cache, group_size=64)
+    assert model_cache.is_downloaded(f"{ST_REPO}:int4", int4_cache, group_size=32)
+    assert not model_cache.is_downloaded(f"{ST_REPO}:int4", int4_cache, group_size=64)
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "q8", "q4k", "none", "auto"])
 def test_load_time_methods_are_one_line(standin: _HubStandIn, tmp_path: Path, method: str) -> None:
     result = invoke("download", ST_REPO, "-q", method, "--cache-dir", str(tmp_path))
     assert_one_line_error(result, "applied when the model is loaded", f"`ruvllm serve {ST_REPO} -q {method}`")
-    assert hub.list_models(tmp_path) == []  # refused before anything was fetched
+    assert model_cache.list_models(tmp_path) == []  # refused before anything was fetched
 
 
 def test_default_group_size_is_quantize_default() -> None:

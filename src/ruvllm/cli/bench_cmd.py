@@ -205,7 +205,7 @@ def benchmark(
 
     from ruvllm.engine.llm import LLM
     from ruvllm.device import resolve_device
-    from ruvllm.loader.hub import resolve_cli_model
+    from ruvllm.loader.model_cache import resolve_cli_model
 
     block_size = CacheConfig().block_size
     # The KV pool holds exactly the batch phase, so nothing is preempted and peak memory reflects

@@ -204,7 +204,7 @@ def chat(
 
     from ruvllm.engine.async_engine import AsyncEngine
     from ruvllm.device import resolve_device
-    from ruvllm.loader.hub import resolve_cli_model
+    from ruvllm.loader.model_cache import resolve_cli_model
 
     resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
     config = engine.to_config(resolve_cli_model(model, cache_dir))

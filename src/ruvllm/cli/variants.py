@@ -1,6 +1,6 @@
 """`ruvllm download MODEL --quantization int4|bf16|f16` of a safetensors model: the variant MODEL:TAG,
 written from the downloaded checkpoint into the cache (a loader.hub.Converter; the cache layout
-is described in loader/hub.py).
+is described in loader/model_cache.py).
 
 - int4: what `ruvllm quantize --method rtn` writes (quantize/awq_writer.py): round-to-nearest int4
   in the AWQ GEMM format, which the engine loads packed; group size as `quantize`'s default (128),

@@ -59,7 +59,7 @@ def _cache_folder(path: Path) -> Path | None:
     """Keyed by the file's identity (path, size, mtime) and the transformers version that converted it."""
     import transformers
 
-    from ruvllm.loader.hub import resolve_cache_dir
+    from ruvllm.loader.model_cache import resolve_cache_dir
     try:
         st = path.stat()
     except OSError:
