@@ -148,7 +148,7 @@ def test_written_checkpoint_reads_back_exactly(tiny: Path, calibration: Path, tm
 
 def _hf_named(model: torch.nn.Module, names: list[str]):
     for name in names:
-        pname, offset, rows = model._target(name.removeprefix("model."))
+        pname, offset, rows = model.target(name.removeprefix("model."))
         value = model.get_parameter(pname).data
         yield name, value if offset is None else value[offset:offset + rows]
 

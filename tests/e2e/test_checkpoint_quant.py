@@ -121,14 +121,11 @@ def test_checkpoint_codes_are_kept_packed(tmp_path: Path, method: str) -> None:
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
     # `ruvllm info -q` estimates from the headers what this load holds.
-    from ruvllm.cli.models_cmd import _estimate_weights, _file_tensors
     from ruvllm.config import QuantConfig
-    from ruvllm.loader import load_model_config
-    src = resolve_model(quant_dir)
+    from ruvllm.models.weight_plan import weight_plan
     # At the dtype the engine above computes in (auto is fp32 on CPUs without native bf16).
-    estimate = _estimate_weights(load_model_config(src), _file_tensors(src), QuantConfig(), str(quant_dir),
-                                 "bfloat16")
-    assert estimate.total == llm.info.weight_bytes
+    plan = weight_plan(quant_dir, QuantConfig(), "bfloat16")
+    assert plan.total_bytes == llm.info.weight_bytes
 
 
 def test_act_order_checkpoint_loads_as_int8(tmp_path: Path) -> None:
@@ -140,6 +137,17 @@ def test_act_order_checkpoint_loads_as_int8(tmp_path: Path) -> None:
     # Groups out of input order cannot be int4 groups of our kernel: per-channel int8, within half a step.
     assert qw.kind == "int8" and qw.group_size == 0
     assert ((qw.dequantize() - dense[name]).abs() <= qw.scales[:, None] / 2 + 1e-6).all()
+    # The weight plan reads the layers' g_idx and expects the same (LLM(...) loads by the plan).
+    from ruvllm.config import QuantConfig
+    from ruvllm.models.weight_plan import weight_plan
+    from ruvllm.loader import load_model_config
+    from ruvllm.models.registry import build_model, weight_bytes
+    src = resolve_model(quant_dir)
+    plan = weight_plan(src, QuantConfig(), "bfloat16")
+    assert plan.weights["layers.0.qkv_proj.weight"].stored == ("int8", 0)
+    model = build_model(load_model_config(src), iter_weights(src, torch.bfloat16, keep_quantized=True), "x", 64,
+                        torch.bfloat16, plan=plan)  # each weight checked against the plan as it is installed
+    assert weight_bytes(model) == plan.total_bytes
     prompt = torch.randint(0, 512, (20,)).tolist()
     _check(resolve_model(quant_dir), prompt, reference=resolve_model(dense_dir))  # fp32 path is exact
 

@@ -346,16 +346,17 @@ def _default_model_bytes(method: str, group_size: int = 32) -> int:
     from gguf import GGMLQuantizationType
 
     from ruvllm.loader import gguf_file
+    from ruvllm.loader.gguf_header import read_header
 
     bf16 = _computes_in_bf16()
     elem = 2 if bf16 else 4
     if method == "auto" and bf16:  # the file's Q4_1 codes kept: int4 in groups of 32
         method, group_size = "int4", 32
     total = 0
-    for t in gguf_file.open_reader(resolve_model(None).path).tensors:
+    for t in read_header(resolve_model(None).path).tensors:
         if t.name == gguf_file.ROPE_FREQS_TENSOR:
             continue
-        numel, rows = int(t.n_elements), int(t.shape[1]) if len(t.shape) == 2 else 0
+        numel, rows = t.n_elements, t.shape[0] if len(t.shape) == 2 else 0
         if not _LINEAR_GGUF.fullmatch(t.name) or method in ("auto", "none"):
             total += elem * numel
         elif method == "int8":
@@ -421,16 +422,15 @@ def test_info_quantization_int4_group_64() -> None:
 
 def test_info_quantization_auto_matches_a_real_load() -> None:
     from ruvllm.config import QuantConfig
-    from ruvllm.dtypes import resolve_model_dtype
     from ruvllm.models.registry import build_model, weight_bytes
-    from ruvllm.quant.plan import quantizes_weights
+    from ruvllm.models.weight_plan import weight_plan
 
-    quant = QuantConfig()
-    dtype = resolve_model_dtype("auto", quant)
     src = resolve_model(None)
-    weights = iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype))
-    model = build_model(load_model_config(src), weights, str(src.path), 16, dtype, quant=quant)  # seconds
+    plan = weight_plan(src, QuantConfig())
+    weights = iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed)
+    model = build_model(load_model_config(src), weights, str(src.path), 16, plan.dtype, plan=plan)  # seconds
     loaded = weight_bytes(model)  # what EngineInfo.weight_bytes reports
+    assert loaded == plan.total_bytes
     result = invoke("info", "-q", "auto")
     assert _estimate_line(result.output, "weights as loaded (auto)").startswith(_mib(loaded) + " ("), result.output
     assert loaded == _default_model_bytes("auto")
@@ -466,30 +466,56 @@ def test_estimate_fuses_like_the_loader() -> None:
     """q/k/v pieces stored in different GGUF types (as in Q4_K_M files) become per-channel int8,
     as the loader fuses them (quant.plan.fuse_pieces)."""
     import dataclasses
-    import functools
 
-    from ruvllm.cli.models_cmd import _estimate_weights, _file_tensors
+    import torch
+
     from ruvllm.config import QuantConfig
+    from ruvllm.models.weight_plan import file_tensors, plan_weights
 
     src = resolve_model(None)
-    cfg, tensors = load_model_config(src), _file_tensors(src)
-    # auto keeps GGUF codes packed only when computing in bf16: estimated at bf16 on any CPU.
-    estimate = functools.partial(_estimate_weights, dtype_name="bfloat16")
+    cfg, tensors = load_model_config(src), file_tensors(src)
+
+    def estimate(tensors: list, quant: QuantConfig):  # auto keeps GGUF codes packed only when computing in bf16
+        return plan_weights(cfg, tensors, quant, torch.bfloat16, "x")
 
     def with_v0(packed: tuple[str, int] | None) -> list:
         return [dataclasses.replace(t, packed=packed) if t.name == "model.layers.0.self_attn.v_proj.weight" else t
                 for t in tensors]
 
-    auto = estimate(cfg, tensors, QuantConfig(), "x")
-    mixed = estimate(cfg, with_v0(None), QuantConfig(), "x")  # e.g. a Q6_K attn_v
+    auto = estimate(tensors, QuantConfig())
+    mixed = estimate(with_v0(None), QuantConfig())  # e.g. a Q6_K attn_v
     rows, k = cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size
     int8_bytes, int4_bytes = rows * k + 2 * rows, rows * k // 2 + 4 * rows * k // 32
-    assert mixed.total - auto.total == int8_bytes - int4_bytes
-    assert mixed.linears == {"int4 g32": 119, "int8": 1}
-    q8 = estimate(cfg, with_v0(("int8", 32)), QuantConfig(), "x")  # a Q8_0 attn_v
-    assert q8.total == mixed.total and q8.linears == mixed.linears
-    assert estimate(cfg, with_v0(("int8", 32)), QuantConfig("none"), "x").total == \
-        estimate(cfg, tensors, QuantConfig("none"), "x").total  # dequantized: no packed pieces
+    assert mixed.total_bytes - auto.total_bytes == int8_bytes - int4_bytes
+    assert mixed.linear_forms() == {"int4 g32": 119, "int8": 1}
+    assert mixed.weights["layers.0.qkv_proj.weight"].form == ("int8", 0)
+    q8 = estimate(with_v0(("int8", 32)), QuantConfig())  # a Q8_0 attn_v
+    assert q8.total_bytes == mixed.total_bytes and q8.linear_forms() == mixed.linear_forms()
+    assert estimate(with_v0(("int8", 32)), QuantConfig("none")).total_bytes == \
+        estimate(tensors, QuantConfig("none")).total_bytes  # dequantized: no packed pieces
+
+
+def test_a_load_that_departs_from_its_plan_fails() -> None:
+    """The loader checks each weight against the plan: a plan that expected float weights where the
+    file hands over packed codes (here: a plan made as if nothing were packed) stops the load."""
+    import dataclasses
+
+    import torch
+
+    from ruvllm.config import QuantConfig
+    from ruvllm.models.registry import build_model
+    from ruvllm.models.weight_plan import file_tensors, plan_weights
+
+    src = resolve_model(None)
+    cfg = load_model_config(src)
+    floats = [dataclasses.replace(t, packed=None) for t in file_tensors(src)]
+    plan = plan_weights(cfg, floats, QuantConfig(), torch.bfloat16, "x")
+    assert not any(w.stored for w in plan.weights.values())
+    plan = dataclasses.replace(plan, keep_packed=True)  # what the loader is then asked for
+    # The embeddings come first in the file: Q8_0 codes, where the plan expected floats.
+    expected = r"embed_tokens.weight arrived as \('int8', 32\), but the weight plan expected float"
+    with pytest.raises(RuntimeError, match=expected):
+        build_model(cfg, iter_weights(src, torch.bfloat16, keep_quantized=True), "x", 16, torch.bfloat16, plan=plan)
 
 
 def test_info_quantization_bad_settings_are_one_line() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ruvllm.worker.gpu_memory import (GiB, InsufficientGPUMemoryError, MemoryProfile, dense_weight_bytes,
-                                      kv_blocks_from_profile)
+from ruvllm.config import QuantConfig
+from ruvllm.models.weight_plan import float_weight_plan
+from ruvllm.worker.gpu_memory import GiB, InsufficientGPUMemoryError, MemoryProfile, kv_blocks_from_profile
 from tests.engine_fixtures import TINY_GQA
 
 
@@ -26,7 +27,10 @@ def test_a_pool_smaller_than_one_sequence_fails_with_the_numbers() -> None:
     assert "budget 40.00 GiB of 80.0 GiB" in msg and "--gpu-memory-utilization" in msg
 
 
-def test_dense_weight_bytes_counts_every_matrix() -> None:
+def test_the_weight_plan_counts_every_matrix() -> None:
+    """The bytes checked against the GPU budget before loading (the weight plan's total)."""
     c = TINY_GQA
     per_layer = 128 * (128 + 2 * 64) + 128 * 128 + 3 * 128 * 256 + 2 * 128
-    assert dense_weight_bytes(c, torch.bfloat16) == 2 * (2 * 512 * 128 + 2 * per_layer + 128)
+    plan = float_weight_plan(c, QuantConfig("none"), torch.bfloat16)
+    assert plan.total_bytes == 2 * (2 * 512 * 128 + 2 * per_layer + 128)
+    assert plan.linear_forms() == {"dense bfloat16": 2 * 4 + (0 if c.tie_word_embeddings else 1)}

@@ -6,9 +6,7 @@ them, so registering these commands costs nothing at start-up.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,7 +15,6 @@ import typer
 from ruvllm.cli.common import CliState, clean_errors, fail
 from ruvllm.cli.download_progress import rich_progress
 from ruvllm.errors import (
-    CorruptModelError,
     ModelLoadError,
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
@@ -27,8 +24,7 @@ from ruvllm.loader import hub, model_cache
 if TYPE_CHECKING:
     import torch
 
-    from ruvllm.config import ModelConfig, QuantConfig
-    from ruvllm.loader import ModelSource
+    from ruvllm.config import QuantConfig
 
 
 _CACHE_DIR_HELP = "Model cache (default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm or the platform's cache folder)."
@@ -325,14 +321,6 @@ def _gguf_rows(path: Path, reason: str | None) -> list[tuple[str, str]]:
     ]
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    from ruvllm.loader import hf_folder
-
-    if (folder / hf_folder.INDEX_FILE).is_file():
-        return sorted(set(hf_folder.read_index(folder).values()))
-    return [folder / hf_folder.SINGLE_WEIGHTS_FILE]
-
-
 def _hf_rows(folder: Path, reason: str | None) -> list[tuple[str, str]]:
     from ruvllm.loader import hf_folder
     from ruvllm.loader.safetensors_header import read_safetensors_header
@@ -341,7 +329,7 @@ def _hf_rows(folder: Path, reason: str | None) -> list[tuple[str, str]]:
     tied = bool(cfg.get("tie_word_embeddings", False))
     params = 0
     dtypes: Counter[str] = Counter()
-    for file in _weight_files(folder):
+    for file in hf_folder.weight_files(folder):
         for name, entry in read_safetensors_header(file).items():
             if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
                 continue  # the loader skips these too
@@ -362,137 +350,19 @@ def _hf_rows(folder: Path, reason: str | None) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------ info --quantization: memory estimate
 
 
-@dataclass(frozen=True)
-class _FileTensor:
-    name: str  # Hugging Face name
-    shape: tuple[int, ...]  # torch order: (out_features, in_features) for a matrix
-    packed: tuple[str, int] | None  # (kind, group) of the file's own codes a loader can hand over; None: float
-
-
-def _file_tensors(src: ModelSource) -> list[_FileTensor]:
-    """The weights the loader yields, from headers only: GGUF tensor list, safetensors headers.
-    For a model that passed load_model_config's checks (the files' structure is not re-checked)."""
-    if src.format == "gguf":
-        from ruvllm.loader import gguf_file
-        from ruvllm.loader.gguf_header import read_header
-        from ruvllm.quant.gguf_blocks import INT4_GGUF_TYPES, KEPT_GGUF_TYPES
-
-        out = []
-        for t in read_header(src.path).tensors:
-            name = gguf_file.hf_name(t.name)
-            if name is None:  # rope_freqs.weight: folded into the config
-                continue
-            shape = t.shape
-            packed = None
-            if t.tensor_type in KEPT_GGUF_TYPES and len(shape) == 2:
-                packed = ("int4" if t.tensor_type in INT4_GGUF_TYPES else "int8", 32)  # gguf_blocks: groups of 32
-            out.append(_FileTensor(name, shape, packed))
-        return out
-    from ruvllm.loader import hf_folder
-    from ruvllm.loader.safetensors_header import read_safetensors_header
-    from ruvllm.quant.checkpoints import checkpoint_quant
-    from ruvllm.quant.weights import INT4_GROUP_SIZES, INT4_ROWS_MULTIPLE
-
-    config = hf_folder.load_config(src.path)
-    scheme = checkpoint_quant(hf_folder.read_config_json(src.path), str(src.path))
-    out = []
-    for file in _weight_files(src.path):
-        for name, entry in read_safetensors_header(file).items():
-            # the same skips as _hf_rows and hf_folder.iter_weights
-            if (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
-                continue
-            shape = entry.shape
-            prefix, _, leaf = name.rpartition(".")
-            if scheme is None:
-                out.append(_FileTensor(name, shape, None))
-            elif leaf == "qweight":  # one GPTQ/AWQ layer: [K/8, N] (GPTQ) or [K, N/8] (AWQ) int32 words
-                n, k = (shape[1], shape[0] * 8) if scheme.method == "gptq" else (shape[1] * 8, shape[0])
-                group = k if scheme.group_size == -1 else scheme.group_size
-                fits = group in INT4_GROUP_SIZES and n % INT4_ROWS_MULTIPLE == 0  # else int8 (act order: unseen here)
-                out.append(_FileTensor(f"{prefix}.weight", (n, k), ("int4", group) if fits else ("int8", 0)))
-            elif leaf not in scheme.parts and not (leaf == "bias" and not (
-                    config.attention_bias and prefix.endswith(("q_proj", "k_proj", "v_proj")))):
-                out.append(_FileTensor(name, shape, None))  # (GPTQ's zero biases are dropped by the loader)
-    return out
-
-
-@dataclass
-class _WeightEstimate:
-    dtype: torch.dtype
-    total: int = 0
-    linears: Counter[str] = field(default_factory=Counter)  # form -> count of (fused) linear weights
-
-
-def _estimate_weights(cfg: ModelConfig, tensors: list[_FileTensor], quant: QuantConfig, source: str,
-                      dtype_name: str = "auto") -> _WeightEstimate:
-    """Bytes of the model's weights once loaded with `quant` at `dtype_name`, following
-    LlamaForCausalLM.load_weights: the same fused parameters (q/k/v, gate/up), each linear weight in
-    quant.plan's form, the rest dense."""
-    import torch
-    from torch import nn
-
-    from ruvllm.dtypes import resolve_model_dtype
-    from ruvllm.layers.rotary import RotaryEmbedding
-    from ruvllm.models.llama import LlamaForCausalLM
-    from ruvllm.quant.plan import fused_stored_form, keeps_16bit, planned_form, quantizes_weights
-    from ruvllm.quant.weights import estimate_bytes
-
-    dtype = resolve_model_dtype(dtype_name, quant)
-    elem = _element_size(dtype)
-    rope = RotaryEmbedding(cfg.head_dim, 1, cfg.rope_theta, cfg.rope_scaling, dtype)  # one position: tiny
-    with torch.device("meta"):  # shapes only: no weight memory is allocated
-        model = LlamaForCausalLM(cfg, rope)
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    keep_packed = quantizes_weights(quant, dtype)
-    pieces: dict[str, list[_FileTensor]] = {}  # in the order the loader completes them (file order)
-    for t in tensors:
-        name = t.name.removeprefix("model.")
-        pname, _, _ = model._target(name)
-        if pname not in expected:
-            raise CorruptModelError(f"{source}: unexpected tensor {name!r}")
-        pieces[pname] = pieces.pop(pname, []) + [t]
-    missing = [n for n in expected if n not in pieces]
-    if missing:
-        raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
-
-    est = _WeightEstimate(dtype)
-
-    def add_linear(module_name: str, stored: tuple[str, int] | None, shape: tuple[int, ...]) -> None:
-        n, k = shape
-        kind, group = planned_form(quant, module_name, stored, (n, k), dtype)
-        if kind == "dense":
-            est.total += n * k * elem
-            est.linears[f"dense {str(dtype).removeprefix('torch.')}"] += 1
-        else:
-            est.total += estimate_bytes(kind, n, k, group)  # type: ignore[arg-type]
-            est.linears[f"{kind} g{group}" if group else kind] += 1  # q8's int8 g32 too
-
-    for pname in pieces:
-        shape = expected[pname]
-        module_name, attr = pname.rsplit(".", 1)
-        if attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear):
-            stored = fused_stored_form([t.packed if keep_packed else None for t in pieces[pname]])
-            add_linear(module_name, stored, shape)
-        else:  # embeddings, norms, biases: dense in the compute dtype
-            est.total += math.prod(shape) * elem
-    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4", "w8a8"):
-        add_linear("lm_head", None, expected["embed_tokens.weight"])  # a packed copy of the embeddings
-    return est
-
-
 def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
-    """`info -q`: weight and KV-cache memory as the engine would load the model (auto) and with `quant`."""
+    """`info -q`: weight and KV-cache memory as the engine would load the model (auto) and with `quant`:
+    the weight plan the loader itself follows (models/weight_plan.py)."""
     from dataclasses import replace
 
     from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, QuantConfig, SchedulerConfig
     from ruvllm.loader import load_model_config, resolve_model
+    from ruvllm.models.weight_plan import WeightPlan, weight_plan
     from ruvllm.worker.model_runner import kv_bytes_per_block, kv_tier_blocks, num_kv_blocks
 
     src = resolve_model(path)
     cfg = load_model_config(src)
-    tensors = _file_tensors(src)
-    before = _estimate_weights(cfg, tensors, QuantConfig(), str(src.path))
-    after = _estimate_weights(cfg, tensors, quant, str(src.path))
+    before, after = weight_plan(src, QuantConfig()), weight_plan(src, quant)
     method = quant.method + (f" g{quant.group_size}" if quant.method == "int4" else "")
 
     def name(d: torch.dtype) -> str:
@@ -504,22 +374,22 @@ def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
             return fn(after.dtype)
         return f"{fn(before.dtype)} as loaded, {fn(after.dtype)} with {quant.method}"
 
-    def linears(est: _WeightEstimate) -> str:
-        return "linear layers: " + ", ".join(f"{n} {form}" for form, n in sorted(est.linears.items()))
+    def linears(plan: WeightPlan) -> str:
+        return "linear layers: " + ", ".join(f"{n} {form}" for form, n in sorted(plan.linear_forms().items()))
 
-    ratio = max(before.total, after.total) / min(before.total, after.total)
-    if after.total == before.total:
+    ratio = max(before.total_bytes, after.total_bytes) / min(before.total_bytes, after.total_bytes)
+    if after.total_bytes == before.total_bytes:
         change = "the same size"
     else:  # under 1.01x: in percent, where "1.00x" would hide the difference
-        change = f"{ratio:.2f}x" if ratio >= 1.01 else f"{abs(after.total - before.total) / before.total:.1%}"
-        change += " smaller" if after.total < before.total else " larger"
+        change = f"{ratio:.2f}x" if ratio >= 1.01 else f"{abs(after.total_bytes - before.total_bytes) / before.total_bytes:.1%}"
+        change += " smaller" if after.total_bytes < before.total_bytes else " larger"
     cache = CacheConfig(kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
     same_kv = _element_size(before.dtype) == _element_size(after.dtype)  # the KV cache is held in the compute dtype
     dims = f"2 x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
     return [
         ("compute dtype", both(name) + " (embeddings, norms and biases are dense in it)"),
-        ("weights as loaded (auto)", f"{before.total / 2**20:.1f} MiB ({linears(before)})"),
-        (f"weights with {method}", f"{after.total / 2**20:.1f} MiB ({change}; {linears(after)})"),
+        ("weights as loaded (auto)", f"{before.total_bytes / 2**20:.1f} MiB ({linears(before)})"),
+        (f"weights with {method}", f"{after.total_bytes / 2**20:.1f} MiB ({change}; {linears(after)})"),
         ("KV cache", "unchanged by weight quantization" + ("" if same_kv else "; it is held in the compute dtype")),
         ("KV bytes per token", both(lambda d: f"{kv_bytes_per_block(cfg, 1, d):,}", same_kv)
          + f" ({dims} x {both(lambda d: f'{_element_size(d)} bytes', same_kv)})"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from ruvllm.config import ModelConfig
@@ -82,26 +80,18 @@ def gguf_name(hf: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _cached_reader(path: str, _mtime_ns: int, _size: int) -> GGUFReader:
-    return GGUFReader(path)
+def tensor_bytes(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> np.ndarray:
+    """One tensor's bytes from the file's memory map `data`, shaped [rows, bytes per row] (uint8, torch
+    order) as gguf's quants take them. read_header checked that they lie inside the file."""
+    # A plain ndarray view: numpy's memmap subclass costs a Python call per slice gguf's code takes.
+    return np.asarray(data[t.offset:t.offset + t.n_bytes]).reshape(quant_shape_to_byte_shape(t.shape, t.tensor_type))
 
 
-def open_reader(path: Path) -> GGUFReader:
-    """Parse a GGUF file for its tensor data, turning the reader's assorted exceptions into CorruptModelError.
-
-    The header is walked with bounds first (gguf_header.py): gguf's reader follows corrupt counts
-    blindly, and the walk also checks that every tensor's data lies inside the file (the reader
-    memory-maps lazily, so a file cut inside the tensor data would still parse). Parsing the 49k-entry
-    vocabulary takes seconds, so the last reader is cached (keyed on mtime/size so a rewritten file
-    is re-read).
-    """
-    read_header(path)
-    stat = path.stat()
-    try:
-        return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
-    except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError... on garbled files
-        raise CorruptModelError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from None
+def map_file(header: GGUFHeader) -> np.ndarray:
+    """The whole file, memory-mapped read-only: tensor data is paged in as each tensor is decoded.
+    (gguf's GGUFReader would also parse every metadata entry into numpy objects: ~5 s for the
+    default model's vocabulary, which loading never reads.)"""
+    return np.memmap(header.path, dtype=np.uint8, mode="r")
 
 
 def _llama3_freq_divisors(theta: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
@@ -114,18 +104,8 @@ def _llama3_freq_divisors(theta: float, dim: int, factor: float, low: float, hig
 
 
 def _tensor_values(header: GGUFHeader, t: GGUFTensorInfo) -> np.ndarray:
-    """One (small) tensor's values, read from its place in the file: the header holds no data."""
-    with open(header.path, "rb") as f:
-        f.seek(t.offset)
-        raw = f.read(t.n_bytes)
-    floats = {QType.F32: "f4", QType.F16: "f2"}
-    if t.tensor_type in floats:  # in the file's byte order, which dequantize() would not know
-        return np.frombuffer(raw, dtype=header.byte_order + floats[t.tensor_type]).astype(np.float64)
-    try:
-        data = np.frombuffer(raw, dtype=np.uint8).reshape(quant_shape_to_byte_shape(t.shape, t.tensor_type))
-        return np.asarray(dequantize(data, t.tensor_type), dtype=np.float64).reshape(-1)
-    except Exception as e:  # malformed block data
-        raise CorruptModelError(f"{header.path}: {t.name}: cannot decode ({t.tensor_type.name}): {e}") from None
+    """One (small) tensor's values, flat, in float64."""
+    return _decode(header, map_file(header), t).reshape(-1).astype(np.float64)
 
 
 def _rope_from_freq_tensor(header: GGUFHeader, arch: str, t: GGUFTensorInfo) -> dict[str, Any]:
@@ -285,25 +265,32 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(t: ReaderTensor, path: Path) -> torch.Tensor:
+def _decode(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> np.ndarray:
+    """A tensor's values in float32, shaped as torch holds it (a view into the map for F32 files)."""
+    raw = tensor_bytes(header, data, t)
+    floats = {QType.F32: "f4", QType.F16: "f2"}
     try:
-        values = dequantize(t.data, t.tensor_type)
+        if t.tensor_type in floats:  # in the file's byte order, which dequantize() would not know
+            values = raw.view(header.byte_order + floats[t.tensor_type])
+        else:
+            values = dequantize(raw, t.tensor_type)
     except Exception as e:  # malformed block data
-        raise CorruptModelError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
-    # GGUF lists dims fastest-first (in_features, out_features); torch wants (out, in).
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    values = values.astype(np.float32, copy=False).reshape(shape)
-    if not values.flags.writeable:  # F32 data is a read-only view into the memory map: own a copy
-        values = values.copy()
+        raise CorruptModelError(f"{header.path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
+    return values.astype(np.float32, copy=False).reshape(t.shape)
+
+
+def _dequantize(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> torch.Tensor:
+    values = _decode(header, data, t)
+    if not values.flags.writeable:  # a view into the read-only map: own a copy
+        values = values.astype(np.float32)
     return torch.from_numpy(values)
 
 
-def _quantized(t: ReaderTensor, path: Path) -> QuantizedWeight:
-    shape = (int(t.shape[1]), int(t.shape[0]))
+def _quantized(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> QuantizedWeight:
     try:
-        return gguf_quantized(t.data, t.tensor_type, shape)
+        return gguf_quantized(tensor_bytes(header, data, t), t.tensor_type, t.shape)
     except ValueError as e:  # block data of the wrong size for the shape
-        raise CorruptModelError(f"{path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
+        raise CorruptModelError(f"{header.path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
 
 
 def iter_weights(path: Path, dtype: torch.dtype,
@@ -318,7 +305,7 @@ def iter_weights(path: Path, dtype: torch.dtype,
     header = read_header(path)
     config = config_from_header(header)
     check_tensor_kinds(header, config.architecture)
-    return _generate(open_reader(path), config, path, dtype, keep_quantized)
+    return _generate(header, config, dtype, keep_quantized)
 
 
 def check_tensor_kinds(header: GGUFHeader, arch: str) -> None:
@@ -334,9 +321,10 @@ def check_tensor_kinds(header: GGUFHeader, arch: str) -> None:
 
 
 def _generate(
-    reader: GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype, keep_quantized: bool
+    header: GGUFHeader, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    for t in reader.tensors:
+    data = map_file(header)
+    for t in header.tensors:
         name = hf_name(t.name)
         if name is None:  # rope_freqs.weight, already folded into config.rope_scaling
             continue
@@ -347,10 +335,10 @@ def _generate(
             elif t.name.endswith((".attn_k.weight", ".attn_k.bias")):
                 heads = config.num_kv_heads
         if keep_quantized and t.tensor_type in KEPT_GGUF_TYPES and len(t.shape) == 2:
-            qw = _quantized(t, path)
+            qw = _quantized(header, data, t)
             yield name, qw if heads is None else qw.map_rows(lambda r, h=heads: _unpermute_rope_rows(r, h))
             continue
-        tensor = _dequantize(t, path)
+        tensor = _dequantize(header, data, t)
         if heads is not None:
             tensor = _unpermute_rope_rows(tensor, heads)
         yield name, tensor.to(dtype)

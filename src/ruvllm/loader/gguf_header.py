@@ -4,8 +4,9 @@ gguf's GGUFReader trusts every count in a file: a corrupt array length makes it 
 empty views, for as long as the count says, and it turns each vocabulary entry into its own numpy
 array (seconds for a 49k-token vocabulary). This walk checks every count and length against the
 bytes left in the file before following it, keeps scalars and array lengths only (~0.1 s for the
-default model), and checks that every tensor's data lies inside the file. A file that passes it is
-safe to hand to GGUFReader, which loading still uses for the tensor data.
+default model), and checks that every tensor's data lies inside the file. Loading then reads each
+tensor's bytes from a memory map at the offsets found here (gguf_file.py); gguf's own code is used
+only to decode quantized blocks.
 
 Every failure is one line, "<file>: <key or tensor>: <problem>", or "<file>: truncated in <where>".
 """

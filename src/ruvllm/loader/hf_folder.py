@@ -194,6 +194,11 @@ def _shards(folder: Path) -> dict[Path, list[str] | None]:
     raise NotAModelError(f"{folder}: no {SINGLE_WEIGHTS_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files holding the weights, in the order they are read."""
+    return list(_shards(folder))
+
+
 def iter_weights(folder: Path, dtype: torch.dtype,
                  keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face name, tensor) one at a time, so peak memory stays near one tensor.

@@ -45,11 +45,11 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     except Exception as e:  # transformers' GGUF conversion raises assorted types on metadata it cannot use
         raise ModelLoadError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(e)})") from None
     if not getattr(tok, "chat_template", None):
-        from ruvllm.loader.gguf_file import open_reader  # lazy: only needed on this fallback path
+        from ruvllm.loader.gguf_header import read_header  # lazy: only needed on this fallback path
 
-        field = open_reader(path).get_field("tokenizer.chat_template")
-        if field is not None:
-            tok.chat_template = field.contents()
+        template = read_header(path).get("tokenizer.chat_template")
+        if isinstance(template, str):
+            tok.chat_template = template
     if cached is not None:
         _save(tok, cached)
     return tok

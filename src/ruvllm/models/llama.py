@@ -7,6 +7,7 @@ cache slots to write and which keys each query row may see.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,14 +15,17 @@ from torch import nn
 
 from ruvllm.attention.backend import AttentionBackend
 from ruvllm.attention.metadata import AttentionMetadata
-from ruvllm.config import ModelConfig, QuantConfig
+from ruvllm.config import ModelConfig
 from ruvllm.errors import CorruptModelError
 from ruvllm.layers.dense import DenseLinear, dense_linear
 from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.layers.rotary import RotaryEmbedding
 from ruvllm.quant.linear import QuantLinear
-from ruvllm.quant.plan import Weight, final_form, fuse_pieces, keeps_16bit
+from ruvllm.quant.plan import Weight, fuse_pieces, realize, stored_form
 from ruvllm.quant.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from ruvllm.models.weight_plan import WeightPlan
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         return dense_linear(hidden, self.embed_tokens.weight)
 
     # --- weights -------------------------------------------------------------------------------
-    def _target(self, name: str) -> tuple[str, int | None, int]:
+    def target(self, name: str) -> tuple[str, int | None, int]:
         """Our parameter for a Hugging Face tensor name, the row offset into it (fused q/k/v and
         gate/up), and the number of rows the tensor should have there (for fused pieces)."""
         cfg = self.cfg
@@ -134,15 +138,14 @@ class LlamaForCausalLM(nn.Module):
             return f"layers.{parts[1]}.{target}.{parts[4]}", offset, rows
         return ".".join(p for p in parts if p not in ("self_attn", "mlp")), None, 0
 
-    def load_weights(self, weights: Iterable[tuple[str, Weight]], source: str, quant: QuantConfig,
-                     dtype: torch.dtype, device: torch.device) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]], plan: WeightPlan, device: torch.device) -> None:
         """Fill the (meta-device) model from Hugging Face-named tensors, fusing q/k/v and gate/up.
 
-        Each parameter is materialized only when all its pieces have arrived, in its final form:
-        a linear's weight becomes dense or a QuantLinear as `quant` decides, so a dense copy of a
-        quantized model never exists.
+        Each parameter is materialized only when all its pieces have arrived, in the form `plan`
+        gives it (models/weight_plan.py): a linear's weight dense or a QuantLinear, so a dense copy
+        of a quantized model never exists.
         """
-        cfg = self.cfg
+        cfg, source = self.cfg, plan.source
         expected = {n: tuple(p.shape) for n, p in self.named_parameters()}
         pending: dict[str, dict[int, Weight]] = {}
         done: set[str] = set()
@@ -151,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
                 continue
-            pname, offset, rows = self._target(name)
+            pname, offset, rows = self.target(name)
             if pname not in expected or pname in done:
                 raise CorruptModelError(f"{source}: unexpected tensor {name!r}")
             want = expected[pname] if offset is None else (rows, *expected[pname][1:])
@@ -164,24 +167,29 @@ class LlamaForCausalLM(nn.Module):
                 del pending[pname]
                 done.add(pname)
                 ordered = [pieces[k] for k in sorted(pieces)]
-                self._install(pname, ordered, quant, dtype, device)
+                self._install(pname, ordered, plan, device)
         missing = [n for n in expected if n not in done]
         if missing:
             raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
-        if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in ("int8", "int4", "w8a8"):
-            form = final_form(quant, "lm_head", self.embed_tokens.weight.data, dtype)
-            self.lm_head = QuantLinear(form, int8_activations=quant.method == "w8a8")
+        head = plan.weights.get("lm_head.weight")
+        if cfg.tie_word_embeddings and head is not None:  # a packed copy of the embeddings
+            form = realize(plan.quant, "lm_head", self.embed_tokens.weight.data, head.form, plan.dtype)
+            self.lm_head = QuantLinear(form, int8_activations=plan.quant.method == "w8a8")
 
-    def _install(self, pname: str, pieces: list[Weight], quant: QuantConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def _install(self, pname: str, pieces: list[Weight], plan: WeightPlan, device: torch.device) -> None:
         module_name, attr = pname.rsplit(".", 1)
         module = self.get_submodule(module_name)
         weight = fuse_pieces(pieces)
-        if attr == "weight" and isinstance(module, nn.Linear):
-            weight = final_form(quant, module_name, weight, dtype)
+        planned = plan.weights[pname]
+        if stored_form(weight) != planned.stored:  # the headers said one thing, the loader did another
+            raise RuntimeError(f"{plan.source}: {pname} arrived as {stored_form(weight) or 'float'}, "
+                               f"but the weight plan expected {planned.stored or 'float'}")
+        dtype = plan.dtype
+        if planned.linear:
+            weight = realize(plan.quant, module_name, weight, planned.form, dtype)
             if isinstance(weight, QuantizedWeight):
                 parent_name, _, child = module_name.rpartition(".")
-                layer = QuantLinear(weight.to(device), module.bias, int8_activations=quant.method == "w8a8")
+                layer = QuantLinear(weight.to(device), module.bias, int8_activations=plan.quant.method == "w8a8")
                 self.get_submodule(parent_name).register_module(child, layer)
                 return
         elif isinstance(weight, QuantizedWeight):

@@ -105,11 +105,21 @@ def fuse_pieces(pieces: list[Weight]) -> Weight:
     return dense if stored is None else quantize_int8(dense)
 
 
+def stored_form(weight: Weight) -> tuple[str, int] | None:
+    """(kind, group_size) of a packed weight; None for a float tensor."""
+    return (weight.kind, weight.group_size) if isinstance(weight, QuantizedWeight) else None
+
+
 def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) -> Weight:
     """The form a linear layer's (fused) weight is kept in: a dense tensor or a QuantizedWeight,
     as planned_form decides from the weight's stored form."""
-    stored = (weight.kind, weight.group_size) if isinstance(weight, QuantizedWeight) else None
-    kind, group = planned_form(cfg, name, stored, tuple(weight.shape), dtype)
+    return realize(cfg, name, weight, planned_form(cfg, name, stored_form(weight), tuple(weight.shape), dtype), dtype)
+
+
+def realize(cfg: QuantConfig, name: str, weight: Weight, form: tuple[str, int], dtype: torch.dtype) -> Weight:
+    """`weight` made into `form`, which planned_form chose for it (directly or through a WeightPlan)."""
+    stored = stored_form(weight)
+    kind, group = form
     if cfg.method in LLAMACPP_METHODS:
         return _llamacpp_final(cfg, name, weight, stored, kind, dtype)
     if kind == "dense":

@@ -91,7 +91,7 @@ def _named_values(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str
     """(source name, our module name, attribute, value) of each tensor the model was loaded from,
     q/k/v and gate/up cut back out of our fused weights."""
     for name in names:
-        pname, offset, rows = model._target(name.removeprefix("model."))
+        pname, offset, rows = model.target(name.removeprefix("model."))
         value = model.get_parameter(pname).data
         if offset is not None:
             value = value[offset:offset + rows]

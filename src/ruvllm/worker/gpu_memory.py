@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ruvllm.config import ModelConfig
 from ruvllm.errors import ModelLoadError
 from ruvllm.outputs import ScheduledSeq, SchedulerOutput
 
@@ -26,21 +25,13 @@ class InsufficientGPUMemoryError(ModelLoadError):
     """The model, or one sequence at the context length, does not fit in the GPU memory budget."""
 
 
-def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The bytes of the model's dense weights, from its shape alone (checked before loading)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i + 2 * h
-    params = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * per_layer + h
-    return params * torch.empty(0, dtype=dtype).element_size()
-
-
-def check_weights_fit(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, utilization: float) -> None:
+def check_weights_fit(need: int, held_as: str, device: torch.device, utilization: float) -> None:
+    """Before loading: `need` bytes of weights (the weight plan's total, held as `held_as`) fit the budget."""
     free, total = torch.cuda.mem_get_info(device)
-    need = dense_weight_bytes(cfg, dtype)
     budget = min(total * utilization, free)
     if need > budget:
         raise InsufficientGPUMemoryError(
-            f"the model's weights need {need / GiB:.2f} GiB in {str(dtype).removeprefix('torch.')}, but "
+            f"the model's weights need {need / GiB:.2f} GiB ({held_as}), but "
             f"{device} offers {budget / GiB:.2f} GiB ({utilization:.0%} of {total / GiB:.1f} GiB, "
             f"{free / GiB:.1f} GiB free): use a smaller model, a higher --gpu-memory-utilization, or --device cpu")
 

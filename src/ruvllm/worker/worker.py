@@ -26,32 +26,35 @@ from ruvllm.layers.sampler import SamplingState
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
+from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
-from ruvllm.quant.plan import quantization_for_device, quantizes_weights
+from ruvllm.quant.plan import quantization_for_device
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
 from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
 
 log = logging.getLogger(__name__)
 
-WeightSource = Callable[[torch.dtype, QuantConfig], Iterable[tuple[str, Any]]]
-
-
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         src = resolve_model(config.model)
         self._load(config, load_model_config(src), src.path,
-                   lambda dtype, quant: iter_weights(src, dtype, keep_quantized=quantizes_weights(quant, dtype)))
+                   lambda quant, dtype: weight_plan(src, quant, dtype),
+                   lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed))
 
     @classmethod
     def from_weights(cls, model_config: ModelConfig, weights: Callable[[torch.dtype], Iterable[tuple[str, Any]]],
                      config: EngineConfig, name: str = "in-memory") -> Worker:
         """A worker over weights that come from code rather than a file (tests and benchmarks on
-        random models): `weights(dtype)` yields Hugging Face-named tensors."""
+        random models): `weights(dtype)` yields Hugging Face-named float tensors."""
         worker = object.__new__(cls)
-        worker._load(config, model_config, Path(name), lambda dtype, quant: weights(dtype))
+        worker._load(config, model_config, Path(name),
+                     lambda quant, dtype: float_weight_plan(model_config, quant, dtype, source=name),
+                     lambda plan: weights(plan.dtype))
         return worker
 
-    def _load(self, config: EngineConfig, mc: ModelConfig, path: Path, weights: WeightSource) -> None:
+    def _load(self, config: EngineConfig, mc: ModelConfig, path: Path,
+              plan_for: Callable[[QuantConfig, torch.dtype], WeightPlan],
+              weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]]) -> None:
         self.device = resolve_device(config.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
         self.quant = quantization_for_device(config.quantization, self.device)
@@ -60,10 +63,11 @@ class Worker:
         self.model_config = mc
         self.model_path = path
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        plan = plan_for(self.quant, self.dtype)
         if self.device.type == "cuda":
-            check_weights_fit(mc, self.dtype, self.device, config.cache.gpu_memory_utilization)
-        model = build_model(mc, weights(self.dtype, self.quant), str(path), self.max_model_len, self.dtype,
-                            self.device, quant=self.quant)
+            check_weights_fit(plan.total_bytes, ", ".join(f"{n} {form}" for form, n in plan.linear_forms().items()),
+                              self.device, config.cache.gpu_memory_utilization)
+        model = build_model(mc, weights(plan), str(path), self.max_model_len, self.dtype, self.device, plan=plan)
         self.weight_bytes = weight_bytes(model)
         self._start(model, config)
         log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
