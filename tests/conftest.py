@@ -44,6 +44,14 @@ def _tiny_llm() -> LLM:
     return tiny_llm("cpu", num_blocks=512)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model of _tiny_llm (same weights) as a Hugging Face folder with its word tokenizer."""
+    from tests.engine_fixtures import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
 def _checked(engine_llm: LLM):
     engine_llm.reset_prefix_cache()
     yield engine_llm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
@@ -29,6 +30,23 @@ def tiny_llm(device: str, dtype: str = "float32", cfg: ModelConfig = TINY_GQA, *
         return ((n, t.to(device, dt)) for n, t in random_weights(cfg, torch.float32, "cpu", seed=0, std=0.1))
 
     return LLM.from_core(EngineCore(Worker.from_weights(cfg, weights, config), config), word_tokenizer(cfg.vocab_size))
+
+
+def write_tiny_model(folder: Path, cfg: ModelConfig = TINY_GQA, max_positions: int = 4096) -> Path:
+    """The tiny model tiny_llm builds (the same weights) as a Hugging Face folder with the word
+    tokenizer: for what runs a model from a path (`ruvllm serve`, `benchmark`, the core process)
+    where the real model is not the point. A longer context than TINY_GQA's lets a stream outlast a
+    signal sent mid-reply (RoPE angles at a position do not depend on the table's length)."""
+    import torch
+
+    from ruvllm.loader.hf_writer import folder_in_place, hf_config, save_tokenizer, write_safetensors
+
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
+    with folder_in_place(folder) as tmp:
+        hf_config(cfg, torch.float32).save_pretrained(str(tmp))
+        save_tokenizer(word_tokenizer(cfg.vocab_size), cfg, tmp)
+        write_safetensors(random_weights(cfg, torch.float32, "cpu", seed=0, std=0.1), tmp)
+    return folder
 
 
 def is_tiny(llm: LLM) -> bool:

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+def check_device_name(name: str) -> None:
+    """The spelling alone, without importing torch (a front that starts the core elsewhere checks
+    this first; whether the device exists is for the process that runs the model)."""
+    if name not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
+    check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":
         return torch.device("cpu")
-    if not re.fullmatch(r"cuda(:\d+)?", name):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but this PyTorch sees no CUDA GPU "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")

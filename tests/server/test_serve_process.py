@@ -1,5 +1,9 @@
-"""`ruvllm serve` as a real process: starts on the embedded model, stops cleanly on SIGINT/SIGTERM
-(exit 0, in-flight requests ended), and a bad model is one line and a non-zero exit."""
+"""`ruvllm serve` as a real process: stops cleanly on SIGINT/SIGTERM (exit 0, in-flight requests
+ended), a dead core fails every stream, and a bad model is one line and a non-zero exit.
+
+The servers run the tiny model from a folder (tiny_model_dir): what is tested here is the process
+and its signals, not the model; the embedded model's serving is tested through the same app in
+tests/server/ and through `serve` in benchmarks/serve_load.py."""
 
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ def _port() -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_the_server_with_exit_0(sig: signal.Signals) -> None:
+def test_signal_stops_the_server_with_exit_0(sig: signal.Signals, tiny_model_dir) -> None:
     port = _port()
     # A short drain: the stream below outlasts it, so it is aborted (and must end) either way.
-    proc = subprocess.Popen([*SERVE, "--port", str(port), "--num-blocks", "256", "--drain-timeout", "1"],
+    proc = subprocess.Popen([*SERVE, str(tiny_model_dir), "--port", str(port), "--num-blocks", "256",
+                             "--drain-timeout", "1", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -41,25 +46,31 @@ def test_signal_stops_the_server_with_exit_0(sig: signal.Signals) -> None:
         else:
             pytest.fail("server did not come up: " + proc.stderr.read() if proc.poll() is not None else "timeout")
         (core,) = _children(proc.pid)  # the engine core's process
-        ended = threading.Event()
+        streaming, ended = threading.Event(), threading.Event()
+        chunks: list[str] = []
 
         def long_stream() -> None:
-            body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Count to 1000"}],
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to 1000"}],
                     "max_tokens": 3000, "stream": True, "ignore_eos": True}
             try:
                 with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-                    for _ in r.iter_lines():
-                        pass
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            chunks.append(line)
+                            streaming.set()
             except httpx.HTTPError:
                 pass
             ended.set()
 
         t = threading.Thread(target=long_stream, daemon=True)
         t.start()
-        time.sleep(1.5)
-        proc.send_signal(sig)
+        assert streaming.wait(30), "the stream did not start"
+        proc.send_signal(sig)  # mid-reply: 3000 tokens outlast the 1 s drain
+        assert not ended.is_set()
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
         assert ended.wait(10), "the in-flight stream was not ended"
+        # Cut by the drain (a request just started counts as in flight), not left to run to its end.
+        assert len(chunks) < 3000 and '"finish_reason":"length"' not in chunks[-1].replace(" ", ""), chunks[-1]
         assert _wait_gone(core), "the engine core outlived the server"
     finally:
         if proc.poll() is None:
@@ -108,8 +119,8 @@ def _wait_gone(pid: int, timeout: float = 10) -> bool:
     return _gone(pid)
 
 
-def _start(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([*SERVE, "--port", str(port), "--num-blocks", "512", "--drain-timeout", "1"],
+def _start(port: int, model) -> subprocess.Popen:
+    proc = subprocess.Popen([*SERVE, str(model), "--port", str(port), "--num-blocks", "512", "--drain-timeout", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(240):
         try:
@@ -121,9 +132,9 @@ def _start(port: int) -> subprocess.Popen:
     pytest.fail("server did not come up: " + proc.stderr.read())
 
 
-def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1() -> None:
+def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1(tiny_model_dir) -> None:
     port = _port()
-    proc = _start(port)
+    proc = _start(port, tiny_model_dir)
     try:
         (core,) = _children(proc.pid)
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -157,10 +168,10 @@ def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1() -> No
             proc.kill()
 
 
-def test_a_killed_server_leaves_no_orphan_core() -> None:
+def test_a_killed_server_leaves_no_orphan_core(tiny_model_dir) -> None:
     """SIGKILL gives the server no chance to stop its child: the core notices and leaves by itself."""
     port = _port()
-    proc = _start(port)
+    proc = _start(port, tiny_model_dir)
     (core,) = _children(proc.pid)
     proc.kill()
     proc.wait(timeout=10)

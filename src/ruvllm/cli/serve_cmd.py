@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
 
         The engine core (model, scheduler, KV cache) runs in a child process of its own."""
         from ruvllm.engine.async_engine import AsyncEngine
-        from ruvllm.device import resolve_device
+        from ruvllm.device import check_device_name
         from ruvllm.loader.model_cache import resolve_cli_model
         from ruvllm.server.app import create_app
         from ruvllm.server.process import serve as serve_app
@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
         template = chat_template
         if template and Path(template).is_file():
             template = Path(template).read_text(encoding="utf-8")
-        resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
+        check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
         path = resolve_cli_model(model, cache_dir)
         with console.status("loading model"):

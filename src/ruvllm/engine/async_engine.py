@@ -44,12 +44,13 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         """The core in a child process, loading `config`'s model there while the tokenizer loads here."""
-        from ruvllm.loader import load_tokenizer, resolve_model
-
         config = config or EngineConfig()
-        client = ProcessCoreClient(config)
+        client = ProcessCoreClient(config)  # started first: the two loads overlap
         try:
+            from ruvllm.loader import load_tokenizer, resolve_model
+
             tokenizer = load_tokenizer(resolve_model(config.model))
+            client.wait_ready()
         except BaseException:
             client.shutdown()
             raise

@@ -185,7 +185,9 @@ class ProcessCoreClient(_PublishedStats):
     once rather than leaving it to wait. Shutdown asks the child to leave, then terminates it,
     then kills it, and always joins it: no zombie is left behind."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
+        its tokenizer meanwhile)."""
         self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -215,14 +217,21 @@ class ProcessCoreClient(_PublishedStats):
             assert self.process.stdin is not None
             self.process.stdin.write(pickle.dumps(config))
             self.process.stdin.close()
-            ready = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._reap()
+            raise
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Until the child has loaded the model (then `info` is set); its load error, re-raised here."""
+        try:
+            ready = self._ready(timeout)
         except BaseException:
             self._reap()
             raise
         self.info = ready.info
         self._stats = ready.stats
 
-    def _wait_ready(self, timeout: float) -> Ready:
+    def _ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._out.poll(int(_LIVENESS_POLL_S * 1000)):
@@ -244,6 +253,10 @@ class ProcessCoreClient(_PublishedStats):
     def _send(self, msg: Any) -> None:
         data = self._encoder.encode(msg)
         with self._send_lock:
+            # A PUSH socket with no peer (a child not yet connected, or gone) blocks a send: wait
+            # for room in liveness-poll steps, so a dead child fails the send instead of hanging it.
+            while not self._dead and not self._in.poll(int(_LIVENESS_POLL_S * 1000), zmq.POLLOUT):
+                self._dead = self.process.poll() is not None
             if self._dead:
                 raise EngineDeadError("the engine core process is gone")
             self._in.send(data, copy=False)
@@ -336,7 +349,9 @@ class ProcessCoreClient(_PublishedStats):
     def _reap(self) -> None:
         """Join the child however it ends: asked (Shutdown), then SIGTERM, then SIGKILL."""
         proc = self.process
-        for stop, wait in ((None, 10), (proc.terminate, 5), (proc.kill, 5)):
+        # A child still loading reads no command until it is ready: terminate it at once.
+        asked = 10 if hasattr(self, "info") else 0
+        for stop, wait in ((None, asked), (proc.terminate, 5), (proc.kill, 5)):
             if stop is not None:
                 stop()
             try:

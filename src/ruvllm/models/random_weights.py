@@ -46,7 +46,11 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | 
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """One word per token id ("t0" ... "tN"), split on whitespace; id 0 is end-of-sequence."""
+    """One word per token id ("t0" ... "tN"), split on whitespace; id 0 is end-of-sequence. Its chat
+    template writes each message as its role and content, so chat requests run too."""
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    return fast

@@ -49,9 +49,12 @@ class GracefulServer(uvicorn.Server):
             threading.Thread(target=self._drain, name="ruvllm-drain", daemon=True).start()
 
     def _drain(self) -> None:
+        # Idle is the server's count of admitted sequences, not the core's last published stats: a
+        # request that has just started streaming may not be in those yet.
+        admission = self.config.app.state.ruvllm.admission
         deadline = time.monotonic() + self.drain_s
         while time.monotonic() < deadline:
-            if self.engine.snapshot.idle:
+            if admission.in_flight == 0:
                 return
             time.sleep(0.05)
         self.engine.abort_all()
