@@ -28,14 +28,16 @@ def test_json_report() -> None:
         assert isinstance(report[key], (int, float)) and report[key] > 0, (key, report[key])
 
 
-def test_two_tier_kv_cache_report() -> None:
-    result = runner.invoke(app, ["benchmark", *TINY, "--kv-cache-dtype", "int4", "--kv-hot-tokens", "16"])
+def test_two_tier_kv_cache_report(tiny_model_dir) -> None:
+    """(The report's form on the tiny model: the embedded one is measured by test_json_report.)"""
+    result = runner.invoke(app, ["benchmark", str(tiny_model_dir), *TINY, "--kv-cache-dtype", "int4",
+                                 "--kv-hot-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "KV int4" in " ".join(result.stdout.split())  # the title wraps
 
 
-def test_csv_report() -> None:
-    result = runner.invoke(app, ["benchmark", *TINY, "--format", "csv"])
+def test_csv_report(tiny_model_dir) -> None:
+    result = runner.invoke(app, ["benchmark", str(tiny_model_dir), *TINY, "--format", "csv"])
     assert result.exit_code == 0, result.output
     rows = list(csv.reader(io.StringIO(result.stdout)))
     assert len(rows) == 2 and len(rows[0]) == len(rows[1])
