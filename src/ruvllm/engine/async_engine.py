@@ -47,9 +47,13 @@ class AsyncEngine:
         config = config or EngineConfig()
         client = ProcessCoreClient(config)  # started first: the two loads overlap
         try:
-            from ruvllm.loader import load_tokenizer, resolve_model
+            from ruvllm.loader import load_model_config, load_tokenizer, resolve_model
 
-            tokenizer = load_tokenizer(resolve_model(config.model))
+            src = resolve_model(config.model)
+            # The files' checks (headers only, milliseconds) before the tokenizer: a broken model
+            # fails at once with their one-line reason, not after transformers has tried it for seconds.
+            load_model_config(src)
+            tokenizer = load_tokenizer(src)
             client.wait_ready()
         except BaseException:
             client.shutdown()
