@@ -24,12 +24,14 @@ _CSRC = Path(__file__).parent / "csrc"
 
 def _build_tag(source: Path) -> str:
     """-march=native code must not be reused on another CPU sharing the same cache folder, and two
-    checkouts with different kernel sources must not rebuild over each other: both go in the name."""
+    checkouts must not rebuild over each other: the CPU's flags, the source and its path go in the
+    name (torch's build file records the source's path, so even identical sources at two paths
+    would recompile each time the other one had been loaded)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    return hashlib.sha1(flags.encode() + source.read_bytes()).hexdigest()[:12]
+    return hashlib.sha1(flags.encode() + str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
