@@ -1,0 +1,90 @@
+"""Our C++ quantized matmul for the CPU (csrc/quant_matmul.cpp): 4- and 8-bit weights in blocks of 32
+inputs, each activation row quantized to 8 bits per block of 32 (llama.cpp's scheme), exact integer
+block dots (AVX2 where the CPU has it), threads over the output features. Every output row is
+computed the same way at any row count, so results are batch invariant.
+
+`pack(qw)` turns a QuantizedWeight into the kernel's layout once, at load; `matmul(x, packed)` runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ruvllm.cpu_build import build, unavailable
+from ruvllm.quant.weights import QuantizedWeight
+
+BLOCK = 32  # inputs per block, for weights and activations alike
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled extension, or None (with one warning) when it cannot be built."""
+    try:
+        return build("ruvllm_quant_matmul", Path(__file__).parent / "csrc" / "quant_matmul.cpp",
+                     "quantized matmul")
+    except Exception as e:  # no compiler, no headers, a build error
+        unavailable("quantized matmul", e)
+        return None
+
+
+def fits(qw: QuantizedWeight) -> bool:
+    """Whether the kernel takes this weight: K in whole blocks, int4 groups of whole blocks."""
+    k = qw.shape[1]
+    return k % BLOCK == 0 and (qw.group_size == 0 or qw.group_size % BLOCK == 0)
+
+
+@dataclass(frozen=True)
+class Packed:
+    int4: bool
+    codes: torch.Tensor  # int4: [N, K/2] uint8, two codes a byte (Q4_0 order); int8: [N, K] int8
+    scales: torch.Tensor  # [N, K/32] float32
+    zeros: torch.Tensor | None  # [N, K/32] float32; int4 only
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales) + (() if self.zeros is None else (self.zeros,))
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def pack(qw: QuantizedWeight) -> Packed:
+    """The kernel's layout of a weight (`fits` must hold). Scales of larger groups, or an int8 weight's
+    per-channel scale, are repeated over their blocks: the same values, block by block."""
+    n, k = qw.shape
+    blocks = k // BLOCK
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        t = t.float()
+        if t.dim() == 1:
+            t = t[:, None]
+        return t.repeat_interleave(blocks // t.shape[1], dim=1).contiguous()
+
+    if qw.kind == "int8":
+        return Packed(False, qw.codes.to(torch.int8).contiguous(), per_block(qw.scales), None)
+    codes = qw.codes.to(torch.uint8).reshape(n, blocks, 2, BLOCK // 2)
+    packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    assert qw.zeros is not None
+    return Packed(True, packed, per_block(qw.scales), per_block(qw.zeros))
+
+
+def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """x [T, K] (any float dtype) . W^T -> [T, N] in x's dtype."""
+    ext = kernels()
+    assert ext is not None, "check kernels() before packing for it"
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    y = ext.quant_matmul(xf, w.codes, w.scales, w.zeros, w.int4)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """What the kernel computes, in plain PyTorch (float64): x rounded to 8 bits per block of 32
+    (scale absmax / 127), times the dequantized weight. For tests."""
+    t, k = x.shape
+    xb = x.double().reshape(t, k // BLOCK, BLOCK)
+    scale = xb.abs().amax(dim=2, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(xb / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
+    return (q * scale).reshape(t, k) @ qw.dequantize().double().t()
