@@ -1,12 +1,14 @@
 """Building our C++ CPU kernels (attention/csrc, quant/csrc) on first use with the machine's compiler.
 
-Each extension is built once per source version, path and CPU (torch's extension cache, ~35 s on 2
-cores; needs a C++ compiler, and ninja, which is a dependency), then loaded in well under a second.
-Callers catch the failure to build and keep their plain PyTorch path.
+They are one extension: compiling torch's headers is most of a build, so one build serves all. It
+is built once per source version, path and CPU (torch's extension cache, ~40 s on 2 cores; needs a
+C++ compiler, and ninja, which is a dependency), then loaded in well under a second. Callers get
+None where it cannot be built, and keep their plain PyTorch paths.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -20,29 +22,37 @@ log = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-def build_tag(source: Path) -> str:
+_ROOT = Path(__file__).parent
+# The module's definition is in paged_attention.cpp; it registers the other sources' functions.
+SOURCES = (_ROOT / "attention" / "csrc" / "paged_attention.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+
+
+def build_tag(sources: tuple[Path, ...]) -> str:
     """-march=native code must not be reused on another CPU sharing the same cache folder, and two
-    checkouts must not rebuild over each other: the CPU's flags, the source and its path go in the
-    name (torch's build file records the source's path, so even identical sources at two paths
+    checkouts must not rebuild over each other: the CPU's flags, the sources and their paths go in
+    the name (torch's build file records the sources' paths, so even identical sources at two paths
     would recompile each time the other one had been loaded)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    return hashlib.sha1(flags.encode() + str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
+    h = hashlib.sha1(flags.encode())
+    for source in sources:
+        h.update(str(source.resolve()).encode() + source.read_bytes())
+    return h.hexdigest()[:12]
 
 
-def build(name: str, source: Path, what: str, cflags: list[str] = CFLAGS) -> ModuleType:
-    """The extension `name` compiled from `source` (raises when it cannot be built)."""
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled extension, or None (with one warning) when it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    log.info("loading the C++ %s (compiled on first use: ~35 s once per version and CPU)", what)
-    return load(name=f"{name}_{build_tag(source)}", sources=[str(source)], extra_cflags=cflags,
-                extra_ldflags=["-fopenmp"], verbose=False)
-
-
-def unavailable(what: str, error: Exception) -> None:
-    """Say once why a kernel could not be built (no compiler, no headers, a build error)."""
-    text = str(error).strip()
-    log.warning("C++ %s unavailable, using the PyTorch path (%s: %s)", what, type(error).__name__,
-                text.splitlines()[-1] if text else "")
+    log.info("loading the C++ kernels (compiled on first use: ~40 s once per version and CPU)")
+    try:
+        return load(name=f"ruvllm_cpu_kernels_{build_tag(SOURCES)}", sources=[str(s) for s in SOURCES],
+                    extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers, a build error: fall back, say why once
+        text = str(e).strip()
+        log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,
+                    text.splitlines()[-1] if text else "")
+        return None

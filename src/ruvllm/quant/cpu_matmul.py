@@ -8,28 +8,14 @@ computed the same way at any row count, so results are batch invariant.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from ruvllm.cpu_build import build, unavailable
+from ruvllm.cpu_build import kernels
 from ruvllm.quant.weights import QuantizedWeight
 
 BLOCK = 32  # inputs per block, for weights and activations alike
-
-
-@functools.cache
-def kernels() -> ModuleType | None:
-    """The compiled extension, or None (with one warning) when it cannot be built."""
-    try:
-        return build("ruvllm_quant_matmul", Path(__file__).parent / "csrc" / "quant_matmul.cpp",
-                     "quantized matmul")
-    except Exception as e:  # no compiler, no headers, a build error
-        unavailable("quantized matmul", e)
-        return None
 
 
 def fits(qw: QuantizedWeight) -> bool:

@@ -378,7 +378,11 @@ void quantize_kv_blocks(torch::Tensor kv_cache, torch::Tensor src_slots, torch::
 
 }  // namespace
 
+// quant/csrc/quant_matmul.cpp: built into the same extension (one build of torch's headers, not two).
+void register_quant_matmul(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_quant_matmul(m);
   // The GIL is released for the call (as torch's own ops do), so the server's asyncio thread and
   // signal handlers run while attention computes.
   m.def("paged_attention", &paged_attention, "Attention over a paged KV cache for every query row of a step",

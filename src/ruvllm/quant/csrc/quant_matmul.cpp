@@ -103,16 +103,31 @@ inline int32_t dot_int8_scalar(const int8_t* w, const int8_t* x) {
   return s;
 }
 
+// Per-thread accumulators for one tile, allocated once per thread's share of the tiles.
+struct Scratch {
+#if defined(__AVX2__)
+  std::vector<__m256> acc;  // [T, rows]: eight partial sums of the block dots, scaled
+#endif
+  std::vector<float> extra;  // [T, rows]: the zero points' part (int4), or the scalar path's sums
+  explicit Scratch(int64_t n) : extra(n) {
+#if defined(__AVX2__)
+    acc.resize(n);
+#endif
+  }
+};
+
 // y[t, n] for a tile of weight rows [n0, n1) and every t. `int4`: codes are packed nibbles.
 void tile(bool int4, const uint8_t* codes, const float* scales, const float* zeros, const QuantRows& xr,
-          int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+          int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y, Scratch& scratch) {
   const int64_t nb = K / QK;
   const int64_t row_bytes = int4 ? K / 2 : K;
   const int64_t rows = n1 - n0;
 #if defined(__AVX2__)
-  std::vector<__m256> acc(T * rows, _mm256_setzero_ps());
+  __m256* acc = scratch.acc.data();
+  std::fill(acc, acc + T * rows, _mm256_setzero_ps());
 #endif
-  std::vector<float> extra(T * rows, 0.f);  // the zero points' part: sum of x times the block's offset
+  float* extra = scratch.extra.data();
+  std::fill(extra, extra + T * rows, 0.f);
   for (int64_t b = 0; b < nb; ++b) {
 #if defined(__AVX2__)
     __m256i w[TILE_N];
@@ -126,15 +141,19 @@ void tile(bool int4, const uint8_t* codes, const float* scales, const float* zer
         wabs[r] = _mm256_sign_epi8(w[r], w[r]);
       }
     }
+    float ws[TILE_N], offset[TILE_N];
+    for (int64_t r = 0; r < rows; ++r) {
+      ws[r] = scales[(n0 + r) * nb + b];
+      offset[r] = int4 ? zeros[(n0 + r) * nb + b] - 8.f * ws[r] : 0.f;
+    }
     for (int64_t t = 0; t < T; ++t) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + t * K + b * QK));
       const float xs = xr.scale[t * nb + b];
+      const float xsum = xs * static_cast<float>(xr.sum[t * nb + b]);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
-        const float ws = scales[n * nb + b];
         const __m256i d = int4 ? dot_u8s8(w[r], xq) : dot_u8s8(wabs[r], _mm256_sign_epi8(xq, w[r]));
-        acc[t * rows + r] = _mm256_fmadd_ps(_mm256_set1_ps(xs * ws), _mm256_cvtepi32_ps(d), acc[t * rows + r]);
-        if (int4) extra[t * rows + r] += xs * (zeros[n * nb + b] - 8.f * ws) * static_cast<float>(xr.sum[t * nb + b]);
+        acc[t * rows + r] = _mm256_fmadd_ps(_mm256_set1_ps(xs * ws[r]), _mm256_cvtepi32_ps(d), acc[t * rows + r]);
+        if (int4) extra[t * rows + r] += offset[r] * xsum;
       }
     }
 #else
@@ -186,8 +205,9 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& codes, c
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + TILE_N - 1) / TILE_N;
   at::parallel_for(0, tiles, 1, [&](int64_t i0, int64_t i1) {
+    Scratch scratch(T * TILE_N);
     for (int64_t i = i0; i < i1; ++i) {
-      tile(int4, cp, sp, zp, xr, T, K, N, i * TILE_N, std::min(N, (i + 1) * TILE_N), yp);
+      tile(int4, cp, sp, zp, xr, T, K, N, i * TILE_N, std::min(N, (i + 1) * TILE_N), yp, scratch);
     }
   });
   return y;
@@ -195,8 +215,11 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& codes, c
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Registered by the extension's module (attention/csrc/paged_attention.cpp): one extension, one build.
+void register_quant_matmul(pybind11::module& m) {
+  // The GIL is released for the call, as torch's own ops do.
   m.def("quant_matmul", &quant_matmul,
         "y = x . W^T with W as 4- or 8-bit codes in blocks of 32 and x quantized to 8 bits per block of 32",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("int4"));
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("int4"),
+        py::call_guard<py::gil_scoped_release>());
 }
