@@ -161,11 +161,8 @@ def _hf_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             group = "self_attn" if parts[2] == "qkv_proj" else "mlp"
             out += [(f"model.layers.{parts[1]}.{group}.{piece}.{parts[3]}", (rows, *p.shape[1:]))
                     for piece, rows in pieces[parts[2]]]
-        elif len(parts) == 4:  # layers.N.o_proj / down_proj
-            group = "self_attn" if parts[2] == "o_proj" else "mlp"
-            out.append((f"model.layers.{parts[1]}.{group}.{parts[2]}.{parts[3]}", tuple(p.shape)))
-        else:
-            out.append((pname if pname.startswith("lm_head") else f"model.{pname}", tuple(p.shape)))
+        else:  # unfused: the model's name maps to itself (target() drops HF's self_attn/mlp level)
+            out.append((pname, tuple(p.shape)))
     return out
 
 
