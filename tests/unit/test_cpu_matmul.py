@@ -93,3 +93,12 @@ def test_packing_is_llamacpp_order() -> None:
     assert int(packed.codes[0, 0]) == int(c[0, 0]) | (int(c[0, 16]) << 4)
     assert int(packed.codes[1, 17]) == int(c[1, 33]) | (int(c[1, 49]) << 4)
     assert packed.scales.shape == (N, K // 32) and packed.zeros.shape == (N, K // 32)
+    assert packed.scales.dtype == packed.zeros.dtype == torch.float16
+
+
+@pytest.mark.parametrize("form", ["int4 g32", "int4 g64", "int8"])
+def test_packed_bytes_are_what_the_plan_counts(form: str) -> None:
+    from ruvllm.quant.weights import estimate_bytes
+
+    qw = WEIGHTS[form]
+    assert cpu_matmul.pack(qw).nbytes == estimate_bytes(qw.kind, N, K, qw.group_size)

@@ -4,6 +4,7 @@ block dots (AVX2 where the CPU has it), threads over the output features. Every 
 computed the same way at any row count, so results are batch invariant.
 
 `pack(qw)` turns a QuantizedWeight into the kernel's layout once, at load; `matmul(x, packed)` runs it.
+The packed bytes are what `estimate_bytes` counts for int4 and per-channel int8.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def fits(qw: QuantizedWeight) -> bool:
 class Packed:
     int4: bool
     codes: torch.Tensor  # int4: [N, K/2] uint8, two codes a byte (Q4_0 order); int8: [N, K] int8
-    scales: torch.Tensor  # [N, K/32] float32
-    zeros: torch.Tensor | None  # [N, K/32] float32; int4 only
+    scales: torch.Tensor  # [N, K/group] float16
+    zeros: torch.Tensor | None  # [N, K/group] float16; int4 only
+    group: int  # inputs per scale: the weight's group size, or K for a per-channel int8 scale
 
     @property
     def nbytes(self) -> int:
@@ -38,23 +40,18 @@ class Packed:
 
 
 def pack(qw: QuantizedWeight) -> Packed:
-    """The kernel's layout of a weight (`fits` must hold). Scales of larger groups, or an int8 weight's
-    per-channel scale, are repeated over their blocks: the same values, block by block."""
+    """The kernel's layout of a weight (`fits` must hold): codes as they are (int4: two a byte),
+    scales and zero points in float16, one per group (2 bytes each, as the weight plan counts them;
+    GGUF stores its block scales in float16 too)."""
     n, k = qw.shape
-    blocks = k // BLOCK
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        t = t.float()
-        if t.dim() == 1:
-            t = t[:, None]
-        return t.repeat_interleave(blocks // t.shape[1], dim=1).contiguous()
-
+    group = qw.group_size or k
+    scales = (qw.scales if qw.scales.dim() == 2 else qw.scales[:, None]).half().contiguous()
     if qw.kind == "int8":
-        return Packed(False, qw.codes.to(torch.int8).contiguous(), per_block(qw.scales), None)
-    codes = qw.codes.to(torch.uint8).reshape(n, blocks, 2, BLOCK // 2)
+        return Packed(False, qw.codes.to(torch.int8).contiguous(), scales, None, group)
+    codes = qw.codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
     packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     assert qw.zeros is not None
-    return Packed(True, packed, per_block(qw.scales), per_block(qw.zeros))
+    return Packed(True, packed, scales, qw.zeros.half().contiguous(), group)
 
 
 def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
@@ -62,15 +59,18 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     ext = kernels()
     assert ext is not None, "check kernels() before packing for it"
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    y = ext.quant_matmul(xf, w.codes, w.scales, w.zeros, w.int4)
+    y = ext.quant_matmul(xf, w.codes, w.scales, w.zeros, w.group, w.int4)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in plain PyTorch (float64): x rounded to 8 bits per block of 32
-    (scale absmax / 127), times the dequantized weight. For tests."""
+    (scale absmax / 127), times the weight dequantized with its scales and zeros rounded to float16
+    (as pack holds them). For tests."""
     t, k = x.shape
     xb = x.double().reshape(t, k // BLOCK, BLOCK)
     scale = xb.abs().amax(dim=2, keepdim=True) / 127.0
     q = torch.where(scale > 0, torch.round(xb / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
-    return (q * scale).reshape(t, k) @ qw.dequantize().double().t()
+    held = QuantizedWeight(qw.kind, qw.codes, qw.scales.half().float(),
+                           None if qw.zeros is None else qw.zeros.half().float(), qw.group_size)
+    return (q * scale).reshape(t, k) @ held.dequantize().double().t()

@@ -13,7 +13,8 @@
 //   int4 codes  [N, K/2] uint8: byte j of block b holds input 32b+j in its low nibble and input
 //               32b+16+j in its high nibble (llama.cpp's Q4_0 order). w = (q - 8) * scale + zero.
 //   int8 codes  [N, K] int8. w = q * scale.
-//   scales, zeros [N, K/32] float32 (a per-channel int8 scale is repeated over its blocks).
+//   scales, zeros [N, K/G] float16, one per group of G inputs (G a multiple of 32; a per-channel int8
+//               scale is one group of K). Two bytes each, as the weight plan counts them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -117,9 +118,10 @@ struct Scratch {
 };
 
 // y[t, n] for a tile of weight rows [n0, n1) and every t. `int4`: codes are packed nibbles.
-void tile(bool int4, const uint8_t* codes, const float* scales, const float* zeros, const QuantRows& xr,
-          int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y, Scratch& scratch) {
+void tile(bool int4, const uint8_t* codes, const at::Half* scales, const at::Half* zeros, int64_t group,
+          const QuantRows& xr, int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y, Scratch& scratch) {
   const int64_t nb = K / QK;
+  const int64_t ng = K / group, per_group = group / QK;
   const int64_t row_bytes = int4 ? K / 2 : K;
   const int64_t rows = n1 - n0;
 #if defined(__AVX2__)
@@ -143,8 +145,9 @@ void tile(bool int4, const uint8_t* codes, const float* scales, const float* zer
     }
     float ws[TILE_N], offset[TILE_N];
     for (int64_t r = 0; r < rows; ++r) {
-      ws[r] = scales[(n0 + r) * nb + b];
-      offset[r] = int4 ? zeros[(n0 + r) * nb + b] - 8.f * ws[r] : 0.f;
+      const int64_t g = (n0 + r) * ng + b / per_group;
+      ws[r] = static_cast<float>(scales[g]);
+      offset[r] = int4 ? static_cast<float>(zeros[g]) - 8.f * ws[r] : 0.f;
     }
     for (int64_t t = 0; t < T; ++t) {
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + t * K + b * QK));
@@ -163,10 +166,11 @@ void tile(bool int4, const uint8_t* codes, const float* scales, const float* zer
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = n0 + r;
         const uint8_t* p = codes + n * row_bytes + b * (int4 ? QK / 2 : QK);
-        const float ws = scales[n * nb + b];
+        const int64_t g = n * ng + b / per_group;
+        const float ws = static_cast<float>(scales[g]);
         const int32_t d = int4 ? dot_int4_scalar(p, xq) : dot_int8_scalar(reinterpret_cast<const int8_t*>(p), xq);
         extra[t * rows + r] += xs * ws * static_cast<float>(d);
-        if (int4) extra[t * rows + r] += xs * (zeros[n * nb + b] - 8.f * ws) * static_cast<float>(xr.sum[t * nb + b]);
+        if (int4) extra[t * rows + r] += (static_cast<float>(zeros[g]) - 8.f * ws) * (xs * static_cast<float>(xr.sum[t * nb + b]));
       }
     }
 #endif
@@ -183,31 +187,32 @@ void tile(bool int4, const uint8_t* codes, const float* scales, const float* zer
 }
 
 torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const c10::optional<torch::Tensor>& zeros, bool int4) {
+                           const c10::optional<torch::Tensor>& zeros, int64_t group, bool int4) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [T, K]");
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K), "codes: [N, K/2] (int4) or [N, K] (int8)");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N &&
-              scales.size(1) == K / QK, "scales: contiguous float32 [N, K/32]");
-  const float* zp = nullptr;
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.size(0) == N &&
+              scales.size(1) == K / group, "scales: contiguous float16 [N, K/group]");
+  const at::Half* zp = nullptr;
   if (int4) {
-    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == torch::kFloat32 && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(), "zeros: contiguous float32 [N, K/32]");
-    zp = zeros->data_ptr<float>();
+    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == torch::kHalf && zeros->is_contiguous() &&
+                zeros->sizes() == scales.sizes(), "zeros: contiguous float16 [N, K/group]");
+    zp = zeros->data_ptr<at::Half>();
   }
   auto y = torch::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   QuantRows xr;
   quantize_rows(x.data_ptr<float>(), T, K, xr);
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + TILE_N - 1) / TILE_N;
   at::parallel_for(0, tiles, 1, [&](int64_t i0, int64_t i1) {
     Scratch scratch(T * TILE_N);
     for (int64_t i = i0; i < i1; ++i) {
-      tile(int4, cp, sp, zp, xr, T, K, N, i * TILE_N, std::min(N, (i + 1) * TILE_N), yp, scratch);
+      tile(int4, cp, sp, zp, group, xr, T, K, N, i * TILE_N, std::min(N, (i + 1) * TILE_N), yp, scratch);
     }
   });
   return y;
@@ -220,6 +225,6 @@ void register_quant_matmul(pybind11::module& m) {
   // The GIL is released for the call, as torch's own ops do.
   m.def("quant_matmul", &quant_matmul,
         "y = x . W^T with W as 4- or 8-bit codes in blocks of 32 and x quantized to 8 bits per block of 32",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("int4"),
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int4"),
         py::call_guard<py::gil_scoped_release>());
 }
