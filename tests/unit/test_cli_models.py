@@ -526,8 +526,10 @@ def test_info_quantization_bad_settings_are_one_line() -> None:
     assert_one_line_error(invoke("info", "--group-size", "64"), "--quantization")
 
 
-def test_planned_form_agrees_with_final_form() -> None:
-    """`info -q` plans each weight from shapes alone; the loader's final_form must make the same choice."""
+def test_realize_makes_the_planned_form_at_the_planned_bytes() -> None:
+    """The plan (`info -q`, and the loader's WeightPlan) decides each form from shapes alone; `realize`
+    (through final_form) must make exactly that form, of the bytes estimate_bytes counts, from every
+    stored form: a realize that fell back to another form (int4 -> int8, say) would part them."""
     from ruvllm.config import QUANTIZATION_METHODS, QuantConfig
     from ruvllm.quant.plan import final_form, planned_form
     from ruvllm.quant.rtn import quantize_int4, quantize_int8

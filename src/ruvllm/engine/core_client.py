@@ -204,6 +204,7 @@ class ProcessCoreClient(_PublishedStats):
         self._next_call = 0
         self._stopping = threading.Event()
         self._dead = False
+        self._loaded = False  # set by wait_ready: until then the child reads no command
         self._thread: threading.Thread | None = None
         # A fresh interpreter (spawn semantics: no forked threads, locks or CUDA state), started as
         # `python -m` rather than through multiprocessing, which would re-import the caller's
@@ -230,6 +231,7 @@ class ProcessCoreClient(_PublishedStats):
             raise
         self.info = ready.info
         self._stats = ready.stats
+        self._loaded = True
 
     def _ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
@@ -350,7 +352,7 @@ class ProcessCoreClient(_PublishedStats):
         """Join the child however it ends: asked (Shutdown), then SIGTERM, then SIGKILL."""
         proc = self.process
         # A child still loading reads no command until it is ready: terminate it at once.
-        asked = 10 if hasattr(self, "info") else 0
+        asked = 10 if self._loaded else 0
         for stop, wait in ((None, asked), (proc.terminate, 5), (proc.kill, 5)):
             if stop is not None:
                 stop()

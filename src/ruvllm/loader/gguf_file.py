@@ -80,7 +80,7 @@ def gguf_name(hf: str) -> str | None:
     return None
 
 
-def tensor_bytes(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> np.ndarray:
+def tensor_bytes(data: np.ndarray, t: GGUFTensorInfo) -> np.ndarray:
     """One tensor's bytes from the file's memory map `data`, shaped [rows, bytes per row] (uint8, torch
     order) as gguf's quants take them. read_header checked that they lie inside the file."""
     # A plain ndarray view: numpy's memmap subclass costs a Python call per slice gguf's code takes.
@@ -267,7 +267,7 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _decode(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> np.ndarray:
     """A tensor's values in float32, shaped as torch holds it (a view into the map for F32 files)."""
-    raw = tensor_bytes(header, data, t)
+    raw = tensor_bytes(data, t)
     floats = {QType.F32: "f4", QType.F16: "f2"}
     try:
         if t.tensor_type in floats:  # in the file's byte order, which dequantize() would not know
@@ -288,7 +288,7 @@ def _dequantize(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> torc
 
 def _quantized(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> QuantizedWeight:
     try:
-        return gguf_quantized(tensor_bytes(header, data, t), t.tensor_type, t.shape)
+        return gguf_quantized(tensor_bytes(data, t), t.tensor_type, t.shape)
     except ValueError as e:  # block data of the wrong size for the shape
         raise CorruptModelError(f"{header.path}: cannot decode tensor {t.name} ({t.tensor_type.name}): {e}") from None
 

@@ -84,9 +84,10 @@ def weight_plan(source: str | Path | ModelSource | None, quantization: QuantConf
 def float_weight_plan(cfg: ModelConfig, quantization: QuantConfig | None = None, dtype: str | torch.dtype = "auto",
                       device: str | torch.device = "cpu", source: str = "in-memory") -> WeightPlan:
     """The plan for float weights that come from code (random models for tests and benchmarks):
-    every parameter of the model, unfused, none packed."""
+    every parameter of the model, none packed. (Fused parameters are listed whole: a float piece's
+    stored form is None either way, and the model's own names map to themselves.)"""
     quant, resolved = _settings(quantization, dtype, device)
-    tensors = [FileTensor(name, shape, None) for name, shape in _hf_shapes(cfg)]
+    tensors = [FileTensor(name, tuple(p.shape), None) for name, p in _meta_model(cfg, resolved).named_parameters()]
     return plan_weights(cfg, tensors, quant, resolved, source)
 
 
@@ -131,13 +132,9 @@ def plan_weights(cfg: ModelConfig, tensors: list[FileTensor], quant: QuantConfig
         module_name, attr = pname.rsplit(".", 1)
         linear = attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear)
         add(pname, fused_stored_form([t.packed if keep_packed else None for t in parts]), linear)
-    if tied_head_is_packed(cfg, quant):
+    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in _PACKED_HEAD_METHODS:
         add("lm_head.weight", None, True)  # a packed copy of the embeddings, made from them at load
     return WeightPlan(source, quant, dtype, keep_packed, weights)
-
-
-def tied_head_is_packed(cfg: ModelConfig, quant: QuantConfig) -> bool:
-    return cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in _PACKED_HEAD_METHODS
 
 
 def _meta_model(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
@@ -147,23 +144,6 @@ def _meta_model(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
     rope = RotaryEmbedding(cfg.head_dim, 1, cfg.rope_theta, cfg.rope_scaling, dtype)  # one position: tiny
     with torch.device("meta"):  # shapes only: no weight memory is allocated
         return model_class(cfg, "model")(cfg, rope)
-
-
-def _hf_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """The Hugging Face tensors of a model: each fused parameter split back into its pieces."""
-    model = _meta_model(cfg, torch.float32)
-    pieces = {"qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
-              "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))}
-    out = []
-    for pname, p in model.named_parameters():
-        parts = pname.split(".")
-        if len(parts) == 4 and parts[2] in pieces:
-            group = "self_attn" if parts[2] == "qkv_proj" else "mlp"
-            out += [(f"model.layers.{parts[1]}.{group}.{piece}.{parts[3]}", (rows, *p.shape[1:]))
-                    for piece, rows in pieces[parts[2]]]
-        else:  # unfused: the model's name maps to itself (target() drops HF's self_attn/mlp level)
-            out.append((pname, tuple(p.shape)))
-    return out
 
 
 def file_tensors(src: ModelSource) -> list[FileTensor]:

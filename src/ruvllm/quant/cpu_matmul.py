@@ -19,12 +19,6 @@ from ruvllm.quant.weights import QuantizedWeight
 BLOCK = 32  # inputs per block, for weights and activations alike
 
 
-def fits(qw: QuantizedWeight) -> bool:
-    """Whether the kernel takes this weight: K in whole blocks, int4 groups of whole blocks."""
-    k = qw.shape[1]
-    return k % BLOCK == 0 and (qw.group_size == 0 or qw.group_size % BLOCK == 0)
-
-
 @dataclass(frozen=True)
 class Packed:
     int4: bool
@@ -40,7 +34,7 @@ class Packed:
 
 
 def pack(qw: QuantizedWeight) -> Packed:
-    """The kernel's layout of a weight (`fits` must hold): codes as they are (int4: two a byte),
+    """The kernel's layout of a weight (K and the group size multiples of 32; the kernel checks): codes as they are (int4: two a byte),
     scales and zero points in float16, one per group (2 bytes each, as the weight plan counts them;
     GGUF stores its block scales in float16 too)."""
     n, k = qw.shape
@@ -61,16 +55,3 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = ext.quant_matmul(xf, w.codes, w.scales, w.zeros, w.group, w.int4)
     return y if y.dtype == x.dtype else y.to(x.dtype)
-
-
-def reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """What the kernel computes, in plain PyTorch (float64): x rounded to 8 bits per block of 32
-    (scale absmax / 127), times the weight dequantized with its scales and zeros rounded to float16
-    (as pack holds them). For tests."""
-    t, k = x.shape
-    xb = x.double().reshape(t, k // BLOCK, BLOCK)
-    scale = xb.abs().amax(dim=2, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(xb / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
-    held = QuantizedWeight(qw.kind, qw.codes, qw.scales.half().float(),
-                           None if qw.zeros is None else qw.zeros.half().float(), qw.group_size)
-    return (q * scale).reshape(t, k) @ held.dequantize().double().t()

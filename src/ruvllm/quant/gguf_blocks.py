@@ -32,7 +32,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def gguf_int4(data: np.ndarray, qtype: QType, shape: tuple[int, int]) -> QuantizedWeight:
-    """`data`: the tensor's raw bytes as GGUFReader gives them ([rows, bytes per row], uint8)."""
+    """`data`: the tensor's raw bytes, [rows, bytes per row] uint8 (loader/gguf_file.py tensor_bytes)."""
     n, k = shape
     blocks = np.asarray(data, dtype=np.uint8).reshape(n, -1)
     if qtype == QType.Q4_0:

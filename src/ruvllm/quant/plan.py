@@ -58,12 +58,12 @@ def _llamacpp_form(method: str, shape: tuple[int, int]) -> tuple[str, int]:
 
 def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, shape: tuple[int, int],
                  dtype: torch.dtype) -> tuple[str, int]:
-    """What final_form makes of a weight, from its shape and stored form alone (no tensor needed).
+    """The form a linear weight is kept in, from its shape and stored form alone (no tensor needed):
+    the one decision, which the weight plan records and `realize` carries out.
 
     `stored`: (kind, group_size) of the QuantizedWeight a loader hands over, None for a float tensor.
     Returns ("dense", 0) (dense in `dtype`), ("int8", 0) (per channel) or ("int4", group_size), and
-    raises final_form's ValueError for an int4 group size that does not divide the input size.
-    Keep it in step with final_form (tests/unit/test_cli_models.py compares the two).
+    raises ValueError for an int4 group size that does not divide the input size.
     """
     if cfg.method in LLAMACPP_METHODS:
         return ("dense", 0) if keeps_16bit(cfg, name) else _llamacpp_form(cfg.method, shape)
@@ -111,8 +111,8 @@ def stored_form(weight: Weight) -> tuple[str, int] | None:
 
 
 def final_form(cfg: QuantConfig, name: str, weight: Weight, dtype: torch.dtype) -> Weight:
-    """The form a linear layer's (fused) weight is kept in: a dense tensor or a QuantizedWeight,
-    as planned_form decides from the weight's stored form."""
+    """`weight` realized in the form planned_form chooses for it (the loader does the same through
+    its WeightPlan)."""
     return realize(cfg, name, weight, planned_form(cfg, name, stored_form(weight), tuple(weight.shape), dtype), dtype)
 
 

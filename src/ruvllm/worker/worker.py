@@ -21,14 +21,12 @@ import torch
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.device import resolve_device
-from ruvllm.dtypes import resolve_model_dtype
 from ruvllm.layers.sampler import SamplingState
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
 from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
-from ruvllm.quant.plan import quantization_for_device
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
 from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
 
@@ -38,7 +36,7 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         src = resolve_model(config.model)
         self._load(config, load_model_config(src), src.path,
-                   lambda quant, dtype: weight_plan(src, quant, dtype),
+                   lambda quant, dtype, device: weight_plan(src, quant, dtype, device),
                    lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed))
 
     @classmethod
@@ -48,22 +46,22 @@ class Worker:
         random models): `weights(dtype)` yields Hugging Face-named float tensors."""
         worker = object.__new__(cls)
         worker._load(config, model_config, Path(name),
-                     lambda quant, dtype: float_weight_plan(model_config, quant, dtype, source=name),
+                     lambda quant, dtype, device: float_weight_plan(model_config, quant, dtype, device, name),
                      lambda plan: weights(plan.dtype))
         return worker
 
     def _load(self, config: EngineConfig, mc: ModelConfig, path: Path,
-              plan_for: Callable[[QuantConfig, torch.dtype], WeightPlan],
+              plan_for: Callable[[QuantConfig, str, torch.device], WeightPlan],
               weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]]) -> None:
         self.device = resolve_device(config.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
-        self.quant = quantization_for_device(config.quantization, self.device)
-        self.dtype = resolve_model_dtype(config.dtype, self.quant, self.device.type)
+        # The plan settles the device's quantization and the compute dtype (from headers, before loading).
+        plan = plan_for(config.quantization, config.dtype, self.device)
+        self.quant, self.dtype = plan.quant, plan.dtype
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.model_config = mc
         self.model_path = path
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        plan = plan_for(self.quant, self.dtype)
         if self.device.type == "cuda":
             check_weights_fit(plan.total_bytes, ", ".join(f"{n} {form}" for form, n in plan.linear_forms().items()),
                               self.device, config.cache.gpu_memory_utilization)
