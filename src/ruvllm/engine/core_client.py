@@ -210,7 +210,8 @@ class ProcessCoreClient(_PublishedStats):
         # `python -m` rather than through multiprocessing, which would re-import the caller's
         # __main__ in the child: scripts without a __main__ guard and notebooks work as they are.
         # The child logs at this process's level (`ruvllm -v` shows the core's load and KV sizing too).
-        env = {**os.environ, "RUVLLM_LOG": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
+        # As a number: a custom level has no name basicConfig would take back.
+        env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel())}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, out_addr, str(os.getpid())],
             stdin=subprocess.PIPE, env=env)
@@ -331,10 +332,11 @@ class ProcessCoreClient(_PublishedStats):
         if self._stopping.is_set():
             return
         self._stopping.set()
-        try:
-            self._send(Shutdown())
-        except EngineDeadError:
-            pass
+        if self._loaded:  # a child still loading reads no command: _reap terminates it
+            try:
+                self._send(Shutdown())
+            except EngineDeadError:
+                pass
         self._reap()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -28,7 +28,8 @@ _IDLE_POLL_MS = 500  # how often an idle core checks that its front still lives
 def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group; the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("RUVLLM_LOG", "WARNING").upper(),
+    level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
+    logging.basicConfig(level=int(level) if level.isdigit() else level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ruvllm.messages import CoreFailed, CoreInput, Ready
 

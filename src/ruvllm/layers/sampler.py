@@ -42,9 +42,11 @@ class SamplingState:
         if self._counts is None:
             self._counts = torch.zeros(vocab, dtype=dtype, device=device)
         new = self.output_token_ids[self._counted:]
-        if new:
+        if len(new) == 1:  # the usual step: one token, no host-to-device copy of an index tensor
+            self._counts[new[0]] += 1
+        elif new:
             self._counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), dtype=dtype, device=device))
-            self._counted = len(self.output_token_ids)
+        self._counted = len(self.output_token_ids)
         return self._counts
 
     def prompt_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
