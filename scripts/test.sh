@@ -3,4 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-exec .venv/bin/python -m pytest tests "$@"
+# Two pytest workers, whole files each (a module's fixtures load once), one CPU thread per worker
+# and per engine they start: two single-threaded processes keep both cores of the 2-core CI
+# machine busy where one two-threaded process left one idle through imports, process starts and
+# Python-bound work; two two-threaded workers would oversubscribe the cores. RUVLLM_TEST_WORKERS
+# sets the count (0: one process, no workers). docs/decisions.md says why.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec .venv/bin/python -m pytest tests -n "${RUVLLM_TEST_WORKERS:-2}" --dist loadfile "$@"

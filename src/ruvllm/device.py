@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -32,3 +33,17 @@ def resolve_device(name: str) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) present")
     return torch.device("cuda", index)
+
+
+def default_num_threads() -> int:
+    """CPU threads when none are asked for: OMP_NUM_THREADS where it is set (every OpenMP program
+    honours it, and a parent running several engines side by side sets it to share the cores), else
+    the CPUs this process may run on (its affinity: a container or taskset may allow fewer than
+    the machine has)."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

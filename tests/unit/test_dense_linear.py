@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -12,9 +14,20 @@ from ruvllm.layers.dense import DenseLinear, dense_linear
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """MKL's choice of kernel may depend on the threads too; the suite runs its workers with one
+    thread each (scripts/test.sh), a server runs with all cores: both are checked here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_the_same_at_any_row_count(dtype: torch.dtype, out_features: int, in_features: int) -> None:
+def test_each_row_is_the_same_at_any_row_count(dtype: torch.dtype, out_features: int, in_features: int,
+                                               threads: int) -> None:
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).to(dtype)
     x = torch.randn(128, in_features).to(dtype)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from ruvllm.config import QuantConfig
-from ruvllm.device import resolve_device
+from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.quant.plan import quantization_for_device
 from ruvllm.worker.cuda_graphs import bucket_sizes
 
@@ -49,3 +51,15 @@ def test_cli_bad_device_is_one_line_error(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setenv("COLUMNS", "1000")
     assert_one_line_error(invoke("benchmark", "--device", "tpu", "--iterations", "1"), "cuda:N", "'tpu'")
+
+
+def test_default_threads_honour_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_num_threads() == 3
+    # Unset or unusable: the CPUs this process may run on.
+    for value in (None, "", "0", "many"):
+        if value is None:
+            monkeypatch.delenv("OMP_NUM_THREADS")
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert default_num_threads() == len(os.sched_getaffinity(0))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
-from ruvllm.device import resolve_device
+from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.layers.sampler import SamplingState
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
@@ -58,7 +57,7 @@ class Worker:
         # The plan settles the device's quantization and the compute dtype (from headers, before loading).
         plan = plan_for(config.quantization, config.dtype, self.device)
         self.quant, self.dtype = plan.quant, plan.dtype
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads or default_num_threads())
         self.model_config = mc
         self.model_path = path
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
