@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-_ROOT = Path(__file__).parent
+_ROOT = Path(__file__).resolve().parent
 # The module's definition is in paged_attention.cpp; it registers the other sources' functions.
 SOURCES = (_ROOT / "attention" / "csrc" / "paged_attention.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
 
@@ -56,3 +56,11 @@ def kernels() -> ModuleType | None:
         log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,
                     text.splitlines()[-1] if text else "")
         return None
+
+
+if __name__ == "__main__":
+    # `python src/ruvllm/cpu_build.py`: build now. Set-up runs it beside pip's install of the rest
+    # (scripts/bootstrap.sh), so neither the first request nor the first test waits for the
+    # compiler. Run as a file, it needs torch and nothing else of the package's dependencies.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    raise SystemExit(0 if kernels() is not None else 1)

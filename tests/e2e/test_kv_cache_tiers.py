@@ -101,21 +101,29 @@ def test_sizes_and_start_up(kv_default_llm: LLM) -> None:
     assert info.num_blocks > (1.4 if _kv(kv_llm) == "int8" else 2) * 512
 
 
-def test_close_to_the_16bit_cache(kv_default_llm: LLM, default_llm: LLM) -> None:
+@pytest.fixture(scope="module")
+def sixteen_bit_reference(_default_llm: LLM) -> tuple[list[str], list[list[int]], list[list[int]], list]:
+    """The 16-bit cache's side of the comparison, the same for both cold tiers: prompts, their greedy
+    continuations, the teacher-forced sequences and their prompt logprobs."""
+    _default_llm.reset_prefix_cache()
+    prompts = novel_prompts(4, words=150)
+    ref = _tokens(_default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
+    forced = [_default_llm.tokenizer.encode(p) + r for p, r in zip(prompts, ref)]
+    scored = _default_llm.generate(forced, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    _assert_all_free(_default_llm)
+    return prompts, ref, forced, scored
+
+
+def test_close_to_the_16bit_cache(kv_default_llm: LLM, sixteen_bit_reference) -> None:
     """Teacher-forced logprobs of the 16-bit cache's greedy continuations of ~200-token prompts stay
     close (measured with a 32-token hot window, 6 prompts at bf16: int8 mean 0.027 / max 0.27 nats,
     int4 0.082 / 0.93, where bf16 vs fp32 compute measures 0.014 / 0.067; these 4 prompts at fp32:
     int8 0.006 / 0.095, int4 0.075 / 1.02), and greedy decoding starts the same way."""
     kv_llm = kv_default_llm
-    prompts = novel_prompts(4, words=150)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = _tokens(default_llm.generate(prompts, params))
-    got = _tokens(kv_llm.generate(prompts, params))
+    prompts, ref, forced, a = sixteen_bit_reference
+    got = _tokens(kv_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
     assert sum(r[0] == g[0] for r, g in zip(ref, got)) >= 3
-    forced = [default_llm.tokenizer.encode(p) + r for p, r in zip(prompts, ref)]
-    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    a = default_llm.generate(forced, score)
-    b = kv_llm.generate(forced, score)
+    b = kv_llm.generate(forced, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     diffs = [abs(x[t].logprob - y[t].logprob) for oa, ob, ids in zip(a, b, forced)
              for t, x, y in zip(ids[1:], oa.prompt_logprobs[1:], ob.prompt_logprobs[1:])]
     mean, worst = sum(diffs) / len(diffs), max(diffs)

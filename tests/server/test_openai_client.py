@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -47,24 +48,24 @@ def test_chat_stream_equals_non_stream_and_reports_usage(client: openai.OpenAI) 
 
 def test_sampling_fields_are_honoured(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a poem about the sea."}], max_tokens=20)
-    a = client.chat.completions.create(**kw, temperature=1.0, top_p=0.9, seed=42, presence_penalty=0.5,
-                                       frequency_penalty=0.5, extra_body={"top_k": 40, "min_p": 0.05,
-                                                                          "repetition_penalty": 1.1})
-    b = client.chat.completions.create(**kw, temperature=1.0, top_p=0.9, seed=42, presence_penalty=0.5,
-                                       frequency_penalty=0.5, extra_body={"top_k": 40, "min_p": 0.05,
-                                                                          "repetition_penalty": 1.1})
-    assert a.choices[0].message.content == b.choices[0].message.content  # same seed, same text
-    n3 = client.chat.completions.create(**kw, temperature=1.0, n=3, seed=1)
-    assert sorted(c.index for c in n3.choices) == [0, 1, 2]
-    stop = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30,
-                                          stop=["Paris"])
-    assert "Paris" not in stop.choices[0].message.content and stop.choices[0].finish_reason == "stop"
-    ignore = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                            max_completion_tokens=40, extra_body={"ignore_eos": True})
-    assert ignore.usage.completion_tokens == 40 and ignore.choices[0].finish_reason == "length"
-    mint = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
-                                          extra_body={"min_tokens": 50})
-    assert mint.usage.completion_tokens >= 50
+    sampled = dict(**kw, temperature=1.0, top_p=0.9, seed=42, presence_penalty=0.5, frequency_penalty=0.5,
+                   extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1})
+    calls = {"a": sampled, "b": sampled, "n3": dict(**kw, temperature=1.0, n=3, seed=1),
+             "stop": dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30, stop=["Paris"]),
+             "ignore": dict(model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=40,
+                            extra_body={"ignore_eos": True}),
+             "mint": dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
+                          extra_body={"min_tokens": 50})}
+    # All at once: they share the engine's steps, which each must survive (and it is faster).
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(client.chat.completions.create, **body) for name, body in calls.items()}
+        r = {name: f.result() for name, f in futures.items()}
+    assert r["a"].choices[0].message.content == r["b"].choices[0].message.content  # same seed, same text
+    assert sorted(c.index for c in r["n3"].choices) == [0, 1, 2]
+    stop = r["stop"].choices[0]
+    assert "Paris" not in stop.message.content and stop.finish_reason == "stop"
+    assert r["ignore"].usage.completion_tokens == 40 and r["ignore"].choices[0].finish_reason == "length"
+    assert r["mint"].usage.completion_tokens >= 50
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
