@@ -1,7 +1,8 @@
-"""Building our C++ CPU kernels (attention/csrc, quant/csrc) on first use with the machine's compiler.
+"""Building our C++ CPU kernels (attention/csrc, quant/csrc; made operators by csrc/ops.cpp) on first use
+with the machine's compiler.
 
 They are one extension: compiling torch's headers is most of a build, so one build serves all. It
-is built once per source version, path and CPU (torch's extension cache, ~40 s on 2 cores; needs a
+is built once per source version, path and CPU (torch's extension cache, ~15 s on 2 cores; needs a
 C++ compiler, and ninja, which is a dependency), then loaded in well under a second. Callers get
 None where it cannot be built, and keep their plain PyTorch paths.
 """
@@ -13,7 +14,7 @@ import hashlib
 import logging
 import platform
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 _ROOT = Path(__file__).resolve().parent
-# The module's definition is in paged_attention.cpp; it registers the other sources' functions.
-SOURCES = (_ROOT / "attention" / "csrc" / "paged_attention.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+# csrc/ops.cpp registers the other sources' functions as operators.
+SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
+           _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -43,14 +45,18 @@ def build_tag(sources: tuple[Path, ...]) -> str:
 
 
 @functools.cache
-def kernels() -> ModuleType | None:
-    """The compiled extension, or None (with one warning) when it cannot be built."""
+def kernels() -> Any:
+    """The compiled operators (a torch.ops namespace: `kernels().paged_attention(...)`), or None (with
+    one warning) when they cannot be built."""
+    import torch
     from torch.utils.cpp_extension import load
 
-    log.info("loading the C++ kernels (compiled on first use: ~40 s once per version and CPU)")
+    log.info("loading the C++ kernels (compiled on first use: ~15 s once per version and CPU)")
+    name = f"ruvllm_cpu_kernels_{build_tag(SOURCES)}"
     try:
-        return load(name=f"ruvllm_cpu_kernels_{build_tag(SOURCES)}", sources=[str(s) for s in SOURCES],
-                    extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        return getattr(torch.ops, name)
     except Exception as e:  # no compiler, no headers, a build error: fall back, say why once
         text = str(e).strip()
         log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,

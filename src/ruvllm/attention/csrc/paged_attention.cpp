@@ -18,8 +18,11 @@
 // cold tier if the block has moved there, else fake-quantized from the hot tier with the very same
 // quantizer that moves blocks (quantize_kv_blocks). So what a row reads depends on its position only,
 // never on when its blocks moved, how its prompt was chunked, or what else shared the step.
-#include <torch/extension.h>
+// Only ATen's light headers: the extension's build is mostly spent compiling headers (csrc/ops.cpp).
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -146,9 +149,9 @@ struct Tile {
 };
 
 template <typename T>
-void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                    const torch::Tensor& block_tables, const std::vector<Tile>& tiles, const int64_t* row_ctx,
-                    int64_t block_size, double scale, const Cold& cold, torch::Tensor& out) {
+void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const std::vector<Tile>& tiles, const int64_t* row_ctx,
+                    int64_t block_size, double scale, const Cold& cold, at::Tensor& out) {
   const int64_t hq = q.size(1), dim = q.size(2);
   const int64_t hkv = k_cache.size(1), group = hq / hkv;
   const int64_t max_blocks = block_tables.size(1);
@@ -235,7 +238,7 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const 
   });
 }
 
-std::vector<Tile> make_tiles(const torch::Tensor& tables, const int64_t* seq_p, const int64_t* ctx_p, int64_t rows,
+std::vector<Tile> make_tiles(const at::Tensor& tables, const int64_t* seq_p, const int64_t* ctx_p, int64_t rows,
                              int64_t block_size) {
   const int64_t capacity = tables.size(1) * block_size;
   std::vector<Tile> tiles;
@@ -253,16 +256,16 @@ std::vector<Tile> make_tiles(const torch::Tensor& tables, const int64_t* seq_p, 
   return tiles;
 }
 
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                        torch::Tensor row_seq, torch::Tensor row_ctx, int64_t block_size, double scale,
+at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                        at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
                         const Cold& cold) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T,Hq,D], caches [slots,Hkv,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && row_seq.scalar_type() == torch::kInt64 &&
-                  row_ctx.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
+                  row_ctx.scalar_type() == at::kLong,
               "block tables, row sequences and row contexts must be int64");
   TORCH_CHECK(row_seq.numel() == q.size(0) && row_ctx.numel() == q.size(0), "one sequence and context per row");
   auto tables = block_tables.contiguous();
@@ -270,26 +273,30 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   auto ctx = row_ctx.contiguous();
   const int64_t* ctx_p = ctx.data_ptr<int64_t>();
   std::vector<Tile> tiles = make_tiles(tables, seqs.data_ptr<int64_t>(), ctx_p, q.size(0), block_size);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attention_impl<scalar_t>(q, k_cache, v_cache, tables, tiles, ctx_p, block_size, scale, cold, out);
   });
   return out;
 }
 
+}  // namespace
+
+namespace ruvllm {
+
 // q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [S, max_blocks]; row_seq [T]: each row's
 // sequence (its block-table row); row_ctx [T]: keys each row attends to (its position + 1).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_ctx,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor row_seq, at::Tensor row_ctx,
                               int64_t block_size, double scale) {
   return attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale, Cold{});
 }
 
-void check_cold(const torch::Tensor& codes, const torch::Tensor& meta, const torch::Tensor& hot, int64_t bits) {
+static void check_cold(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& hot, int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 4, "KV codes are 8 or 4 bits, got ", bits);
-  TORCH_CHECK(codes.scalar_type() == (bits == 8 ? torch::kInt8 : torch::kUInt8),
+  TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "int8 codes are int8, int4 codes are uint8 (two a byte)");
-  TORCH_CHECK(meta.scalar_type() == torch::kHalf, "cold-tier scales are float16");
+  TORCH_CHECK(meta.scalar_type() == at::kHalf, "cold-tier scales are float16");
   TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous(), "cold-tier tensors must be contiguous");
   const int64_t d = hot.size(-1);
   TORCH_CHECK(codes.dim() == hot.dim() && codes.size(-2) == hot.size(-2) &&
@@ -302,10 +309,10 @@ void check_cold(const torch::Tensor& codes, const torch::Tensor& meta, const tor
 // A two-tier cache: blocks >= num_hot_blocks are cold (codes [cold_slots, Hkv, D or D/2], meta
 // [cold_slots, Hkv, 1 or 2] fp16); a row reads block b as cold when (b + 1) * block_size <= its
 // context - hot_tokens.
-torch::Tensor paged_attention_tiered(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_meta,
-                                     torch::Tensor v_meta, torch::Tensor block_tables, torch::Tensor row_seq,
-                                     torch::Tensor row_ctx, int64_t block_size, double scale,
+at::Tensor paged_attention_tiered(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor k_codes, at::Tensor v_codes, at::Tensor k_meta,
+                                     at::Tensor v_meta, at::Tensor block_tables, at::Tensor row_seq,
+                                     at::Tensor row_ctx, int64_t block_size, double scale,
                                      int64_t num_hot_blocks, int64_t hot_tokens, int64_t bits) {
   check_cold(k_codes, k_meta, k_cache, bits);
   check_cold(v_codes, v_meta, v_cache, bits);
@@ -330,7 +337,7 @@ torch::Tensor paged_attention_tiered(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 template <typename T>
-void quantize_impl(const torch::Tensor& kv, const int64_t* src, torch::Tensor& codes, torch::Tensor& meta,
+static void quantize_impl(const at::Tensor& kv, const int64_t* src, at::Tensor& codes, at::Tensor& meta,
                    const int64_t* dst, int64_t n, int bits) {
   const int64_t layers = kv.size(0), hkv = kv.size(3), d = kv.size(4);
   const int64_t hot_slots = kv.size(2), cold_slots = codes.size(2);
@@ -353,13 +360,13 @@ void quantize_impl(const torch::Tensor& kv, const int64_t* src, torch::Tensor& c
 
 // kv_cache [L, 2, hot_slots, Hkv, D] -> codes [L, 2, cold_slots, Hkv, D or D/2], meta [L, 2, cold_slots,
 // Hkv, 1 or 2]: hot slot src_slots[i] of every layer's keys and values to cold slot dst_slots[i].
-void quantize_kv_blocks(torch::Tensor kv_cache, torch::Tensor src_slots, torch::Tensor codes, torch::Tensor meta,
-                        torch::Tensor dst_slots, int64_t bits) {
+void quantize_kv_blocks(at::Tensor kv_cache, at::Tensor src_slots, at::Tensor codes, at::Tensor meta,
+                        at::Tensor dst_slots, int64_t bits) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [layers, 2, slots, heads, dim] tensor");
   check_cold(codes, meta, kv_cache, bits);
   TORCH_CHECK(codes.size(0) == kv_cache.size(0) && codes.size(1) == 2, "codes must be [layers, 2, slots, heads, *]");
-  TORCH_CHECK(src_slots.scalar_type() == torch::kInt64 && dst_slots.scalar_type() == torch::kInt64 &&
+  TORCH_CHECK(src_slots.scalar_type() == at::kLong && dst_slots.scalar_type() == at::kLong &&
                   src_slots.numel() == dst_slots.numel(),
               "slots must be int64, as many sources as destinations");
   auto src = src_slots.contiguous();
@@ -376,20 +383,4 @@ void quantize_kv_blocks(torch::Tensor kv_cache, torch::Tensor src_slots, torch::
   });
 }
 
-}  // namespace
-
-// quant/csrc/quant_matmul.cpp: built into the same extension (one build of torch's headers, not two).
-void register_quant_matmul(pybind11::module& m);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_quant_matmul(m);
-  // The GIL is released for the call (as torch's own ops do), so the server's asyncio thread and
-  // signal handlers run while attention computes.
-  m.def("paged_attention", &paged_attention, "Attention over a paged KV cache for every query row of a step",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("paged_attention_tiered", &paged_attention_tiered,
-        "paged_attention over a two-tier cache: hot blocks in the compute dtype, cold ones int8/int4",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("quantize_kv_blocks", &quantize_kv_blocks, "Quantize-copy hot KV slots of every layer into cold slots",
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace ruvllm

@@ -16,8 +16,10 @@
 //   scales, zeros [N, K/G] float16, one per group of G inputs (G a multiple of 32; a per-channel int8
 //               scale is one group of K). Two bytes each, as the weight plan counts them.
 
-#include <torch/extension.h>
+// Only ATen's light headers: the extension's build is mostly spent compiling headers (csrc/ops.cpp).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -186,22 +188,26 @@ void tile(bool int4, const uint8_t* codes, const at::Half* scales, const at::Hal
   }
 }
 
-torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const c10::optional<torch::Tensor>& zeros, int64_t group, bool int4) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [T, K]");
+}  // namespace
+
+namespace ruvllm {
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, int64_t group, bool int4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, K]");
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K), "codes: [N, K/2] (int4) or [N, K] (int8)");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.size(0) == N &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == N &&
               scales.size(1) == K / group, "scales: contiguous float16 [N, K/group]");
   const at::Half* zp = nullptr;
   if (int4) {
-    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == torch::kHalf && zeros->is_contiguous() &&
+    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kHalf && zeros->is_contiguous() &&
                 zeros->sizes() == scales.sizes(), "zeros: contiguous float16 [N, K/group]");
     zp = zeros->data_ptr<at::Half>();
   }
-  auto y = torch::empty({T, N}, x.options());
+  auto y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   QuantRows xr;
   quantize_rows(x.data_ptr<float>(), T, K, xr);
@@ -218,13 +224,4 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& codes, c
   return y;
 }
 
-}  // namespace
-
-// Registered by the extension's module (attention/csrc/paged_attention.cpp): one extension, one build.
-void register_quant_matmul(pybind11::module& m) {
-  // The GIL is released for the call, as torch's own ops do.
-  m.def("quant_matmul", &quant_matmul,
-        "y = x . W^T with W as 4- or 8-bit codes in blocks of 32 and x quantized to 8 bits per block of 32",
-        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int4"),
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace ruvllm
