@@ -1,11 +1,14 @@
-"""Our C++ quantized matmul against PyTorch's CPU paths, side by side, on the default model's shapes.
+"""Our C++ matmuls (fp32, and quantized) against PyTorch's CPU paths, side by side, on the default
+model's shapes.
 
     .venv/bin/python benchmarks/quant_matmul.py                # 1 and 32 rows, 2 threads
-    .venv/bin/python benchmarks/quant_matmul.py --rows 1 8 32 128 --threads 1
+    .venv/bin/python benchmarks/quant_matmul.py --rows 1 4 16 64 256 --threads 1
 
 Microseconds per call (median of --calls after warm-up) for each [rows, K] x [N, K]^T:
-fp32 and bf16 F.linear (dense), PyTorch's packed int8/int4 weight-only kernels (bf16 activations, as
-QuantLinear feeds them), and ours (int4 / int8 weights in blocks of 32, 8-bit activations).
+fp32 F.linear (MKL) as it is and padded as the engine had to call it for batch invariance (a few
+rows padded to 4, layers/dense.py), our batch-invariant fp32 kernel, bf16 F.linear, PyTorch's packed
+int8/int4 weight-only kernels (bf16 activations, as QuantLinear feeds them), and ours (int4 / int8
+weights in blocks of 32, 8-bit activations).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from ruvllm.layers.dense import dense_linear, padded_linear
 from ruvllm.quant import cpu_matmul
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.rtn import quantize_int4, quantize_int8
@@ -49,7 +53,7 @@ def main() -> None:
     if cpu_matmul.kernels() is None:
         raise SystemExit("the C++ quantized matmul could not be built on this machine")
     table = Table(title=f"us per call, {args.threads} threads (lower is better)")
-    for col in ("shape", "rows", "fp32", "bf16", "torch int8 (bf16 act)", "torch int4 g32 (bf16 act)",
+    for col in ("shape", "rows", "fp32 MKL", "fp32 MKL padded", "ours fp32", "bf16", "torch int8 (bf16 act)", "torch int4 g32 (bf16 act)",
                 "ours int8", "ours int4 g32", "ours int4 vs fp32"):
         table.add_column(col, justify="right")
     for label, (n, k) in SHAPES.items():
@@ -63,12 +67,14 @@ def main() -> None:
             xb = x.bfloat16()
             calls = max(5, args.calls // (8 if n > 10000 else 1))
             fp32 = _time(lambda: F.linear(x, w), calls)
+            padded = _time(lambda: padded_linear(x, w), calls)
+            ours32 = _time(lambda: dense_linear(x, w), calls)
             bf16 = _time(lambda: F.linear(xb, wb), calls)
             t8 = _time(lambda: torch_int8(xb), calls)
             t4 = _time(lambda: torch_int4(xb), calls)
             o8 = _time(lambda: cpu_matmul.matmul(x, ours8), calls)
             o4 = _time(lambda: cpu_matmul.matmul(x, ours4), calls)
-            table.add_row(label, str(rows), f"{fp32:.0f}", f"{bf16:.0f}", f"{t8:.0f}", f"{t4:.0f}", f"{o8:.0f}",
+            table.add_row(label, str(rows), f"{fp32:.0f}", f"{padded:.0f}", f"{ours32:.0f}", f"{bf16:.0f}", f"{t8:.0f}", f"{t4:.0f}", f"{o8:.0f}",
                           f"{o4:.0f}", f"{fp32 / o4:.2f}x")
     Console(width=200).print(table)
 

@@ -1,4 +1,4 @@
-"""Building our C++ CPU kernels (attention/csrc, quant/csrc; made operators by csrc/ops.cpp) on first use
+"""Building our C++ CPU kernels (attention/, layers/, quant/csrc; made operators by csrc/ops.cpp) on first use
 with the machine's compiler.
 
 They are one extension: compiling torch's headers is most of a build, so one build serves all. It
@@ -26,7 +26,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _ROOT = Path(__file__).resolve().parent
 # csrc/ops.cpp registers the other sources' functions as operators.
 SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
-           _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+           _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:

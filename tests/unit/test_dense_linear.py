@@ -1,17 +1,21 @@
 """Dense linear layers give each row the same bits whatever number of rows shares the call
-(layers/dense.py): PyTorch's fp32 CPU matmul (MKL) takes another kernel for a few rows."""
+(layers/dense.py): our fp32 kernel, and MKL padded to its many-rows kernel where ours is absent."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ruvllm.layers.dense import DenseLinear, dense_linear
+from ruvllm.cpu_build import kernels
+from ruvllm.layers.dense import DenseLinear, dense_linear, padded_linear
 
-# The default model's projections: q/k/v, o, gate/up, down, and the (tied) LM head.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+# The default model's projections: q/k/v, o, gate/up, down, and the (tied) LM head; then odd sizes
+# (K not a multiple of 8, N not a multiple of the kernel's tile).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 13), (5, 100)]
+IMPLS = {"ours": dense_linear, "padded-mkl": padded_linear}
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -24,23 +28,50 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_is_the_same_at_any_row_count(dtype: torch.dtype, out_features: int, in_features: int,
-                                               threads: int) -> None:
+                                               impl: str, threads: int) -> None:
+    if impl == "ours" and kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    if impl == "padded-mkl" and dtype != torch.float32:
+        pytest.skip("only float32 is padded")
+    linear: Callable[..., torch.Tensor] = IMPLS[impl]
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).to(dtype)
     x = torch.randn(128, in_features).to(dtype)
-    together = dense_linear(x, w)
-    counts = list(range(1, 41)) if out_features < 10_000 else [1, 2, 3, 5, 7, 9, 11, 13]
+    together = linear(x, w)
+    exact = F.linear(x.double(), w.double())
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(together.double(), exact, **tol)
+    counts = list(range(1, 41)) + [64, 65, 127] if out_features < 10_000 else [1, 2, 3, 5, 7, 9, 11, 13, 65]
     for rows in counts:
         pick = torch.randperm(128)[:rows]  # rows from anywhere, in any order
-        assert torch.equal(dense_linear(x[pick], w), together[pick]), rows
+        assert torch.equal(linear(x[pick], w), together[pick]), rows
+
+
+def test_float32_on_the_cpu_runs_our_kernel() -> None:
+    ops = kernels()
+    if ops is None:
+        pytest.skip("the C++ kernels could not be built here")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 64), torch.randn(48, 64), torch.randn(48)
+    assert torch.equal(dense_linear(x, w, b), (ops.dense_matmul(x.reshape(6, 64), w) + b).reshape(2, 3, 48))
+    # strided input, no rows
+    xt = torch.randn(64, 5).t()
+    assert torch.equal(dense_linear(xt, w), ops.dense_matmul(xt.contiguous(), w))
+    assert dense_linear(torch.randn(0, 64), w).shape == (0, 48)
+    # recorded by autograd: F.linear, which has a backward
+    xg = torch.randn(3, 64, requires_grad=True)
+    dense_linear(xg, w).sum().backward()
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(3, 64))
 
 
 def test_dense_linear_module_keeps_shapes_and_bias() -> None:
     torch.manual_seed(0)
     layer = DenseLinear(64, 48, bias=True)
     assert isinstance(layer, torch.nn.Linear)  # loading and quantization treat it as any nn.Linear
-    for x in (torch.randn(2, 3, 64), torch.randn(1, 64), torch.randn(20, 64)):
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        for x in (torch.randn(2, 3, 64), torch.randn(1, 64), torch.randn(20, 64)):
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

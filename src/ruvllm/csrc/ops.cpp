@@ -21,6 +21,8 @@ at::Tensor paged_attention_tiered(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   int64_t num_hot_blocks, int64_t hot_tokens, int64_t bits);
 void quantize_kv_blocks(at::Tensor kv_cache, at::Tensor src_slots, at::Tensor codes, at::Tensor meta,
                         at::Tensor dst_slots, int64_t bits);
+// layers/csrc/dense_matmul.cpp
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -35,6 +37,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Writes the cold tier in place: codes and meta are declared mutated.
   m.def("quantize_kv_blocks(Tensor kv_cache, Tensor src_slots, Tensor(a!) codes, Tensor(b!) meta, "
         "Tensor dst_slots, int bits) -> ()");
+  m.def("dense_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor");
 }
 
@@ -42,5 +45,6 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("paged_attention", &ruvllm::paged_attention);
   m.impl("paged_attention_tiered", &ruvllm::paged_attention_tiered);
   m.impl("quantize_kv_blocks", &ruvllm::quantize_kv_blocks);
+  m.impl("dense_matmul", &ruvllm::dense_matmul);
   m.impl("quant_matmul", &ruvllm::quant_matmul);
 }

@@ -2,16 +2,22 @@
 
 A request's logits must not depend on what shared its step (docs/architecture.md). PyTorch's fp32
 matmul on CPU is MKL's sgemm, and MKL picks a different kernel for a few rows than for many: on an
-AVX2 CPU (MKL 2024.2, 2 threads) a row computed in a call of 1-3, 5-7 or 9-11 rows differs in the
-last bits from the same row computed in a call of 4, 8, or 12 and more rows (measured on every
+AVX2 CPU (MKL 2024.2, 1 or 2 threads) a row computed in a call of 1-3, 5-7 or 9-11 rows differs in
+the last bits from the same row computed in a call of 4, 8, or 12 and more rows (measured on every
 projection shape of the default model, rows at any position). So a decode alone (one row) and the
-same decode beside others disagreed, and fp32 logprobs were not batch invariant (greedy tokens
-mostly survived, which is why only the bit-exact logprob tests saw it). Below 12 rows the call is
-padded with zero rows to a multiple of 4, which takes the many-rows kernel; rows never interact,
-so the padding changes no real row. tests/unit/test_dense_linear.py checks it on this machine.
+same decode beside others disagreed, and fp32 logprobs were not batch invariant.
+
+fp32 on the CPU therefore runs our own kernel (layers/csrc/dense_matmul.cpp), which computes every
+output as the same dot product at any row count. Measured against MKL on the default model's
+shapes (benchmarks/dense_matmul.py, docs/benchmarks.md) it is as fast at one row, 2-3x faster at
+4-16 rows (where MKL had to be padded to 4 rows, ~3x the time of one), and 1.2-1.9x slower at 64-256
+rows (prompt chunks). Where the C++ kernels cannot be built, calls below 12 rows are padded with zero
+rows to a multiple of 4, which takes MKL's many-rows kernel; rows never interact, so the padding
+changes no real row. tests/unit/test_dense_linear.py checks both on this machine.
 
 bf16 and fp16 go through oneDNN, whose rows were the same at every count measured; CUDA makes no
-bit-exact claim (docs/gpu.md). Both are left as they are.
+bit-exact claim (docs/gpu.md). Both are left as they are. A call that autograd records (training
+through a layer) takes F.linear: the kernel has no backward.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ruvllm.cpu_build import kernels
+
 # Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take MKL's many-rows kernel.
 MANY_ROWS = 12
 ROW_MULTIPLE = 4
@@ -27,8 +35,22 @@ ROW_MULTIPLE = 4
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), each output row the same whatever the number of rows in x."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.device.type != "cpu" or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    ops = kernels()
+    if ops is None:
+        return padded_linear(x, weight, bias)
+    k = x.shape[-1]
+    y = ops.dense_matmul(x.reshape(-1, k).contiguous(), weight.contiguous())
+    if bias is not None:
+        y.add_(bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fallback without our kernels: MKL's matmul, calls of a few rows padded to its many-rows kernel."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows >= MANY_ROWS or rows % ROW_MULTIPLE == 0:
