@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# Bytecode is written on first import (set-up installs without compiling it; some machines
+# set PYTHONDONTWRITEBYTECODE, which would make every process compile torch anew).
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/ruvllm serve "$@"

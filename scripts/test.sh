@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# Bytecode is written on first import (set-up installs without compiling it; some machines
+# set PYTHONDONTWRITEBYTECODE, which would make every process compile torch anew).
+unset PYTHONDONTWRITEBYTECODE
 # Two pytest workers, whole files each (a module's fixtures load once), one CPU thread per worker
 # and per engine they start: two single-threaded processes keep both cores of the 2-core CI
 # machine busy where one two-threaded process left one idle through imports, process starts and
