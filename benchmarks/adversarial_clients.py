@@ -129,16 +129,25 @@ async def _complete(c: httpx.AsyncClient, path: str, body: dict, result: SoakRes
     result.completed += 1
 
 
-async def soak(url: str, seconds: float, clients: int, drop_rate: float, model: str, seed: int = 0) -> SoakResult:
-    """`clients` clients send requests back to back for `seconds`; each request is dropped with
-    probability `drop_rate` at a random moment in its first half second."""
+async def soak(url: str, seconds: float, clients: int, drop_rate: float, model: str, seed: int = 0,
+               min_completed: int = 0, min_dropped: int = 0, max_seconds: float = 120.0) -> SoakResult:
+    """`clients` clients send requests back to back for `seconds`, and on (up to `max_seconds`) until
+    `min_completed` requests completed and `min_dropped` were dropped, so that a slow or busy
+    machine still puts as many through; each request is dropped with probability `drop_rate` at a
+    random moment in its first half second."""
     result = SoakResult()
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+
+    def going() -> bool:
+        elapsed = time.monotonic() - start
+        short = result.completed < min_completed or result.dropped < min_dropped
+        return elapsed < seconds or (short and elapsed < max_seconds)
+
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
         async def client(i: int) -> None:
             rng = random.Random(seed * 100_003 + i)
-            while time.monotonic() < deadline:
+            while going():
                 path, body = random_request(rng, model)
                 task = asyncio.create_task(_complete(c, path, body, result))
                 if rng.random() < drop_rate:
