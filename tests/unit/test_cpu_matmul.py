@@ -9,6 +9,7 @@ import torch
 from ruvllm.quant import cpu_matmul
 from ruvllm.quant.rtn import quantize_int4, quantize_int8
 from ruvllm.quant.weights import QuantizedWeight
+from tests.unit.quant_reference import eight_bit_block_reference
 
 pytestmark = pytest.mark.skipif(cpu_matmul.kernels() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -27,19 +28,6 @@ def _weights() -> dict[str, QuantizedWeight]:
 WEIGHTS = _weights()
 
 
-def _reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """What the kernel computes, in plain PyTorch (float64): x rounded to 8 bits per block of 32
-    (scale absmax / 127), times the weight dequantized with its scales and zeros rounded to float16
-    (as pack holds them). The definition the kernel is held to."""
-    t, k = x.shape
-    xb = x.double().reshape(t, k // 32, 32)
-    scale = xb.abs().amax(dim=2, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(xb / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
-    held = QuantizedWeight(qw.kind, qw.codes, qw.scales.half().float(),
-                           None if qw.zeros is None else qw.zeros.half().float(), qw.group_size)
-    return (q * scale).reshape(t, k) @ held.dequantize().double().t()
-
-
 def _x(t: int, seed: int = 1) -> torch.Tensor:
     x = torch.randn(t, K, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
@@ -51,7 +39,7 @@ def test_equals_its_definition(form: str) -> None:
     qw = WEIGHTS[form]
     x = _x(7)
     ours = cpu_matmul.matmul(x, cpu_matmul.pack(qw)).double()
-    ref = _reference(x, qw)
+    ref = eight_bit_block_reference(x, qw)
     # Integer block dots are exact; only float32 scaling and accumulation round.
     torch.testing.assert_close(ours, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
 

@@ -14,11 +14,13 @@ from gguf.quants import quantize as gguf_quantize
 from ruvllm.config import QUANTIZATION_METHODS, QuantConfig
 from ruvllm.dtypes import resolve_model_dtype
 from ruvllm.engine.llm import build_engine_config
+from ruvllm.quant import cpu_matmul
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8, gguf_quantized
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.plan import final_form, fuse_pieces, quantizes_weights
 from ruvllm.quant.rtn import quantize_int4, quantize_int8
 from ruvllm.quant.weights import QuantizedWeight, concat_rows
+from tests.unit.quant_reference import eight_bit_block_reference
 
 # Block sizes, to check that the fixtures have the [rows, bytes per row] layout GGUFReader gives.
 BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34, QType.Q4_K: 144}
@@ -124,16 +126,36 @@ def test_int4_round_trip_within_half_step_for_offset_groups(offset, spread) -> N
 # QuantLinear
 
 
-def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight,
+def assert_matches_reference(layer: QuantLinear, y: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight,
                              bias: torch.Tensor | None) -> None:
-    """y against a float32 matmul of bf16-rounded activations with the weight the layer computes with.
-    The tolerance is one bf16 ulp of sum |x| |w| (+|b|): the kernel's result is rounded to bf16."""
-    xr = x.bfloat16().float().reshape(-1, x.shape[-1])
-    wr = bf16_scaled(qw).dequantize()
-    ref = F.linear(xr, wr, None if bias is None else bias.float())
-    scale = F.linear(xr.abs(), wr.abs(), None if bias is None else bias.float().abs())
+    """y against what the layer's kernel is defined to compute, with S = sum |x| |w| per output.
+    Our CPU kernel (int4 on the CPU): 8-bit block activations, float16 scales, float32 accumulation
+    (tests/unit/quant_reference.py), within 2e-4 S: an activation at a tie of x / scale may take
+    either code (the kernel multiplies by a float32 reciprocal), one code step being ~6e-5 S here.
+    PyTorch's kernels: a float32 matmul of bf16-rounded activations with bf16-rounded scales, within
+    one bf16 ulp of S (+|b|), the kernel's result being rounded to bf16. A bf16 output adds its own
+    rounding in both cases."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    b = None if bias is None else bias.float()
+    if layer.cpu_kernel:
+        product = eight_bit_block_reference(x2, qw).float()
+        ref = product + (0 if b is None else b)
+        # bf16 rounds the product (half an ulp: at most 2^-8 |product|), then the sum with the bias
+        rounded = 2 * product.abs() + (0 if b is None else b.abs())
+        tol = 2e-4 * F.linear(x2.abs(), qw.dequantize().abs()) + 2 ** -8 * rounded * (y.dtype != torch.float32)
+    else:
+        xr = x2.bfloat16().float()
+        wr = bf16_scaled(qw).dequantize()
+        ref = F.linear(xr, wr, b)
+        tol = 2 ** -8 * F.linear(xr.abs(), wr.abs(), None if b is None else b.abs())
     err = (y.float().reshape(ref.shape) - ref).abs()
-    assert torch.all(err <= 2 ** -8 * scale + 1e-6), float((err / scale).max())
+    assert torch.all(err <= tol + 1e-6), float((err / (tol + 1e-6)).max())
+
+
+def test_int4_on_the_cpu_runs_our_kernel() -> None:
+    layer = QuantLinear(rtn("int4", torch.randn(64, 128) * 0.05, 32))
+    assert layer.cpu_kernel == (cpu_matmul.kernels() is not None)
+    assert not QuantLinear(rtn("int8", torch.randn(64, 128) * 0.05)).cpu_kernel  # PyTorch's int8 kernel
 
 
 @pytest.mark.parametrize(("kind", "group_size"), [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
@@ -151,7 +173,7 @@ def test_quant_linear_matches_dequantized_matmul(kind, group_size, with_bias, dt
     assert y.shape == (2, 5, n)
     # rtn's scales are bf16 already, so the layer computes with exactly qw.dequantize()
     assert torch.equal(bf16_scaled(qw).dequantize(), qw.dequantize())
-    assert_matches_reference(y, x, qw, bias)
+    assert_matches_reference(layer, y, x, qw, bias)
     # leading dimensions are only a view: the same rows flattened give the same bits
     assert torch.equal(layer(x.reshape(10, k)).reshape(2, 5, n), y)
 
@@ -163,10 +185,11 @@ def test_quant_linear_on_gguf_int4_blocks(qtype) -> None:
     raw, _ = gguf_weight(rng, qtype, n, k)
     qw = gguf_int4(raw, qtype, (n, k))
     x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
-    y = QuantLinear(qw)(x)
+    layer = QuantLinear(qw)
+    y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (7, n)
-    # f16 scales (and f32 zeros) are rounded to bf16 by the layer: the reference rounds them too
-    assert_matches_reference(y, x, qw, None)
+    # f16 scales (and f32 zeros) are rounded as the layer holds them: the reference rounds them too
+    assert_matches_reference(layer, y, x, qw, None)
 
 
 def test_quant_linear_refuses_group_wise_int8_for_w8a8() -> None:

@@ -1,9 +1,11 @@
-"""Linear layers over packed int8/int4 weights, using PyTorch's own weight-only matmul kernels.
+"""Linear layers over packed int8/int4 weights.
 
-The kernels take activations in bf16 (fed fp32 they are 15-25x slower, ../shared/notes), so the
-layer computes in bf16 whatever the model's dtype and returns the model's dtype. Each output row
-is computed the same way whatever the number of rows, so results do not depend on batch size
-(tests/unit/test_quant.py checks it).
+int4 on the CPU runs our kernel (quant/cpu_matmul.py: activations quantized to 8 bits per block of
+32 as llama.cpp does, exact integer block dots), where it builds. The rest runs PyTorch's own
+weight-only kernels, which take activations in bf16 (fed fp32 they are 15-25x slower,
+../shared/notes), so the layer computes in bf16 whatever the model's dtype and returns the model's
+dtype. Either way each output row is computed the same way whatever the number of rows, so results
+do not depend on batch size (tests/unit/test_quant.py checks it).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ruvllm.quant import cpu_matmul
 from ruvllm.quant.weights import KERNEL_DTYPE as COMPUTE_DTYPE
 from ruvllm.quant.weights import QuantizedWeight, int8_groups_as_int4
 
@@ -51,7 +54,18 @@ class QuantLinear(nn.Module):
         self.repeat_input = qw.kind == "int8" and qw.group_size > 0
         if self.repeat_input:
             qw = int8_groups_as_int4(qw)
-        if qw.kind == "int8":
+        # On the CPU int4 runs our kernel: at one row it beats PyTorch's int4 path on every shape of
+        # the default model, and at many rows PyTorch's runs one GEMV per row (docs/performance.md).
+        k, group = qw.shape[1], qw.group_size
+        self.cpu_kernel = (qw.kind == "int4" and not self.on_cuda and not self.repeat_input
+                           and k % cpu_matmul.BLOCK == 0 and group % cpu_matmul.BLOCK == 0
+                           and cpu_matmul.kernels() is not None)
+        if self.cpu_kernel:
+            packed = cpu_matmul.pack(qw)
+            self.register_buffer("packed", packed.codes)
+            self.register_buffer("scales", packed.scales)
+            self.register_buffer("zeros", packed.zeros)
+        elif qw.kind == "int8":
             self.register_buffer("packed", qw.codes.contiguous())
             self.register_buffer("scales", qw.scales.to(COMPUTE_DTYPE))
         elif self.on_cuda:
@@ -64,7 +78,7 @@ class QuantLinear(nn.Module):
             # inner_k_tiles is ignored by the CPU packing; 2 is a valid value for every K we take.
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 qw.codes.to(torch.int32).contiguous(), 2))
-        if qw.kind == "int4":
+        if qw.kind == "int4" and not self.cpu_kernel:
             self.register_buffer("scales", torch.stack(
                 [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -80,9 +94,18 @@ class QuantLinear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def _ours(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = cpu_matmul.matmul(x2, cpu_matmul.Packed(True, self.packed, self.scales, self.zeros, self.group_size))
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return self._w8a8(x)
+        if self.cpu_kernel:
+            return self._ours(x)
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every
         # conversion that would be a no-op (each costs microseconds of eager overhead).
         xq = x if x.dtype == COMPUTE_DTYPE else x.to(COMPUTE_DTYPE)
