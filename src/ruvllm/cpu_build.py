@@ -12,7 +12,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +53,44 @@ def kernels() -> Any:
     """The compiled operators (a torch.ops namespace: `kernels().paged_attention(...)`), or None (with
     one warning) when they cannot be built."""
     import torch
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     log.info("loading the C++ kernels (compiled on first use: ~15 s once per version and CPU)")
     name = f"ruvllm_cpu_kernels_{build_tag(SOURCES)}"
     try:
+        _find_ninja()
+        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
-        return getattr(torch.ops, name)
+        ops = getattr(torch.ops, name)
+        for op in ("paged_attention", "paged_attention_tiered", "quantize_kv_blocks", "dense_matmul", "quant_matmul"):
+            getattr(ops, op)  # registered, or raise here (inside the fallback) rather than at a call
+        return ops
     except Exception as e:  # no compiler, no headers, a build error: fall back, say why once
         text = str(e).strip()
         log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,
                     text.splitlines()[-1] if text else "")
         return None
+
+
+def _find_ninja() -> None:
+    """torch looks for ninja on PATH only; a virtual environment's own (ninja is our dependency) is
+    not on it unless the environment is activated."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and scripts and (Path(scripts) / "ninja").exists():
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
+def _drop_stale_lock(lock: Path, max_age_s: float = 900.0) -> None:
+    """torch's build lock is a file a killed build leaves behind, and a later build waits on it
+    without end. No build takes 15 minutes: an older lock is a dead build's."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        log.warning("removing a stale build lock %s (%.0f min old: a killed build's)", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def test_float32_on_the_cpu_runs_our_kernel() -> None:
     xt = torch.randn(64, 5).t()
     assert torch.equal(dense_linear(xt, w), ops.dense_matmul(xt.contiguous(), w))
     assert dense_linear(torch.randn(0, 64), w).shape == (0, 48)
+    assert torch.equal(dense_linear(torch.randn(3, 0), torch.randn(5, 0)), torch.zeros(3, 5))  # K = 0, as F.linear
     # recorded by autograd: F.linear, which has a backward
     xg = torch.randn(3, 64, requires_grad=True)
     dense_linear(xg, w).sum().backward()

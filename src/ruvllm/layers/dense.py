@@ -11,7 +11,8 @@ fp32 on the CPU therefore runs our own kernel (layers/csrc/dense_matmul.cpp), wh
 output as the same dot product at any row count. Measured against MKL on the default model's
 shapes (benchmarks/dense_matmul.py, docs/benchmarks.md) it is as fast at one row, 2-3x faster at
 4-16 rows (where MKL had to be padded to 4 rows, ~3x the time of one), and 1.2-1.9x slower at 64-256
-rows (prompt chunks). Where the C++ kernels cannot be built, calls below 12 rows are padded with zero
+rows (prompt chunks). Where the C++ kernels cannot be built or the CPU lacks AVX2 (where the
+kernel would be a plain loop), calls below 12 rows are padded with zero
 rows to a multiple of 4, which takes MKL's many-rows kernel; rows never interact, so the padding
 changes no real row. tests/unit/test_dense_linear.py checks both on this machine.
 
@@ -22,11 +23,20 @@ through a layer) takes F.linear: the kernel has no backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ruvllm.cpu_build import kernels
+
+@functools.cache
+def _simd() -> bool:
+    """Whether our kernel is its vectorized self here: it is built for the machine's CPU, and
+    without AVX2 it is a plain loop, slower than the BLAS it would replace."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
 
 # Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take MKL's many-rows kernel.
 MANY_ROWS = 12
@@ -39,10 +49,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
-    ops = kernels()
+    k = x.shape[-1]
+    if k == 0 or (bias is not None and bias.dtype != torch.float32):
+        return F.linear(x, weight, bias)  # nothing to multiply, or a bias F.linear refuses
+    ops = kernels() if _simd() else None
     if ops is None:
         return padded_linear(x, weight, bias)
-    k = x.shape[-1]
     y = ops.dense_matmul(x.reshape(-1, k).contiguous(), weight.contiguous())
     if bias is not None:
         y.add_(bias)

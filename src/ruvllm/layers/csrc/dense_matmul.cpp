@@ -31,18 +31,26 @@ constexpr int64_t NR = 3;   // weight rows per tile
 constexpr int64_t MR = 4;   // input rows per micro-kernel call: 4 x 3 accumulators, 3 weight vectors and 1 input fill 16 registers
 constexpr int64_t MB = 64;  // input rows a tile passes over before the next tile (they stay in L2)
 
-// The K % 8 tail (and the whole dot product where AVX2 is absent), in order. noinline: one
-// compiled copy serves every micro-kernel, so no instantiation can reorder it differently.
-// (The models' K are multiples of 8: it is not called on their path.)
-__attribute__((noinline)) float tail_dot(const float* x, const float* w, int64_t k0, int64_t K, float acc) {
+// The K % 8 tail (and the whole dot product where AVX2 is absent). -ffast-math may vectorize and
+// reorder its sum, but one compiled function serves every output (noinline, and on GCC noclone:
+// no specialized copy per caller), so every output gets the same order. (The models' K are
+// multiples of 8: it is not called on their path.)
+#if defined(__GNUC__) && !defined(__clang__)
+#define RUVLLM_ONE_COPY __attribute__((noinline, noclone))
+#else
+#define RUVLLM_ONE_COPY __attribute__((noinline))
+#endif
+
+RUVLLM_ONE_COPY float tail_dot(const float* x, const float* w, int64_t k0, int64_t K, float acc) {
   for (int64_t k = k0; k < K; ++k) acc += x[k] * w[k];
   return acc;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// Inlined into each micro-kernel: the same three adds everywhere (tests/unit/test_dense_linear.py
-// checks every micro-kernel's rows against each other bit for bit).
+// Inlined into each micro-kernel. -ffast-math would allow the compiler to regroup these adds
+// differently in different micro-kernels; GCC 12 does not (tests/unit/test_dense_linear.py checks
+// every micro-kernel's rows against each other bit for bit, and would catch a compiler that did).
 inline float reduce8(__m256 v) {
   const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
