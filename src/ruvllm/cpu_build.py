@@ -63,14 +63,26 @@ def kernels() -> Any:
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         ops = getattr(torch.ops, name)
-        for op in ("paged_attention", "paged_attention_tiered", "quantize_kv_blocks", "dense_matmul", "quant_matmul"):
+        for op in _FAKES:
             getattr(ops, op)  # registered, or raise here (inside the fallback) rather than at a call
+            torch.library.register_fake(f"{name}::{op}", _FAKES[op])
         return ops
     except Exception as e:  # no compiler, no headers, a build error: fall back, say why once
         text = str(e).strip()
         log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,
                     text.splitlines()[-1] if text else "")
         return None
+
+
+# What each operator returns, from its inputs' shapes alone: torch.compile and FakeTensorMode trace
+# a step through these without running the kernels (csrc/ops.cpp has the schemas).
+_FAKES: dict[str, Any] = {
+    "paged_attention": lambda q, *_: q.new_empty(q.shape),
+    "paged_attention_tiered": lambda q, *_: q.new_empty(q.shape),
+    "quantize_kv_blocks": lambda *_: None,
+    "dense_matmul": lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
+    "quant_matmul": lambda x, codes, *_: x.new_empty(x.shape[0], codes.shape[0]),
+}
 
 
 def _find_ninja() -> None:

@@ -3,8 +3,8 @@
 // Why operators rather than a pybind11 module: torch/library.h compiles in a fraction of the time
 // of torch/extension.h, which the kernels' sources would otherwise each include (a cold build went
 // from ~70 to ~20 CPU seconds); the dispatcher releases the GIL during a call as it does for torch's
-// own ops; and an operator with a schema is what torch.compile needs (with a fake kernel, not
-// registered yet: nothing compiles the step today).
+// own ops; and an operator with a schema and a fake kernel (ruvllm/cpu_build.py registers those)
+// is what torch.compile needs to trace a step through it.
 //
 // The namespace is the extension's name, which carries its build tag (ruvllm/cpu_build.py), so two
 // builds loaded in one process never claim the same namespace.
