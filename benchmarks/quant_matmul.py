@@ -53,8 +53,8 @@ def main() -> None:
     if cpu_matmul.kernels() is None:
         raise SystemExit("the C++ quantized matmul could not be built on this machine")
     table = Table(title=f"us per call, {args.threads} threads (lower is better)")
-    for col in ("shape", "rows", "fp32 MKL", "fp32 MKL padded", "ours fp32", "bf16", "torch int8 (bf16 act)", "torch int4 g32 (bf16 act)",
-                "ours int8", "ours int4 g32", "ours int4 vs fp32"):
+    for col in ("shape", "rows", "fp32 MKL", "fp32 MKL padded", "ours fp32", "bf16", "torch int8 (bf16 act)",
+                "torch int4 g32 (bf16 act)", "ours int8", "ours int4 g32", "ours int4 vs fp32"):
         table.add_column(col, justify="right")
     for label, (n, k) in SHAPES.items():
         w = torch.randn(n, k) * 0.05
@@ -74,8 +74,8 @@ def main() -> None:
             t4 = _time(lambda: torch_int4(xb), calls)
             o8 = _time(lambda: cpu_matmul.matmul(x, ours8), calls)
             o4 = _time(lambda: cpu_matmul.matmul(x, ours4), calls)
-            table.add_row(label, str(rows), f"{fp32:.0f}", f"{padded:.0f}", f"{ours32:.0f}", f"{bf16:.0f}", f"{t8:.0f}", f"{t4:.0f}", f"{o8:.0f}",
-                          f"{o4:.0f}", f"{fp32 / o4:.2f}x")
+            cells = (fp32, padded, ours32, bf16, t8, t4, o8, o4)
+            table.add_row(label, str(rows), *(f"{v:.0f}" for v in cells), f"{fp32 / o4:.2f}x")
     Console(width=200).print(table)
 
 

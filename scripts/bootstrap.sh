@@ -11,7 +11,7 @@ PIP=(.venv/bin/pip install --quiet --disable-pip-version-check --no-compile)
 # torch is pinned; 2.13.0 CPU installs from local disk here. ninja (a dependency) comes with it: the
 # kernels' build below needs it before the rest is installed.
 "${PIP[@]}" torch==2.13.0 ninja
-# Our C++ CPU kernels compile (~15 s, once per version, path and CPU) while pip installs the rest.
+# Our C++ CPU kernels compile (~30 s, once per version, path and CPU) while pip installs the rest.
 # Where they cannot build, ruvllm runs its PyTorch paths and says so. -I: nothing of src/ruvllm on
 # sys.path, whose modules could shadow the ones torch imports. The build is waited for even when
 # pip fails, so no half-built extension (and its lock) is left behind.

@@ -189,8 +189,8 @@ class EngineConfig:
                                  "bfloat16, float16.")
     max_model_len: int | None = setting(None, "Context length cap in tokens (default: the model's).",
                                         flag="--max-context", minimum=2)
-    num_threads: int | None = setting(None, "CPU threads (default: $OMP_NUM_THREADS, else every core this process may use).", flag="--threads",
-                                      minimum=1)
+    num_threads: int | None = setting(None, "CPU threads (default: $OMP_NUM_THREADS, else every core this "
+                                            "process may use).", flag="--threads", minimum=1)
     seed: int = setting(0, "Seeds the sampling of requests that bring no seed of their own.")
     quantization: QuantConfig = field(default_factory=QuantConfig)
     # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it

@@ -2,7 +2,7 @@
 with the machine's compiler.
 
 They are one extension: compiling torch's headers is most of a build, so one build serves all. It
-is built once per source version, path and CPU (torch's extension cache, ~15 s on 2 cores; needs a
+is built once per source version, path and CPU (torch's extension cache, ~28 s on 2 cores; needs a
 C++ compiler, and ninja, which is a dependency), then loaded in well under a second. Callers get
 None where it cannot be built, and keep their plain PyTorch paths.
 """
@@ -55,7 +55,7 @@ def kernels() -> Any:
     import torch
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    log.info("loading the C++ kernels (compiled on first use: ~15 s once per version and CPU)")
+    log.info("loading the C++ kernels (compiled on first use: ~30 s once per version and CPU)")
     name = f"ruvllm_cpu_kernels_{build_tag(SOURCES)}"
     try:
         _find_ninja()

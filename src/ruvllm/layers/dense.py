@@ -8,11 +8,11 @@ projection shape of the default model, rows at any position). So a decode alone 
 same decode beside others disagreed, and fp32 logprobs were not batch invariant.
 
 fp32 on the CPU therefore runs our own kernel (layers/csrc/dense_matmul.cpp), which computes every
-output as the same dot product at any row count. Measured against MKL on the default model's
-shapes (benchmarks/dense_matmul.py, docs/benchmarks.md) it is as fast at one row, 2-3x faster at
-4-16 rows (where MKL had to be padded to 4 rows, ~3x the time of one), and 1.2-1.9x slower at 64-256
-rows (prompt chunks). Where the C++ kernels cannot be built or the CPU lacks AVX2 (where the
-kernel would be a plain loop), calls below 12 rows are padded with zero
+output as the same dot product at any row count. Against MKL on the default model's shapes
+(`benchmarks/quant_matmul.py`, the fp32 columns; docs/benchmarks.md) it is about as fast as MKL's
+one-row GEMV (2-2.7x faster on the LM head), 1.4-4.9x faster than the padded call at 4-16 rows, and
+1.1-1.6x slower than MKL at 64-512 rows (prompt chunks). Where the C++ kernels cannot be built or the
+CPU lacks AVX2 (where the kernel would be a plain loop), calls below 12 rows are padded with zero
 rows to a multiple of 4, which takes MKL's many-rows kernel; rows never interact, so the padding
 changes no real row. tests/unit/test_dense_linear.py checks both on this machine.
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ruvllm.cpu_build import kernels
+
 
 @functools.cache
 def _simd() -> bool:

@@ -34,9 +34,9 @@ class Packed:
 
 
 def pack(qw: QuantizedWeight) -> Packed:
-    """The kernel's layout of a weight (K and the group size multiples of 32; the kernel checks): codes as they are (int4: two a byte),
-    scales and zero points in float16, one per group (2 bytes each, as the weight plan counts them;
-    GGUF stores its block scales in float16 too)."""
+    """The kernel's layout of a weight (K and the group size multiples of 32; the kernel checks):
+    codes as they are (int4: two a byte), scales and zero points in float16, one per group (2 bytes
+    each, as the weight plan counts them; GGUF stores its block scales in float16 too)."""
     n, k = qw.shape
     group = qw.group_size or k
     scales = (qw.scales if qw.scales.dim() == 2 else qw.scales[:, None]).half().contiguous()

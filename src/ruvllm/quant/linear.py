@@ -89,28 +89,18 @@ class QuantLinear(nn.Module):
         if self.on_cuda and rows <= 16:  # the CUDA kernel wants more than 16 rows; zero rows are inert
             xq = torch.cat([xq, xq.new_zeros(17 - rows, xq.shape[1])])
         acc = torch._int_mm(xq, self.packed.t())[:rows]  # the [N, K] codes read as [K, N]: no copy
-        y = (acc.float() * scale * self.scales.float()).to(x.dtype)
-        if x.dim() != 2:
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def _ours(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = cpu_matmul.matmul(x2, cpu_matmul.Packed(True, self.packed, self.scales, self.zeros, self.group_size))
-        if x.dim() != 2:
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._finish((acc.float() * scale * self.scales.float()).to(x.dtype), x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return self._w8a8(x)
-        if self.cpu_kernel:
-            return self._ours(x)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.cpu_kernel:  # takes any float dtype and returns x's
+            y = cpu_matmul.matmul(x2, cpu_matmul.Packed(True, self.packed, self.scales, self.zeros, self.group_size))
+            return self._finish(y, x)
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every
         # conversion that would be a no-op (each costs microseconds of eager overhead).
-        xq = x if x.dtype == COMPUTE_DTYPE else x.to(COMPUTE_DTYPE)
-        if xq.dim() != 2:
-            xq = xq.reshape(-1, self.in_features)
+        xq = x2 if x2.dtype == COMPUTE_DTYPE else x2.to(COMPUTE_DTYPE)
         if not xq.is_contiguous():
             xq = xq.contiguous()
         if self.repeat_input:
@@ -121,8 +111,10 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        return self._finish(y if y.dtype == x.dtype else y.to(x.dtype), x)
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[T, N] rows in x's dtype -> x's leading shape, plus the bias."""
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

@@ -27,8 +27,9 @@
 
 namespace {
 
+// 4 x 3 accumulators, 3 weight vectors and 1 input vector: the 16 AVX2 registers.
 constexpr int64_t NR = 3;   // weight rows per tile
-constexpr int64_t MR = 4;   // input rows per micro-kernel call: 4 x 3 accumulators, 3 weight vectors and 1 input fill 16 registers
+constexpr int64_t MR = 4;   // input rows per micro-kernel call
 constexpr int64_t MB = 64;  // input rows a tile passes over before the next tile (they stay in L2)
 
 // The K % 8 tail (and the whole dot product where AVX2 is absent). -ffast-math may vectorize and
