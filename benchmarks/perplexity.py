@@ -1,7 +1,9 @@
 """Perplexity of the engine on a text file, per precision, side by side in one run.
 
-A precision is fp32, bf16 (dense bf16 weights), or a quantization method (auto, none, int8, int4,
-int4-g64, int4-g128: bf16 compute); e.g. `--precisions fp32 bf16 auto int8 int4-g128`. A row may
+A precision is fp32, bf16 (dense bf16 weights), default (the engine's defaults on this machine), or
+a quantization method (auto, none, int8, int4, int4-g64, int4-g128: bf16 compute); e.g.
+`--precisions fp32 bf16 auto int8 int4-g128`. A "+dense-head" suffix keeps the LM head dense
+(`default+dense-head`: the default with a float head instead of auto's 8-bit one). A row may
 name its own model as PRECISION@PATH (a GGUF file or Hugging Face folder, e.g. one written by
 `ruvllm quantize`); rows without one use --model (default: the embedded model).
 
@@ -48,12 +50,16 @@ def greedy(llm: LLM, n: int) -> list[list[int]]:
 
 def engine_settings(precision: str) -> dict:
     """LLM keyword settings for a precision name."""
-    if precision in ("fp32", "float32"):
-        return {"dtype": "float32", "quantization": "none"}
-    if precision in ("bf16", "bfloat16"):
-        return {"dtype": "bfloat16", "quantization": "none"}
-    method, _, group = precision.partition("-g")
-    settings = {"dtype": "bfloat16", "quantization": method}
+    name, plus, _ = precision.partition("+dense-head")
+    settings: dict = {"keep_16bit": ("embed_tokens", "lm_head")} if plus else {}
+    if name == "default":
+        return settings
+    if name in ("fp32", "float32"):
+        return settings | {"dtype": "float32", "quantization": "none"}
+    if name in ("bf16", "bfloat16"):
+        return settings | {"dtype": "bfloat16", "quantization": "none"}
+    method, _, group = name.partition("-g")
+    settings |= {"dtype": "bfloat16", "quantization": method}
     if group:
         settings["group_size"] = int(group)
     return settings

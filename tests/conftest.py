@@ -22,16 +22,14 @@ from ruvllm import LLM
 
 @pytest.fixture(scope="session")
 def _shared_llm() -> LLM:
-    return LLM(dtype="float32", num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
+    """The fp32 reference: every weight dense (the GGUF dequantized exactly), fp32 compute."""
+    return LLM(dtype="float32", quantization="none", num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
 
 
 @pytest.fixture(scope="session")
-def _default_llm(_shared_llm: LLM) -> LLM:
-    """The engine as a user gets it: default dtype and quantization (on a CPU with native bf16:
-    bf16, GGUF weights kept as packed int4, the compiled attention kernel). Where the default is
-    float32 with dense weights it is the float32 engine itself: loading it twice would only cost."""
-    if default_precision_is_float32():
-        return _shared_llm
+def _default_llm() -> LLM:
+    """The engine as a user gets it: default dtype and quantization (on the CPU: GGUF weights kept
+    packed, the LM head in 8 bits, our kernels; bf16 compute on CPUs with native bf16, else fp32)."""
     return LLM(num_blocks=512, max_num_batched_tokens=512, max_num_seqs=64)
 
 
@@ -70,25 +68,12 @@ def default_llm(_default_llm: LLM):
     yield from _checked(_default_llm)
 
 
-def default_precision_is_float32() -> bool:
-    """On CPUs without native bf16 the default engine computes in float32 with every weight dense:
-    the same engine as the float32 reference."""
-    from ruvllm.config import QuantConfig
-    from ruvllm.dtypes import resolve_model_dtype
-    from ruvllm.quant.plan import quantizes_weights
-
-    dtype = resolve_model_dtype("auto", QuantConfig())
-    return dtype == torch.float32 and not quantizes_weights(QuantConfig(), dtype)
-
-
 @pytest.fixture(params=["float32", "default"])
 def precision_llm(request: pytest.FixtureRequest):
     """Each invariant holds at the fp32 reference precision (on the tiny model: the engine's code
     paths are the same, in a fraction of the time; the real model in fp32 is checked through the
     core process, tests/e2e/test_process_engine.py) and at the default one (the real model as a user
-    gets it, where that differs from fp32: bf16 with packed int4 weights)."""
-    if request.param == "default" and default_precision_is_float32():
-        pytest.skip("the default precision on this CPU is float32 with dense weights: the float32 case is this case")
+    gets it: packed int4 weights and an 8-bit LM head)."""
     yield from _checked(request.getfixturevalue("_tiny_llm" if request.param == "float32" else "_default_llm"))
 
 

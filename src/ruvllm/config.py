@@ -148,28 +148,39 @@ QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "
 class QuantConfig:
     """How linear weights are held.
 
-    auto: as stored, where a packed kernel can run it: when the engine computes in bf16, GGUF 4-bit
-          types (Q4_0, Q4_1, Q4_K) stay int4 and Q8_0 becomes per-channel int8. Everything else,
-          and everything when computing in fp32, is dense in the engine's dtype.
-    none: every weight dense in the engine's dtype (GGUF dequantized exactly).
+    auto: as stored, where a packed kernel can run it. On the CPU (our kernels, any compute dtype) GGUF
+          4-bit types (Q4_0, Q4_1, Q4_K) stay int4 and Q8_0 stays Q8_0, and a tied LM head reads
+          the embedding table in the form the file stores it (SmolLM2's Q8_0: an 8-bit head). On
+          CUDA: dense, as `none` (quant/plan.py says why). Float weights stay dense in the engine's dtype.
+    none: every weight dense in the engine's dtype (GGUF dequantized exactly): the reference.
     bf16 / f16: every weight dense in that dtype.
     w8a8: int8 weights as int8, and each activation row quantized to int8 on the fly: an int8 x int8
           matmul (`torch._int_mm`, CPU and CUDA) in any compute dtype.
     int8: per-output-channel round-to-nearest int8.  int4: group-wise int4 (`group_size` inputs per
           group); GGUF 4-bit weights whose groups match keep their own codes.
     q8 / q4k: llama.cpp's Q8_0 / Q4_K quantizers applied at load (fixed blocks of 32 / 256 inputs;
-          `group_size` does not apply), run on the int4 kernel (quant/llamacpp.py).
-    Modules named in `keep_16bit` stay dense (by default the embeddings and the LM head).
+          `group_size` does not apply).
+    Modules named in `keep_16bit` stay dense. Its default (None) is the embeddings, and the LM head
+    too except under auto (a runtime int4 head costs +6% perplexity; under auto the head keeps the
+    file's own form, measured in docs/quantization.md).
     """
 
     method: str = setting(
-        "auto", "auto: keep GGUF 4/8-bit weights packed when computing in bf16; none: dequantize everything; "
+        "auto", "auto: keep GGUF 4/8-bit and GPTQ/AWQ weights packed, a tied LM head as the file stores its "
+                "table (CPU; dense on CUDA); none: dequantize everything; "
                 "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
                 "w8a8: int8 weights and int8 activations (int8 x int8 matmuls); q8, q4k: llama.cpp's Q8_0 and Q4_K "
                 "quantizers applied at load.", flag="--quantization", aliases=("-q",),
         choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))
     group_size: int = setting(32, "Inputs per int4 quantization group (32, 64, 128, 256).")
-    keep_16bit: tuple[str, ...] = ("embed_tokens", "lm_head")
+    keep_16bit: tuple[str, ...] | None = None
+
+    @property
+    def dense_modules(self) -> tuple[str, ...]:
+        """keep_16bit, or the method's default when it is None."""
+        if self.keep_16bit is not None:
+            return self.keep_16bit
+        return ("embed_tokens",) if self.method == "auto" else ("embed_tokens", "lm_head")
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:

@@ -83,7 +83,8 @@ class Terminal:
 @pytest.fixture
 def term():
     t = Terminal([str(RUVLLM), "chat", "--temperature", "0", "--max-tokens", "24",
-                  "--dtype", "float32"])  # fp32: the greedy answer the test expects (bf16 flips a near-tie)
+                  "--dtype", "float32", "--quantization", "none"])  # the fp32 reference: the greedy answer
+    # the test expects (bf16, or the packed default, flips a near-tie)
     yield t
     t.close()
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from ruvllm import LLM, AsyncEngine, EngineConfig, SamplingParams
-from ruvllm.config import CacheConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, QuantConfig, SchedulerConfig
 from ruvllm.errors import EngineDeadError, NotAModelError
 from ruvllm.outputs import OutputKind, RequestOutput
 
@@ -28,7 +28,7 @@ TIGHT = dict(cache=CacheConfig(num_blocks=28), scheduler=SchedulerConfig(max_num
 
 @pytest.fixture(scope="module")
 def process_engine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(EngineConfig(dtype="float32", **TIGHT))
+    engine = AsyncEngine(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT))  # as `llm`
     yield engine
     engine.shutdown()
     assert engine._client.process.poll() is not None, "the core process outlived shutdown"

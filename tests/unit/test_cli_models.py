@@ -341,29 +341,30 @@ _LINEAR_GGUF = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate
 
 def _default_model_bytes(method: str, group_size: int = 32) -> int:
     """Weight bytes of the default model loaded with `method`, worked out here from the GGUF tensor
-    shapes: decoder linears packed (int8: a byte per weight + a 2-byte scale per row; int4: half a
-    byte per weight + a 2-byte scale and a 2-byte zero per group), everything else dense."""
+    shapes: decoder linears packed (int8: a byte per weight + a 2-byte scale per row; int4, and the
+    file's Q4_1 codes under auto: half a byte per weight + a 2-byte scale and a 2-byte zero per
+    group), everything else dense; under auto the tied LM head is also a Q8_0 copy of the embeddings
+    (a byte per weight + a 2-byte scale per 32)."""
     from gguf import GGMLQuantizationType
 
     from ruvllm.loader import gguf_file
     from ruvllm.loader.gguf_header import read_header
 
-    bf16 = _computes_in_bf16()
-    elem = 2 if bf16 else 4
-    if method == "auto" and bf16:  # the file's Q4_1 codes kept: int4 in groups of 32
-        method, group_size = "int4", 32
+    elem = 2 if _computes_in_bf16() else 4
     total = 0
     for t in read_header(resolve_model(None).path).tensors:
         if t.name == gguf_file.ROPE_FREQS_TENSOR:
             continue
         numel, rows = t.n_elements, t.shape[0] if len(t.shape) == 2 else 0
-        if not _LINEAR_GGUF.fullmatch(t.name) or method in ("auto", "none"):
+        if method == "auto" and t.name == "token_embd.weight":
+            total += elem * numel + numel + 2 * (numel // 32)
+        elif not _LINEAR_GGUF.fullmatch(t.name) or method == "none":
             total += elem * numel
         elif method == "int8":
             total += numel + 2 * rows
         else:
-            assert method == "int4" and rows % 16 == 0 and t.tensor_type == GGMLQuantizationType.Q4_1
-            total += numel // 2 + 4 * (numel // group_size)
+            assert method in ("int4", "auto") and rows % 16 == 0 and t.tensor_type == GGMLQuantizationType.Q4_1
+            total += numel // 2 + 4 * (numel // (32 if method == "auto" else group_size))
     return total
 
 
@@ -394,13 +395,14 @@ def test_info_quantization_estimate(method: str) -> None:
     want_before, want_after = _default_model_bytes("auto"), _default_model_bytes(method)
     assert before.startswith(_mib(want_before) + " ("), result.output
     assert after.startswith(_mib(want_after) + " ("), result.output
+    assert "120 int4 g32, 1 int8 g32" in before  # the file's Q4_1 codes, and the LM head as Q8_0
     if _computes_in_bf16():
-        assert _mib(want_before) == "117.3 MiB"  # what the engine logs at load (docs/quantization.md)
         assert _mib(_default_model_bytes("none")) == "256.6 MiB"  # 2 bytes x 134,515,008 parameters
-        assert _mib(_default_model_bytes("int8")) == "155.6 MiB"
-        assert "120 int4 g32" in before
-        change = {"none": "2.19x larger", "int8": "1.33x larger", "auto": "the same size", "int4": "the same size"}
-        assert change[method] in after
+        assert _mib(_default_model_bytes("int4")) == "117.3 MiB"  # what the engine logs at load (docs/quantization.md)
+    ratio = want_after / want_before
+    change = "the same size" if method == "auto" else f"{ratio if ratio > 1 else 1 / ratio:.2f}x " + (
+        "larger" if ratio > 1 else "smaller")
+    assert change in after, (change, after)
     assert _estimate_line(result.output, "KV cache") == "unchanged by weight quantization"
     elem = 2 if _computes_in_bf16() else 4
     per_token = 2 * 30 * 3 * 64 * elem  # 2 (K, V) x layers x KV heads x head dim x bytes
@@ -475,7 +477,7 @@ def test_estimate_fuses_like_the_loader() -> None:
     src = resolve_model(None)
     cfg, tensors = load_model_config(src), file_tensors(src)
 
-    def estimate(tensors: list, quant: QuantConfig):  # auto keeps GGUF codes packed only when computing in bf16
+    def estimate(tensors: list, quant: QuantConfig):
         return plan_weights(cfg, tensors, quant, torch.bfloat16, "x")
 
     def with_v0(packed: tuple[str, int] | None) -> list:
@@ -487,7 +489,7 @@ def test_estimate_fuses_like_the_loader() -> None:
     rows, k = cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size
     int8_bytes, int4_bytes = rows * k + 2 * rows, rows * k // 2 + 4 * rows * k // 32
     assert mixed.total_bytes - auto.total_bytes == int8_bytes - int4_bytes
-    assert mixed.linear_forms() == {"int4 g32": 119, "int8": 1}
+    assert mixed.linear_forms() == {"int4 g32": 119, "int8": 1, "int8 g32": 1}  # and the LM head
     assert mixed.weights["layers.0.qkv_proj.weight"].form == ("int8", 0)
     q8 = estimate(with_v0(("int8", 32)), QuantConfig())  # a Q8_0 attn_v
     assert q8.total_bytes == mixed.total_bytes and q8.linear_forms() == mixed.linear_forms()

@@ -16,11 +16,13 @@ from typer.testing import CliRunner
 from ruvllm.cli import main as cli_main
 from ruvllm.config import QuantConfig
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8
+from ruvllm.quant import cpu_matmul
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.llamacpp import q4_k_blocks, q8_0_blocks, quantize_q4k, quantize_q8
 from ruvllm.quant.plan import final_form, planned_form, quantizes_weights
 from ruvllm.quant.rtn import quantize_int4
 from ruvllm.quant.weights import QuantizedWeight, estimate_bytes
+from tests.unit.quant_reference import eight_bit_block_reference
 
 F32 = np.float32
 
@@ -73,14 +75,37 @@ def test_q8_is_gguf_int8_of_its_bytes_and_decodes_exactly() -> None:
     assert np.array_equal(qw.dequantize().numpy(), decoded)
 
 
-def test_q8_layer_computes_the_q8_values() -> None:
-    """Group-wise int8 runs on the int4 kernel as two nibble halves: the result is the matmul with
-    the int8 codes times the bf16-rounded block scales, to the kernel's bf16 rounding."""
+def test_q8_layer_runs_our_kernel_on_the_cpu() -> None:
+    """Q8_0 on the CPU runs our kernel as it is stored: a byte a weight and a float16 scale per 32,
+    8-bit block activations (the reference is tests/unit/quant_reference.py), rows independent."""
+    if cpu_matmul.kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
     torch.manual_seed(2)
     n, k = 96, 384
     qw = quantize_q8(weights(2, n, k))
     layer = QuantLinear(qw)
-    assert layer.repeat_input and (layer.in_features, layer.out_features) == (k, n)
+    assert layer.cpu_kernel and not layer.repeat_input and (layer.in_features, layer.out_features) == (k, n)
+    x = torch.randn(7, k)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (7, n)
+    ref = eight_bit_block_reference(x, qw)
+    # a tie of x / scale may take either code: one code step is under 1e-4 of sum |x| |w| here
+    assert torch.all((y - ref).abs() <= 2e-4 * (x.abs() @ qw.dequantize().abs().t()) + 1e-6)
+    for m in (1, 3, 7):  # rows do not interact
+        assert torch.equal(layer(x[:m]), y[:m])
+    held = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert held == qw.nbytes == estimate_bytes("int8", n, k, 32) == n * k + 2 * n * k // 32
+
+
+def test_q8_layer_without_our_kernel_computes_the_q8_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where our kernel is absent (and on CUDA) group-wise int8 runs on the int4 kernel as two nibble
+    halves: the matmul with the int8 codes times the bf16-rounded block scales, to bf16 rounding."""
+    monkeypatch.setattr(cpu_matmul, "kernels", lambda: None)
+    torch.manual_seed(2)
+    n, k = 96, 384
+    qw = quantize_q8(weights(2, n, k))
+    layer = QuantLinear(qw)
+    assert layer.repeat_input and not layer.cpu_kernel and (layer.in_features, layer.out_features) == (k, n)
     x = torch.randn(7, k)
     y = layer(x)
     xr = x.bfloat16().float()
@@ -93,7 +118,7 @@ def test_q8_layer_computes_the_q8_values() -> None:
     for m in (1, 3, 7):  # rows do not interact
         assert torch.equal(layer(x[:m].bfloat16()), full[:m])
     held = sum(b.numel() * b.element_size() for b in layer.buffers())
-    assert held == qw.nbytes == estimate_bytes("int8", n, k, 32)
+    assert held == estimate_bytes("int8", n, k, 32, cpu=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +332,7 @@ def test_stored_gguf_blocks() -> None:
     """A GGUF Q8_0 weight is q8 already and is kept; any other stored form is decoded exactly and
     quantized from those values (q4k cannot tell a stored Q4_K from Q4_0/Q4_1: both read as int4 g32)."""
     for method in ("q8", "q4k"):  # the loader hands over its blocks rather than bf16-rounded values
-        assert quantizes_weights(QuantConfig(method), torch.bfloat16)
+        assert quantizes_weights(QuantConfig(method))
     w = weights(8, 64, 256)
     q8_0 = gguf_int8(Q8_0.quantize_blocks(w.numpy().reshape(-1, 32)).reshape(64, -1), (64, 256))
     assert final_form(QuantConfig("q8"), LINEAR, q8_0, torch.bfloat16) is q8_0

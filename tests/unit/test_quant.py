@@ -379,8 +379,8 @@ def weights() -> dict[str, torch.Tensor | QuantizedWeight]:
 # bf16/f16 that dtype is theirs: resolve_model_dtype refuses a contradicting one).
 F32, BF16 = torch.float32, torch.bfloat16
 PLAN = {
-    ("auto", F32): {"dense": F32, "int4": F32, "int8_g32": F32, "int8": F32},
-    ("auto", BF16): {"dense": BF16, "int4": "same", "int8_g32": ("int8", 0), "int8": "same"},
+    ("auto", F32): {"dense": F32, "int4": "same", "int8_g32": "same", "int8": "same"},
+    ("auto", BF16): {"dense": BF16, "int4": "same", "int8_g32": "same", "int8": "same"},
     ("int8", F32): {"dense": ("int8", 0), "int4": ("int8", 0), "int8_g32": ("int8", 0), "int8": "same"},
     ("int8", BF16): {"dense": ("int8", 0), "int4": ("int8", 0), "int8_g32": ("int8", 0), "int8": "same"},
     ("int4", F32): {"dense": ("int4", 32), "int4": "same", "int8_g32": ("int4", 32), "int8": ("int4", 32)},
@@ -424,10 +424,26 @@ def test_final_form_dense_16bit_in_its_own_dtype(weights, method) -> None:
 @pytest.mark.parametrize("method", QUANTIZATION_METHODS)
 @pytest.mark.parametrize("name", ["model.embed_tokens", "lm_head"])
 def test_keep_16bit_names_stay_dense(weights, method, name) -> None:
+    keep = ("embed_tokens", "lm_head") if method == "auto" else None  # auto's own default reads the head in 8 bits
     for source in ("dense", "int4", "int8_g32"):
-        out = final_form(QuantConfig(method), name, weights[source], torch.bfloat16)
+        out = final_form(QuantConfig(method, keep_16bit=keep), name, weights[source], torch.bfloat16)
         assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
         assert torch.equal(out, dense_of(weights[source]).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_keeps_the_lm_head_as_stored(weights, dtype) -> None:
+    """Under auto the LM head is held as any linear: as the file stores it (a stored Q8_0 table is
+    read as it is), dense when stored dense; the embeddings stay dense."""
+    for source in ("dense", "int4", "int8_g32", "int8"):
+        out = final_form(QuantConfig("auto"), "lm_head", weights[source], dtype)
+        if source == "dense":
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype
+        else:
+            assert out is weights[source]
+        assert isinstance(final_form(QuantConfig("auto"), "model.embed_tokens", weights[source], dtype), torch.Tensor)
+    assert QuantConfig("auto").dense_modules == ("embed_tokens",)
+    assert QuantConfig("int4").dense_modules == ("embed_tokens", "lm_head")
 
 
 def test_keep_16bit_matches_whole_name_parts(weights) -> None:
@@ -452,15 +468,11 @@ def test_int4_group_that_does_not_divide_k_names_the_layer() -> None:
         final_form(QuantConfig("int4", 128), "layers.2.mlp.down_proj", torch.randn(8, 192), torch.float32)
 
 
-@pytest.mark.parametrize(("method", "dtype", "expect"), [
-    ("auto", torch.float32, False), ("auto", torch.bfloat16, True),
-    ("none", torch.float32, False), ("none", torch.bfloat16, False),
-    ("bf16", torch.bfloat16, False), ("f16", torch.float16, False),
-    ("int8", torch.float32, True), ("int8", torch.bfloat16, True),
-    ("int4", torch.float32, True), ("int4", torch.bfloat16, True),
-], ids=str)
-def test_quantizes_weights(method, dtype, expect) -> None:
-    assert quantizes_weights(QuantConfig(method), dtype) is expect
+@pytest.mark.parametrize(("method", "expect"), [
+    ("auto", True), ("none", False), ("bf16", False), ("f16", False), ("int8", True), ("int4", True),
+    ("w8a8", True), ("q8", True), ("q4k", True)], ids=str)
+def test_quantizes_weights(method, expect) -> None:
+    assert quantizes_weights(QuantConfig(method)) is expect
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,10 +171,16 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in expected if n not in done]
         if missing:
             raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")
+        if not hasattr(self, "lm_head"):
+            self._install_tied_head(self.embed_tokens.weight.data, plan, device)
+
+    def _install_tied_head(self, embeddings: Weight, plan: WeightPlan, device: torch.device) -> None:
+        """A tied LM head's packed copy of the embeddings, where the plan has one: from the file's own
+        codes when they arrive packed (a GGUF's Q8_0 table read as it is), else from the dense table."""
         head = plan.weights.get("lm_head.weight")
-        if cfg.tie_word_embeddings and head is not None:  # a packed copy of the embeddings
-            form = realize(plan.quant, "lm_head", self.embed_tokens.weight.data, head.form, plan.dtype)
-            self.lm_head = QuantLinear(form, int8_activations=plan.quant.method == "w8a8")
+        if self.cfg.tie_word_embeddings and head is not None:
+            form = realize(plan.quant, "lm_head", embeddings, head.form, plan.dtype)
+            self.lm_head = QuantLinear(form.to(device), int8_activations=plan.quant.method == "w8a8")
 
     def _install(self, pname: str, pieces: list[Weight], plan: WeightPlan, device: torch.device) -> None:
         module_name, attr = pname.rsplit(".", 1)
@@ -193,5 +199,7 @@ class LlamaForCausalLM(nn.Module):
                 self.get_submodule(parent_name).register_module(child, layer)
                 return
         elif isinstance(weight, QuantizedWeight):
+            if pname == "embed_tokens.weight":
+                self._install_tied_head(weight, plan, device)
             weight = weight.dequantize()
         setattr(module, attr, nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False))

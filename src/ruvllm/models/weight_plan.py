@@ -31,7 +31,7 @@ __all__ = ["FileTensor", "PlannedWeight", "WeightPlan", "file_tensors", "float_w
            "weight_plan"]
 
 # Quantizations under which a tied LM head gets its own packed copy of the embeddings.
-_PACKED_HEAD_METHODS = ("int8", "int4", "w8a8")
+_PACKED_HEAD_METHODS = ("auto", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ def weight_plan(source: str | Path | ModelSource | None, quantization: QuantConf
 
     src = source if isinstance(source, ModelSource) else resolve_model(source)
     quant, resolved = _settings(quantization, dtype, device)
-    return plan_weights(load_model_config(src), file_tensors(src), quant, resolved, str(src.path))
+    return plan_weights(load_model_config(src), file_tensors(src), quant, resolved, str(src.path),
+                        torch.device(device).type == "cpu")
 
 
 def float_weight_plan(cfg: ModelConfig, quantization: QuantConfig | None = None, dtype: str | torch.dtype = "auto",
@@ -88,7 +89,7 @@ def float_weight_plan(cfg: ModelConfig, quantization: QuantConfig | None = None,
     stored form is None either way, and the model's own names map to themselves.)"""
     quant, resolved = _settings(quantization, dtype, device)
     tensors = [FileTensor(name, tuple(p.shape), None) for name, p in _meta_model(cfg, resolved).named_parameters()]
-    return plan_weights(cfg, tensors, quant, resolved, source)
+    return plan_weights(cfg, tensors, quant, resolved, source, torch.device(device).type == "cpu")
 
 
 def _settings(quantization: QuantConfig | None, dtype: str | torch.dtype,
@@ -100,12 +101,13 @@ def _settings(quantization: QuantConfig | None, dtype: str | torch.dtype,
 
 
 def plan_weights(cfg: ModelConfig, tensors: list[FileTensor], quant: QuantConfig, dtype: torch.dtype,
-                 source: str) -> WeightPlan:
+                 source: str, cpu: bool = True) -> WeightPlan:
     """The plan from a tensor list: every parameter once, fused pieces together, each linear in
-    quant.plan's form, the rest dense in `dtype`."""
+    quant.plan's form, the rest dense in `dtype`. `cpu`: the weights go to the CPU (their packed
+    layout, so their bytes, can differ by device: quant.weights.estimate_bytes)."""
     model = _meta_model(cfg, dtype)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    keep_packed = quantizes_weights(quant, dtype)
+    keep_packed = quantizes_weights(quant)
     pieces: dict[str, list[FileTensor]] = {}  # in the order the loader completes them (file order)
     for t in tensors:
         name = t.name.removeprefix("model.")
@@ -125,15 +127,19 @@ def plan_weights(cfg: ModelConfig, tensors: list[FileTensor], quant: QuantConfig
     def add(pname: str, stored: tuple[str, int] | None, linear: bool) -> None:
         shape = expected.get(pname) or expected["embed_tokens.weight"]
         form = planned_form(quant, pname.rsplit(".", 1)[0], stored, shape, dtype) if linear else ("dense", 0)
-        nbytes = math.prod(shape) * elem if form[0] == "dense" else estimate_bytes(form[0], *shape, form[1])
+        nbytes = math.prod(shape) * elem if form[0] == "dense" else estimate_bytes(form[0], *shape, form[1], cpu)
         weights[pname] = PlannedWeight(pname, shape, stored, form, linear, nbytes)
 
     for pname, parts in pieces.items():
         module_name, attr = pname.rsplit(".", 1)
         linear = attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear)
         add(pname, fused_stored_form([t.packed if keep_packed else None for t in parts]), linear)
-    if cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in _PACKED_HEAD_METHODS:
-        add("lm_head.weight", None, True)  # a packed copy of the embeddings, made from them at load
+    # A tied head's packed copy of the embeddings, made from them at load; under auto, in the form
+    # the file stores the table in (none for a float table).
+    table = weights["embed_tokens.weight"].stored
+    if (cfg.tie_word_embeddings and not keeps_16bit(quant, "lm_head") and quant.method in _PACKED_HEAD_METHODS
+            and (quant.method != "auto" or table is not None)):
+        add("lm_head.weight", table if quant.method == "auto" else None, True)
     return WeightPlan(source, quant, dtype, keep_packed, weights)
 
 

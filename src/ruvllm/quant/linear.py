@@ -1,7 +1,7 @@
 """Linear layers over packed int8/int4 weights.
 
-int4 on the CPU runs our kernel (quant/cpu_matmul.py: activations quantized to 8 bits per block of
-32 as llama.cpp does, exact integer block dots), where it builds. The rest runs PyTorch's own
+int4 and group-wise int8 (Q8_0) on the CPU run our kernel (quant/cpu_matmul.py: activations
+quantized to 8 bits per block of 32 as llama.cpp does, exact integer block dots), where it builds. The rest runs PyTorch's own
 weight-only kernels, which take activations in bf16 (fed fp32 they are 15-25x slower,
 ../shared/notes), so the layer computes in bf16 whatever the model's dtype and returns the model's
 dtype. Either way each output row is computed the same way whatever the number of rows, so results
@@ -50,16 +50,17 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         self.on_cuda = qw.codes.device.type == "cuda"
-        # Group-wise int8 (Q8_0) has no kernel of its own: it runs as int4 over the input repeated twice.
-        self.repeat_input = qw.kind == "int8" and qw.group_size > 0
-        if self.repeat_input:
-            qw = int8_groups_as_int4(qw)
-        # On the CPU int4 runs our kernel: at one row it beats PyTorch's int4 path on every shape of
-        # the default model, and at many rows PyTorch's runs one GEMV per row (docs/performance.md).
+        # On the CPU int4 and Q8_0 run our kernel: at one row it beats PyTorch's int4 path on every
+        # shape of the default model, and at many rows PyTorch's runs one GEMV per row
+        # (docs/performance.md). Per-channel int8 stays on PyTorch's int8 kernel.
         k, group = qw.shape[1], qw.group_size
-        self.cpu_kernel = (qw.kind == "int4" and not self.on_cuda and not self.repeat_input
+        self.cpu_kernel = (not self.on_cuda and not int8_activations and group > 0
                            and k % cpu_matmul.BLOCK == 0 and group % cpu_matmul.BLOCK == 0
                            and cpu_matmul.kernels() is not None)
+        # Elsewhere group-wise int8 (Q8_0) runs as int4 over the input repeated twice.
+        self.repeat_input = qw.kind == "int8" and group > 0 and not self.cpu_kernel
+        if self.repeat_input:
+            qw = int8_groups_as_int4(qw)
         if self.cpu_kernel:
             packed = cpu_matmul.pack(qw)
             self.register_buffer("packed", packed.codes)
@@ -96,7 +97,8 @@ class QuantLinear(nn.Module):
             return self._w8a8(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.cpu_kernel:  # takes any float dtype and returns x's
-            y = cpu_matmul.matmul(x2, cpu_matmul.Packed(True, self.packed, self.scales, self.zeros, self.group_size))
+            y = cpu_matmul.matmul(x2, cpu_matmul.Packed(self.kind == "int4", self.packed, self.scales, self.zeros,
+                                                        self.group_size))
             return self._finish(y, x)
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every
         # conversion that would be a no-op (each costs microseconds of eager overhead).

@@ -10,7 +10,7 @@ import torch
 from ruvllm.config import QuantConfig
 from ruvllm.quant.llamacpp import Q8_BLOCK, quantize_q4k, quantize_q8
 from ruvllm.quant.rtn import check_int4_group, quantize_int4, quantize_int8
-from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, KERNEL_DTYPE, QuantizedWeight, concat_rows
+from ruvllm.quant.weights import INT4_ROWS_MULTIPLE, QuantizedWeight, concat_rows
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ LLAMACPP_METHODS = ("q8", "q4k")
 
 
 def keeps_16bit(cfg: QuantConfig, name: str) -> bool:
-    return any(part in cfg.keep_16bit for part in name.split("."))
+    return any(part in cfg.dense_modules for part in name.split("."))
 
 
 def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConfig:
@@ -33,10 +33,10 @@ def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConf
     return cfg
 
 
-def quantizes_weights(cfg: QuantConfig, dtype: torch.dtype) -> bool:
-    """Whether a loader should hand over its quantized blocks instead of dequantizing them."""
-    packed = ("int4", "int8", "w8a8", *LLAMACPP_METHODS)  # q8/q4k: GGUF blocks are decoded exactly, in float32
-    return cfg.method in packed or (cfg.method == "auto" and dtype == KERNEL_DTYPE)
+def quantizes_weights(cfg: QuantConfig) -> bool:
+    """Whether a loader should hand over its quantized blocks instead of dequantizing them (q8/q4k:
+    GGUF blocks are decoded exactly, in float32, then re-quantized)."""
+    return cfg.method in ("auto", "int4", "int8", "w8a8", *LLAMACPP_METHODS)
 
 
 def llamacpp_unfit(shape: tuple[int, int]) -> str | None:
@@ -62,24 +62,30 @@ def planned_form(cfg: QuantConfig, name: str, stored: tuple[str, int] | None, sh
     the one decision, which the weight plan records and `realize` carries out.
 
     `stored`: (kind, group_size) of the QuantizedWeight a loader hands over, None for a float tensor.
-    Returns ("dense", 0) (dense in `dtype`), ("int8", 0) (per channel) or ("int4", group_size), and
-    raises ValueError for an int4 group size that does not divide the input size.
+    Returns ("dense", 0) (dense in `dtype`), ("int8", 0) (per channel), ("int8", 32) (Q8_0) or
+    ("int4", group_size), and raises ValueError for an int4 group size that does not divide the input size.
     """
     if cfg.method in LLAMACPP_METHODS:
         return ("dense", 0) if keeps_16bit(cfg, name) else _llamacpp_form(cfg.method, shape)
-    as_stored = cfg.method == "auto" and dtype == KERNEL_DTYPE
-    if keeps_16bit(cfg, name) or not (as_stored or cfg.method in ("int8", "int4", "w8a8")):
+    if keeps_16bit(cfg, name) or cfg.method not in ("auto", "int8", "int4", "w8a8"):
         return ("dense", 0)
-    if as_stored and stored is None:
-        return ("dense", 0)
-    if cfg.method in ("int8", "w8a8") or (as_stored and stored is not None and stored[0] == "int8"):
+    if cfg.method == "auto":
+        return _auto_form(stored, shape)
+    if cfg.method in ("int8", "w8a8"):
         return ("int8", 0)
-    if as_stored and stored is not None:
-        return stored
     check_int4_group(shape[1], cfg.group_size, name)
     if shape[0] % INT4_ROWS_MULTIPLE:
         return ("int8", 0)
     return ("int4", cfg.group_size)
+
+
+def _auto_form(stored: tuple[str, int] | None, shape: tuple[int, int]) -> tuple[str, int]:
+    """auto keeps what the file stored (a tied LM head: the embedding table's form, so a GGUF's Q8_0
+    table is read as it is, in 8 bits at every batch size). Q8_0 runs on our CPU kernel as stored
+    (on CUDA auto is `none`: quantization_for_device); where K or N do not tile it, per channel."""
+    if stored == ("int8", Q8_BLOCK) and llamacpp_unfit(shape) is not None:
+        return ("int8", 0)
+    return ("dense", 0) if stored is None else stored
 
 
 def fused_stored_form(forms: list[tuple[str, int] | None]) -> tuple[str, int] | None:
@@ -125,13 +131,14 @@ def realize(cfg: QuantConfig, name: str, weight: Weight, form: tuple[str, int], 
     if kind == "dense":
         return _dense(weight, dtype)
     if kind == "int8":
-        if stored == ("int8", 0):
+        if stored == form:
             return weight
         if cfg.method == "int4":
             log.warning("%s: %d output rows are not a multiple of %d; kept as int8 instead of int4",
                         name, weight.shape[0], INT4_ROWS_MULTIPLE)
-        # Group-wise int8 (GGUF Q8_0) is re-quantized per channel: the packed kernel takes no groups.
-        return quantize_int8(_dense(weight, torch.float32))
+        dense = _dense(weight, torch.float32)
+        # Per channel: group-wise int8 that no Q8_0 form was planned for is re-quantized.
+        return quantize_q8(dense) if group else quantize_int8(dense)
     if stored == ("int4", group):  # a file's own 4-bit codes, kept when their groups are the ones asked for
         return weight
     return quantize_int4(_dense(weight, torch.float32), group, name)

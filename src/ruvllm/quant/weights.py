@@ -1,8 +1,9 @@
 """A quantized weight matrix in the one layout our packed matmuls take, whatever it came from.
 
 int8: w = q * scale (q in [-127, 127]), one scale per output channel, or per group of `group_size`
-      inputs (llama.cpp's Q8_0). The packed int8 matmul takes per-channel scales only, so group-wise
-      int8 runs on the int4 kernel as two nibble halves (int8_groups_as_int4).
+      inputs (llama.cpp's Q8_0). Our CPU kernel takes both; PyTorch's packed int8 matmul takes
+      per-channel scales only, so elsewhere group-wise int8 runs on the int4 kernel as two nibble
+      halves (int8_groups_as_int4).
 int4: groups of `group_size` along the input dimension, w = (q - 8) * scale + zero (q in [0, 15]).
 That int4 form is the one PyTorch's packed int4 matmul computes; it holds llama.cpp's Q4_0
 (zero = 0), Q4_1 (zero = min + 8 * d) and Q4_K sub-blocks exactly, before scales are rounded to
@@ -23,18 +24,18 @@ INT4_ROWS_MULTIPLE = 16  # the packed int4 layout tiles output rows by 16
 KERNEL_DTYPE = torch.bfloat16
 
 
-def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: int = 0) -> int:
+def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: int = 0, cpu: bool = True) -> int:
     """Bytes an [n, k] weight takes in the packed layout, from its shape alone (no tensor needed).
 
-    int8: n*k one-byte codes, plus a 2-byte (bf16) scale per output channel (group_size 0); group-wise
-    int8 is held as int8_groups_as_int4 makes it, int4 over 2k inputs. int4: n*k/2 bytes (two codes
-    per byte), plus a 2-byte scale and a 2-byte zero point per group: what QuantizedWeight.nbytes
-    counts, and QuantLinear's buffers hold.
+    int8: n*k one-byte codes, plus a 2-byte scale per output channel (group_size 0) or per group.
+    On CUDA group-wise int8 is held as int8_groups_as_int4 makes it, int4 over 2k inputs (`cpu`
+    False). int4: n*k/2 bytes (two codes per byte), plus a 2-byte scale and a 2-byte zero point per
+    group: what QuantizedWeight.nbytes counts, and QuantLinear's buffers hold.
     """
-    if kind == "int8" and group_size:
+    if kind == "int8" and group_size and not cpu:
         return estimate_bytes("int4", n, 2 * k, group_size)
     if kind == "int8":
-        return n * k + 2 * n
+        return n * k + 2 * n * (k // group_size if group_size else 1)
     if kind == "int4":
         if group_size <= 0:
             raise ValueError("int4 weights need a group size")

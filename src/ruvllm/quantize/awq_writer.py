@@ -102,7 +102,7 @@ def _named_values(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str
 def awq_tensors(model: nn.Module, names: list[str], group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, under the source's names: each linear weight (q/k/v and gate/up cut
     back out of our fused ones) as qweight/qzeros/scales, the rest fp16."""
-    keep = QuantConfig()  # keep_16bit: the embeddings and the LM head
+    keep = QuantConfig("int4")  # its default keep_16bit: the embeddings and the LM head
     for name, module_name, attr, value in _named_values(model, names):
         if attr == "weight" and isinstance(model.get_submodule(module_name), nn.Linear) \
                 and not keeps_16bit(keep, module_name):

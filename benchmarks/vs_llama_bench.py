@@ -1,0 +1,131 @@
+"""ruvllm against llama.cpp's `llama-bench` on the same GGUF file, in one run: pp (prefill of one
+prompt) and tg (one stream generating), as llama-bench defines them, with ratios, and the decode
+rate as a share of the machine's memory bandwidth (weight bytes read per token x tok/s, against the
+copy bandwidth measured here).
+
+ruvllm's side: pp N is one N-token prompt (prefix caching off, so nothing is reused) with
+max_tokens=1, its time to first token; tg N is one stream's N generated tokens after a 1-token
+prompt, tokens after the first over the time after the first. Median of --repetitions, after a
+warm-up. llama-bench runs with -t --threads, -r --repetitions.
+
+    .venv/bin/python benchmarks/vs_llama_bench.py --llama-bench ~/.cache/llama-cpp-peer/llama.cpp/build/bin/llama-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ruvllm import LLM, SamplingParams
+from ruvllm.loader import resolve_model
+from ruvllm.messages import CoreRequest
+
+
+def copy_bandwidth(gib: float = 1.0, repetitions: int = 5) -> float:
+    """Bytes a second that a large copy moves (read + write), the best of a few: the roofline's rate."""
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repetitions):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def bytes_per_token(llm: LLM) -> int:
+    """Weight bytes one decode step reads: every linear's weights (packed buffers or dense), the LM
+    head included (a tied dense head reads the embedding table); embedding lookups read one row."""
+    model, total = llm.model, 0
+    for name, module in model.named_modules():
+        if name.endswith("_proj") or name == "lm_head":
+            total += sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+                         if t.dim() >= 1 and t.numel() > module.out_features)
+    if not hasattr(model, "lm_head"):
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def ruvllm_rates(llm: LLM, pp: int, tg: int, repetitions: int) -> tuple[float, float]:
+    vocab = llm.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prefill() -> float:
+        ids = torch.randint(1000, vocab - 1000, (pp,), generator=gen).tolist()
+        t = time.perf_counter()
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+        return pp / (time.perf_counter() - t)
+
+    runs = iter(range(1_000_000))
+
+    def decode() -> float:
+        core = llm.core
+        core.add_request(CoreRequest(f"tg{next(runs)}", [1], SamplingParams(temperature=0, max_tokens=tg, ignore_eos=True)))
+        first, n = None, 0
+        while core.has_unfinished:
+            for out in core.step():
+                n += len(out.new_token_ids)
+                first = first or time.perf_counter()
+        assert first is not None and n == tg
+        return (tg - 1) / (time.perf_counter() - first)
+
+    prefill(), decode()  # warm-up
+    return (statistics.median(prefill() for _ in range(repetitions)),
+            statistics.median(decode() for _ in range(repetitions)))
+
+
+def llama_bench_rates(binary: str, gguf: str, pp: int, tg: int, threads: int, repetitions: int) -> tuple[float, float]:
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-p", str(pp), "-n", str(tg),
+                          "-r", str(repetitions), "-o", "json"], capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    rate = {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in rows}
+    return rate["pp"], rate["tg"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
+    ap.add_argument("--llama-bench", default=None, help="path to llama-bench (else only ruvllm's side)")
+    ap.add_argument("--quantization", nargs="+", default=["auto"], help="ruvllm precisions, one row each")
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repetitions", type=int, default=3)
+    args = ap.parse_args()
+
+    gguf = str(resolve_model(args.model).path)
+    bandwidth = copy_bandwidth()
+    rows = []
+    if args.llama_bench:
+        pp, tg = llama_bench_rates(args.llama_bench, gguf, args.pp, args.tg, args.threads, args.repetitions)
+        rows.append(("llama.cpp (llama-bench)", pp, tg, None))
+    for method in args.quantization:
+        llm = LLM(args.model, quantization=method, num_threads=args.threads, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(2048, args.pp), num_blocks=256)
+        pp, tg = ruvllm_rates(llm, args.pp, args.tg, args.repetitions)
+        rows.append((f"ruvllm -q {method} ({llm.info.dtype})", pp, tg, bytes_per_token(llm)))
+        del llm
+
+    table = Table(title=f"pp{args.pp} / tg{args.tg}, {args.threads} threads; copy bandwidth "
+                        f"{bandwidth / 1e9:.1f} GB/s (read + write)")
+    for col in ("engine", f"pp{args.pp} tok/s", f"tg{args.tg} tok/s", "pp vs llama.cpp", "tg vs llama.cpp",
+                "bytes / token", "tg roofline share"):
+        table.add_column(col, justify="right")
+    ref = rows[0] if args.llama_bench else None
+    for name, pp, tg, nbytes in rows:
+        table.add_row(name, f"{pp:.1f}", f"{tg:.1f}",
+                      f"{pp / ref[1]:.2f}x" if ref else "-", f"{tg / ref[2]:.2f}x" if ref else "-",
+                      f"{nbytes / 2**20:.1f} MiB" if nbytes else "-",
+                      f"{nbytes * tg / bandwidth:.0%}" if nbytes else "-")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
