@@ -30,7 +30,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _ROOT = Path(__file__).resolve().parent
 # csrc/ops.cpp registers the other sources' functions as operators.
 SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
-           _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+           _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
+           _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -82,6 +83,11 @@ _FAKES: dict[str, Any] = {
     "quantize_kv_blocks": lambda *_: None,
     "dense_matmul": lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
     "quant_matmul": lambda x, codes, *_: x.new_empty(x.shape[0], codes.shape[0]),
+    "rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
+    "qkv_rope": lambda qkv, cos, sin, hq, hkv, d: (qkv.new_empty(qkv.shape[0], hq, d), qkv.new_empty(qkv.shape[0], hkv, d),
+                                                   qkv.new_empty(qkv.shape[0], hkv, d)),
+    "silu_and_mul": lambda g: g.new_empty(g.shape[0], g.shape[1] // 2),
 }
 
 

@@ -15,8 +15,11 @@ def test_w8a8_default_model(llm: LLM) -> None:
         assert isinstance(proj, QuantLinear) and proj.int8_activations
     text = w8a8.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     assert "Paris" in text, text
-    # Measured: mean |difference| ~0.35 nats, max ~0.98 (perplexity +3.1%): int8 activations without
-    # smoothing lose on this model's outlier channels (docs/quantization.md). A broken path is off by many nats.
+    # Measured: mean |difference| 0.31 nats, max 0.94 with PyTorch's layer ops, 0.40 / 1.57 with our
+    # fused C++ ones (perplexity +3.1% and +3.3%): int8 activations without smoothing lose on this
+    # model's outlier channels (docs/quantization.md), and which realization of that loss a prompt
+    # gets turns on ulps (the Q8_0 embeddings put activations on rounding ties). A broken path is
+    # off by many nats.
     diff = (_prompt_logprobs(w8a8) - _prompt_logprobs(llm)).abs()
-    assert diff.mean() < 0.5 and diff.max() < 1.5, (float(diff.mean()), float(diff.max()))
+    assert diff.mean() < 0.6 and diff.max() < 2.5, (float(diff.mean()), float(diff.max()))
     assert w8a8.stats().free_blocks == w8a8.stats().total_blocks

@@ -93,8 +93,11 @@ def test_packing_is_llamacpp_order() -> None:
     c = qw.codes
     assert int(packed.codes[0, 0]) == int(c[0, 0]) | (int(c[0, 16]) << 4)
     assert int(packed.codes[1, 17]) == int(c[1, 33]) | (int(c[1, 49]) << 4)
-    assert packed.scales.shape == (N, K // 32) and packed.zeros.shape == (N, K // 32)
+    # scales and zero points [N/4, K/32, 4]: a tile of 4 rows' values of one group side by side
+    assert packed.scales.shape == packed.zeros.shape == (N // 4, K // 32, 4)
     assert packed.scales.dtype == packed.zeros.dtype == torch.float16
+    assert float(packed.scales[1, 2, 3]) == float(qw.scales[7, 2].half())
+    assert float(packed.zeros[2, 0, 1]) == float(qw.zeros[9, 0].half())
 
 
 @pytest.mark.parametrize("form", ["int4 g32", "int4 g64", "int8"])

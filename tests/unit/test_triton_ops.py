@@ -1,4 +1,5 @@
-"""The Triton layer kernels against their torch references (ruvllm.layers.ops).
+"""The Triton layer kernels, and our C++ CPU ones (layers/csrc/fused_ops.cpp), against their torch
+references (ruvllm.layers.ops).
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in tests/conftest.py
 before the kernels are decorated), so CI covers them; with one, on CUDA. The interpreter stores fp32
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ruvllm.layers.ops import LayerOps, select_ops, torch_ops, triton_ops  # noqa: E402
+from ruvllm.layers.ops import LayerOps, cpu_ops, select_ops, torch_ops, triton_ops  # noqa: E402
 from ruvllm.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -31,9 +32,15 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
 
 
-@pytest.fixture(scope="module")
-def tops() -> LayerOps:
-    return triton_ops()
+@pytest.fixture(scope="module", params=["triton", "cpu"])
+def tops(request: pytest.FixtureRequest) -> LayerOps:
+    if request.param == "triton":
+        return triton_ops()
+    from ruvllm.cpu_build import kernels
+
+    if DEVICE.type != "cpu" or kernels() is None:
+        pytest.skip("our C++ CPU kernels: CPU tensors, where they build")
+    return cpu_ops(kernels())
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +141,49 @@ def test_rope_on_fused_views(tops, rops, dtype, tokens, heads, kv_heads, head_di
         torch.testing.assert_close(got, ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
+def test_qkv_rope(tops, rops, dtype, tokens, heads, kv_heads, head_dim):
+    width = (heads + 2 * kv_heads) * head_dim
+    wide = _randn(tokens, width + 32, dtype=dtype, seed=19)
+    qkv = wide[:, 16:16 + width]  # a view whose rows are further apart than their width
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, DEVICE)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    cos, sin = rope.for_positions(positions)
+    got = tops.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
+    ref = rops.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
+    for g, r in zip(got, ref):
+        assert g.is_contiguous() and g.shape == r.shape and g.dtype == r.dtype
+        torch.testing.assert_close(g, r, **_tol(dtype))
+    assert torch.equal(got[2], ref[2])  # v is a copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_computed_alone(tops, dtype):
+    """Each row's result is the same bits whether it runs alone or among others (batch invariance)."""
+    x = _randn(37, 576, dtype=dtype, seed=21)
+    residual = _randn(37, 576, dtype=dtype, seed=22)
+    weight = _randn(576, dtype=dtype, seed=23)
+    gate_up = _randn(37, 2 * 1536, dtype=dtype, seed=24)
+    rope = RotaryEmbedding(64, 256, 10000.0, None, dtype, DEVICE)
+    cos, sin = rope.for_positions(torch.arange(37, device=DEVICE))
+    qkv = _randn(37, 15 * 64, dtype=dtype, seed=25)
+
+    def run(rows: slice) -> list[torch.Tensor]:
+        return [*tops.add_rms_norm(x[rows], residual[rows], weight, 1e-5), tops.rms_norm(x[rows], weight, 1e-5),
+                tops.silu_and_mul(gate_up[rows]), *tops.qkv_rope(qkv[rows], cos[rows], sin[rows], 9, 3, 64)]
+
+    full = run(slice(0, 37))
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
+        for part, whole in zip(run(rows), full):
+            assert torch.equal(part, whole[rows])
+
+
 def test_select_ops():
-    cpu = select_ops(torch.device("cpu"))
-    assert cpu == torch_ops() and cpu.name == "torch"
+    from ruvllm.cpu_build import kernels
+
+    assert select_ops(torch.device("cpu")).name == ("torch" if kernels() is None else "cpu")
     if torch.cuda.is_available():
         assert select_ops(torch.device("cuda")).name == "triton"
 

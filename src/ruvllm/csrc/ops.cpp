@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 namespace ruvllm {
 // attention/csrc/paged_attention.cpp
@@ -24,6 +25,14 @@ void quantize_kv_blocks(at::Tensor kv_cache, at::Tensor src_slots, at::Tensor co
                         at::Tensor dst_slots, int64_t bits);
 // layers/csrc/dense_matmul.cpp
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
+// layers/csrc/fused_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t num_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -40,6 +49,11 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor dst_slots, int bits) -> ()");
   m.def("dense_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -48,4 +62,8 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("quantize_kv_blocks", &ruvllm::quantize_kv_blocks);
   m.impl("dense_matmul", &ruvllm::dense_matmul);
   m.impl("quant_matmul", &ruvllm::quant_matmul);
+  m.impl("rms_norm", &ruvllm::rms_norm);
+  m.impl("add_rms_norm", &ruvllm::add_rms_norm);
+  m.impl("qkv_rope", &ruvllm::qkv_rope);
+  m.impl("silu_and_mul", &ruvllm::silu_and_mul);
 }

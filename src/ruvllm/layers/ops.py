@@ -1,15 +1,17 @@
-"""Fused layer ops, one implementation per device: PyTorch reference functions and Triton kernels.
+"""Fused layer ops, one implementation per device: PyTorch reference functions, our C++ CPU
+kernels and Triton kernels.
 
-`select_ops(device)` picks the set: the Triton kernels on CUDA when triton imports, the torch
-reference everywhere else. The torch functions are exactly the arithmetic the Llama layer does
-inline (so the CPU path is unchanged); the Triton kernels (in `triton_kernels.py`, imported only by
-`triton_ops()`) compute the same in float32 and round once on store.
+`select_ops(device)` picks the set: the Triton kernels on CUDA when triton imports, our C++ kernels
+(`csrc/fused_ops.cpp`, one call per op where eager PyTorch makes several) on the CPU where they
+build, the torch reference elsewhere. The torch functions are the plain PyTorch arithmetic; the
+C++ and Triton kernels compute the same in float32 and round once on store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,8 @@ class LayerOps:
     silu_and_mul(gate_up) -> silu(gate_up[:, :I]) * gate_up[:, I:]: [T, 2I] -> [T, I].
     rope(q, k, cos, sin) -> (q, k): q [T, Hq, D], k [T, Hkv, D] (views allowed), cos/sin [T, 1, D]
         (neox half-split); returns new tensors.
+    qkv_rope(qkv, cos, sin, Hq, Hkv, D) -> (q, k, v): the fused projection's output [T, (Hq + 2Hkv)D]
+        split into heads, rope on q and k; contiguous new tensors.
     """
 
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
@@ -34,6 +38,8 @@ class LayerOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    qkv_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     name: str = "torch"
 
 
@@ -61,10 +67,41 @@ def _torch_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return RotaryEmbedding.apply(q, k, (cos, sin))
 
 
+def _split_then_rope(rope: Callable) -> Callable:
+    """qkv_rope from a rope op: split and view the heads, rotate q and k, copy v contiguous."""
+    def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q, k = rope(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), cos, sin)
+        return q, k, v.reshape(-1, num_kv_heads, head_dim).contiguous()
+    return qkv_rope
+
+
+_torch_qkv_rope = _split_then_rope(_torch_rope)
+
+
 def torch_ops() -> LayerOps:
     """The PyTorch reference ops (any device)."""
     return LayerOps(add_rms_norm=_torch_add_rms_norm, rms_norm=_torch_rms_norm,
-                    silu_and_mul=_torch_silu_and_mul, rope=_torch_rope, name="torch")
+                    silu_and_mul=_torch_silu_and_mul, rope=_torch_rope, qkv_rope=_torch_qkv_rope, name="torch")
+
+
+def cpu_ops(kernels: Any) -> LayerOps:
+    """Our C++ kernels (`kernels`: cpu_build.kernels()) for contiguous CPU rows; RoPE on separate q
+    and k (models with q/k norms rotate after the norm) stays the torch op."""
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return kernels.rms_norm(x, weight, eps), x
+        return kernels.add_rms_norm(x, residual, weight, eps)
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():  # q/k norms over heads: [T, heads, D] views
+            return _torch_rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
+
+    return LayerOps(add_rms_norm=add_rms_norm, rms_norm=rms_norm, silu_and_mul=kernels.silu_and_mul,
+                    rope=_torch_rope, qkv_rope=kernels.qkv_rope, name="cpu")
 
 
 def triton_ops() -> LayerOps:
@@ -72,15 +109,19 @@ def triton_ops() -> LayerOps:
     first call). Raises ImportError when triton is not installed."""
     from ruvllm.layers import triton_kernels as tk
 
-    return LayerOps(add_rms_norm=tk.add_rms_norm, rms_norm=tk.rms_norm,
-                    silu_and_mul=tk.silu_and_mul, rope=tk.rope, name="triton")
+    return LayerOps(add_rms_norm=tk.add_rms_norm, rms_norm=tk.rms_norm, silu_and_mul=tk.silu_and_mul,
+                    rope=tk.rope, qkv_rope=_split_then_rope(tk.rope), name="triton")
 
 
 def select_ops(device: torch.device) -> LayerOps:
-    """Triton kernels on a CUDA device when triton imports, else the torch reference."""
+    """Triton kernels on a CUDA device when triton imports; our C++ kernels on the CPU where they
+    build; else the torch reference."""
     if torch.device(device).type == "cuda":
         try:
             return triton_ops()
         except ImportError:
-            pass
-    return torch_ops()
+            return torch_ops()
+    from ruvllm.cpu_build import kernels
+
+    ext = kernels()
+    return torch_ops() if ext is None else cpu_ops(ext)

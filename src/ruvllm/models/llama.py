@@ -59,15 +59,14 @@ class DecoderLayer(nn.Module):
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused q/k/v projection of the normed input, (q/k norm,) RoPE: q [T, Hq, D], k and v [T, Hkv, D]."""
         cfg, ops = self.cfg, self.ops
-        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(h)
+        if not cfg.qk_norm:
+            return ops.qkv_rope(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = ops.rms_norm(q.view(-1, cfg.num_heads, cfg.head_dim), self.q_norm.weight, cfg.rms_norm_eps)
+        k = ops.rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
         q, k = ops.rope(q, k, cos, sin)
-        return q, k, v.contiguous()
+        return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim).contiguous()
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))

@@ -17,14 +17,15 @@ from ruvllm.cpu_build import kernels
 from ruvllm.quant.weights import QuantizedWeight
 
 BLOCK = 32  # inputs per block, for weights and activations alike
+TILE_ROWS = 4  # weight rows the kernel decodes together: N must be a multiple of it
 
 
 @dataclass(frozen=True)
 class Packed:
     int4: bool
     codes: torch.Tensor  # int4: [N, K/2] uint8, two codes a byte (Q4_0 order); int8: [N, K] int8
-    scales: torch.Tensor  # [N, K/group] float16
-    zeros: torch.Tensor | None  # [N, K/group] float16; int4 only
+    scales: torch.Tensor  # [N/4, K/group, 4] float16
+    zeros: torch.Tensor | None  # [N/4, K/group, 4] float16; int4 only
     group: int  # inputs per scale: the weight's group size, or K for a per-channel int8 scale
 
     @property
@@ -34,18 +35,23 @@ class Packed:
 
 
 def pack(qw: QuantizedWeight) -> Packed:
-    """The kernel's layout of a weight (K and the group size multiples of 32; the kernel checks):
-    codes as they are (int4: two a byte), scales and zero points in float16, one per group (2 bytes
-    each, as the weight plan counts them; GGUF stores its block scales in float16 too)."""
+    """The kernel's layout of a weight (K and the group size multiples of 32, N of 4; the kernel
+    checks): codes as they are (int4: two a byte), scales and zero points in float16, one per group
+    (2 bytes each, as the weight plan counts them; GGUF stores its block scales in float16 too),
+    laid out [N/4, K/group, 4] so that a tile of 4 rows reads its 4 scales of a group at once."""
     n, k = qw.shape
     group = qw.group_size or k
-    scales = (qw.scales if qw.scales.dim() == 2 else qw.scales[:, None]).half().contiguous()
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        t = t if t.dim() == 2 else t[:, None]
+        return t.half().reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2).contiguous()
+
     if qw.kind == "int8":
-        return Packed(False, qw.codes.to(torch.int8).contiguous(), scales, None, group)
+        return Packed(False, qw.codes.to(torch.int8).contiguous(), tiled(qw.scales), None, group)
     codes = qw.codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
     packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     assert qw.zeros is not None
-    return Packed(True, packed, scales, qw.zeros.half().contiguous(), group)
+    return Packed(True, packed, tiled(qw.scales), tiled(qw.zeros), group)
 
 
 def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:

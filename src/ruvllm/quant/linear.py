@@ -56,7 +56,7 @@ class QuantLinear(nn.Module):
         k, group = qw.shape[1], qw.group_size
         self.cpu_kernel = (not self.on_cuda and not int8_activations and group > 0
                            and k % cpu_matmul.BLOCK == 0 and group % cpu_matmul.BLOCK == 0
-                           and cpu_matmul.kernels() is not None)
+                           and qw.shape[0] % cpu_matmul.TILE_ROWS == 0 and cpu_matmul.kernels() is not None)
         # Elsewhere group-wise int8 (Q8_0) runs as int4 over the input repeated twice.
         self.repeat_input = qw.kind == "int8" and group > 0 and not self.cpu_kernel
         if self.repeat_input:

@@ -13,8 +13,9 @@
 //   int4 codes  [N, K/2] uint8: byte j of block b holds input 32b+j in its low nibble and input
 //               32b+16+j in its high nibble (llama.cpp's Q4_0 order). w = (q - 8) * scale + zero.
 //   int8 codes  [N, K] int8. w = q * scale.
-//   scales, zeros [N, K/G] float16, one per group of G inputs (G a multiple of 32; a per-channel int8
-//               scale is one group of K). Two bytes each, as the weight plan counts them.
+//   scales, zeros [N/4, K/G, 4] float16, one per group of G inputs (G a multiple of 32; a per-channel
+//               int8 scale is one group of K), the four rows of a tile together for each group. Two
+//               bytes each, as the weight plan counts them.
 
 // Only ATen's light headers: the extension's build is mostly spent compiling headers (csrc/ops.cpp).
 #include <ATen/Parallel.h>
@@ -26,7 +27,9 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__)
+// The vector path needs AVX2 with FMA and F16C (every AVX2 CPU has both).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RUVLLM_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -69,7 +72,7 @@ void quantize_rows(const float* x, int64_t T, int64_t K, QuantRows& out) {
   });
 }
 
-#if defined(__AVX2__)
+#if defined(RUVLLM_AVX2)
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -81,8 +84,7 @@ inline float hsum(__m256 v) {
 // 32 unsigned 4-bit codes (16 packed bytes) as 32 bytes, in input order.
 inline __m256i unpack_nibbles(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
 // Eight int32 partial sums of sum_i u[i] * s[i] (u unsigned < 128 or a magnitude, s signed).
@@ -106,87 +108,111 @@ inline int32_t dot_int8_scalar(const int8_t* w, const int8_t* x) {
   return s;
 }
 
-// Per-thread accumulators for one tile, allocated once per thread's share of the tiles.
-struct Scratch {
-#if defined(__AVX2__)
-  std::vector<__m256> acc;  // [T, rows]: eight partial sums of the block dots, scaled
-#endif
-  std::vector<float> extra;  // [T, rows]: the zero points' part (int4), or the scalar path's sums
-  explicit Scratch(int64_t n) : extra(n) {
-#if defined(__AVX2__)
-    acc.resize(n);
-#endif
+#if defined(RUVLLM_AVX2)
+// One block of a tile of TILE_N weight rows: each row's 32 codes as bytes in input order, and the
+// four rows' scales and zero-point offsets (zero - 8 scale; 0 for int8) as floats.
+struct Block {
+  __m256i w[TILE_N];
+  __m128 scale, offset;
+};
+
+// Decodes a tile's blocks from the packed weights as they are read (for few rows of x: nothing is
+// stored between the decode and its use).
+struct PackedTile {
+  bool int4;
+  const uint8_t* codes;
+  const uint16_t *scales, *zeros;
+  int64_t K, ng, per_group, n0;
+
+  inline void block(int64_t b, Block& out) const {
+    for (int r = 0; r < TILE_N; ++r) {
+      const int64_t n = n0 + r;
+      out.w[r] = int4 ? unpack_nibbles(codes + n * (K / 2) + b * QK / 2)
+                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * K + b * QK));
+    }
+    // the tile's four scales (and zero points) of a group sit together: one load each
+    const int64_t g = (n0 / TILE_N * ng + b / per_group) * TILE_N;
+    out.scale = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + g)));
+    out.offset = int4 ? _mm_sub_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))),
+                                   _mm_mul_ps(_mm_set1_ps(8.f), out.scale))
+                      : _mm_setzero_ps();
   }
 };
 
-// y[t, n] for a tile of weight rows [n0, n1) and every t. `int4`: codes are packed nibbles.
-void tile(bool int4, const uint8_t* codes, const at::Half* scales, const at::Half* zeros, int64_t group,
-          const QuantRows& xr, int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y, Scratch& scratch) {
+// A tile decoded once into per-thread scratch and read back for every chunk of x's rows (for many
+// rows of x, so a step of many tokens decodes each weight once).
+struct DecodedTile {
+  std::vector<Block> blocks;  // [K/32]
+
+  void decode(const PackedTile& src) {
+    blocks.resize(src.K / QK);
+    for (int64_t b = 0; b < src.K / QK; ++b) src.block(b, blocks[b]);
+  }
+  inline void block(int64_t b, Block& out) const { out = blocks[b]; }
+};
+
+// y[t, n0..n0+4) for TC rows of x from t0 (TC = 2 keeps every accumulator in the 16 vector
+// registers). Per (t, n) the arithmetic is fixed: eight lanes accumulate (x scale * w scale) *
+// block dot with an FMA over the blocks in order, the zero points' part accumulates (zero - 8
+// scale) * (x scale * x code sum) with an FMA in the same order, and the result is hsum(lanes) +
+// that part. Neither which rows share a chunk nor where the decoded weights come from changes
+// it, so outputs are batch invariant.
+template <int TC, typename Tile>
+inline void tile_rows(bool int4, const Tile& w, const QuantRows& xr, const float* xsum, int64_t t0,
+                      int64_t K, int64_t N, int64_t n0, float* y) {
   const int64_t nb = K / QK;
-  const int64_t ng = K / group, per_group = group / QK;
-  const int64_t row_bytes = int4 ? K / 2 : K;
-  const int64_t rows = n1 - n0;
-#if defined(__AVX2__)
-  __m256* acc = scratch.acc.data();
-  std::fill(acc, acc + T * rows, _mm256_setzero_ps());
-#endif
-  float* extra = scratch.extra.data();
-  std::fill(extra, extra + T * rows, 0.f);
+  __m256 acc[TC][TILE_N];
+  __m128 ext[TC];
+  for (int t = 0; t < TC; ++t) {
+    ext[t] = _mm_setzero_ps();
+    for (int r = 0; r < TILE_N; ++r) acc[t][r] = _mm256_setzero_ps();
+  }
+  Block blk;
   for (int64_t b = 0; b < nb; ++b) {
-#if defined(__AVX2__)
-    __m256i w[TILE_N];
-    __m256i wabs[TILE_N];
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* p = codes + (n0 + r) * row_bytes + b * (int4 ? QK / 2 : QK);
-      if (int4) {
-        w[r] = unpack_nibbles(p);
-      } else {
-        w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        wabs[r] = _mm256_sign_epi8(w[r], w[r]);
+    w.block(b, blk);
+    for (int t = 0; t < TC; ++t) {
+      const int64_t row = t0 + t;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + row * K + b * QK));
+      alignas(16) float sc[TILE_N];
+      _mm_store_ps(sc, _mm_mul_ps(_mm_set1_ps(xr.scale[row * nb + b]), blk.scale));
+      for (int r = 0; r < TILE_N; ++r) {
+        const __m256i c = blk.w[r];
+        const __m256i d = int4 ? dot_u8s8(c, xq) : dot_u8s8(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xq, c));
+        acc[t][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(d), acc[t][r]);
       }
+      if (int4) ext[t] = _mm_fmadd_ps(blk.offset, _mm_set1_ps(xsum[row * nb + b]), ext[t]);
     }
-    float ws[TILE_N], offset[TILE_N];
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t g = (n0 + r) * ng + b / per_group;
-      ws[r] = static_cast<float>(scales[g]);
-      offset[r] = int4 ? static_cast<float>(zeros[g]) - 8.f * ws[r] : 0.f;
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + t * K + b * QK));
-      const float xs = xr.scale[t * nb + b];
-      const float xsum = xs * static_cast<float>(xr.sum[t * nb + b]);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256i d = int4 ? dot_u8s8(w[r], xq) : dot_u8s8(wabs[r], _mm256_sign_epi8(xq, w[r]));
-        acc[t * rows + r] = _mm256_fmadd_ps(_mm256_set1_ps(xs * ws[r]), _mm256_cvtepi32_ps(d), acc[t * rows + r]);
-        if (int4) extra[t * rows + r] += offset[r] * xsum;
-      }
-    }
+  }
+  for (int t = 0; t < TC; ++t) {
+    alignas(16) float e[TILE_N];
+    _mm_store_ps(e, ext[t]);
+    for (int r = 0; r < TILE_N; ++r) y[(t0 + t) * N + n0 + r] = hsum(acc[t][r]) + e[r];
+  }
+}
 #else
-    for (int64_t t = 0; t < T; ++t) {
-      const int8_t* xq = xr.q.data() + t * K + b * QK;
-      const float xs = xr.scale[t * nb + b];
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
+// Without AVX2: the same sums one (t, n) pair at a time (the dot lanes collapse to one float).
+void tile_rows_scalar(bool int4, const uint8_t* codes, const at::Half* scales, const at::Half* zeros, int64_t ng,
+                      int64_t per_group, const QuantRows& xr, const float* xsum, int64_t T, int64_t K, int64_t N,
+                      int64_t n0, float* y) {
+  const int64_t nb = K / QK, row_bytes = int4 ? K / 2 : K;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t r = 0; r < TILE_N; ++r) {
+      const int64_t n = n0 + r;
+      float acc = 0.f, ext = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xq = xr.q.data() + t * K + b * QK;
         const uint8_t* p = codes + n * row_bytes + b * (int4 ? QK / 2 : QK);
-        const int64_t g = n * ng + b / per_group;
+        const int64_t g = (n / TILE_N * ng + b / per_group) * TILE_N + n % TILE_N;
         const float ws = static_cast<float>(scales[g]);
         const int32_t d = int4 ? dot_int4_scalar(p, xq) : dot_int8_scalar(reinterpret_cast<const int8_t*>(p), xq);
-        extra[t * rows + r] += xs * ws * static_cast<float>(d);
-        if (int4) extra[t * rows + r] += (static_cast<float>(zeros[g]) - 8.f * ws) * (xs * static_cast<float>(xr.sum[t * nb + b]));
+        acc += xr.scale[t * nb + b] * ws * static_cast<float>(d);
+        if (int4) ext += (static_cast<float>(zeros[g]) - 8.f * ws) * xsum[t * nb + b];
       }
-    }
-#endif
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t r = 0; r < rows; ++r) {
-#if defined(__AVX2__)
-      y[t * N + n0 + r] = hsum(acc[t * rows + r]) + extra[t * rows + r];
-#else
-      y[t * N + n0 + r] = extra[t * rows + r];
-#endif
+      y[t * N + n] = acc + ext;
     }
   }
 }
+#endif
 
 }  // namespace
 
@@ -199,26 +225,48 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K), "codes: [N, K/2] (int4) or [N, K] (int8)");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == N &&
-              scales.size(1) == K / group, "scales: contiguous float16 [N, K/group]");
+  TORCH_CHECK(N % TILE_N == 0, "N must be a multiple of 4");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+              scales.size(0) * TILE_N == N && scales.size(1) == K / group && scales.size(2) == TILE_N,
+              "scales: contiguous float16 [N/4, K/group, 4]");
   const at::Half* zp = nullptr;
   if (int4) {
     TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kHalf && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(), "zeros: contiguous float16 [N, K/group]");
+                zeros->sizes() == scales.sizes(), "zeros: contiguous float16 [N/4, K/group, 4]");
     zp = zeros->data_ptr<at::Half>();
   }
   auto y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   QuantRows xr;
   quantize_rows(x.data_ptr<float>(), T, K, xr);
+  const int64_t nb = K / QK;
+  std::vector<float> xsum(T * nb);  // each block's x scale times its code sum: the zero points' factor
+  for (int64_t i = 0; i < T * nb; ++i) xsum[i] = xr.scale[i] * static_cast<float>(xr.sum[i]);
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + TILE_N - 1) / TILE_N;
-  at::parallel_for(0, tiles, 1, [&](int64_t i0, int64_t i1) {
-    Scratch scratch(T * TILE_N);
+  const int64_t ng = K / group, per_group = group / QK;
+  at::parallel_for(0, N / TILE_N, 1, [&](int64_t i0, int64_t i1) {
+#if defined(RUVLLM_AVX2)
+    DecodedTile decoded;
+    PackedTile packed{int4, cp, reinterpret_cast<const uint16_t*>(sp), reinterpret_cast<const uint16_t*>(zp),
+                      K, ng, per_group, 0};
+#endif
     for (int64_t i = i0; i < i1; ++i) {
-      tile(int4, cp, sp, zp, group, xr, T, K, N, i * TILE_N, std::min(N, (i + 1) * TILE_N), yp, scratch);
+#if defined(RUVLLM_AVX2)
+      packed.n0 = i * TILE_N;
+      if (T <= 2) {  // decoding as it reads: one pass over the weights either way
+        if (T == 2) tile_rows<2>(int4, packed, xr, xsum.data(), 0, K, N, packed.n0, yp);
+        else tile_rows<1>(int4, packed, xr, xsum.data(), 0, K, N, packed.n0, yp);
+        continue;
+      }
+      decoded.decode(packed);
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) tile_rows<2>(int4, decoded, xr, xsum.data(), t, K, N, packed.n0, yp);
+      if (t < T) tile_rows<1>(int4, decoded, xr, xsum.data(), t, K, N, packed.n0, yp);
+#else
+      tile_rows_scalar(int4, cp, sp, zp, ng, per_group, xr, xsum.data(), T, K, N, i * TILE_N, yp);
+#endif
     }
   });
   return y;

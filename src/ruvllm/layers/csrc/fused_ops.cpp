@@ -1,0 +1,150 @@
+// The elementwise work between a decoder layer's matmuls, fused for the CPU: RMSNorm with the
+// residual add, the q/k/v split with RoPE, SiLU-and-mul. In eager PyTorch these are ~25 small ops a
+// layer (F.rms_norm alone is six: pow, mean, add, rsqrt, mul, mul), and at one decoding sequence
+// their dispatch costs more than their arithmetic (docs/performance.md). One call each here.
+//
+// Every row is computed on its own, the same way at any row count (threads split rows), so
+// results do not depend on the batch. Arithmetic is in float32 whatever the storage dtype, rounded
+// once on store, as PyTorch's own CPU kernels compute these ops.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+namespace ruvllm {
+namespace {
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of H values.
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* y, int64_t H, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) y[i] = static_cast<T>(static_cast<float>(x[i]) * r * static_cast<float>(w[i]));
+}
+
+// Neox half-split rotation of one head: out[i] = x[i] cos[i] - x[i+h] sin[i] for i < h, and
+// x[i] cos[i] + x[i-h] sin[i] for the second half.
+template <typename T>
+inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + h]);
+    out[i] = static_cast<T>(a * static_cast<float>(cos[i]) - b * static_cast<float>(sin[i]));
+    out[i + h] = static_cast<T>(b * static_cast<float>(cos[i + h]) + a * static_cast<float>(sin[i + h]));
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x: a contiguous CPU [T, H] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "weight: [H] in x's dtype");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  at::Tensor y = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) rms_norm_row(xp + t * H, wp, yp + t * H, H, static_cast<float>(eps));
+    });
+  });
+  return y;
+}
+
+// (rms_norm(x + residual) * weight, x + residual); the sum is rounded to the dtype first, as the
+// separate add would round it.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual: contiguous, x's shape and dtype");
+  at::Tensor y = at::empty_like(x), sum = at::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *rp = residual.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t *yp = y.mutable_data_ptr<scalar_t>(), *sp = sum.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t i = 0; i < H; ++i)
+          sp[t * H + i] = static_cast<scalar_t>(static_cast<float>(rp[t * H + i]) + static_cast<float>(xp[t * H + i]));
+        rms_norm_row(sp + t * H, wp, yp + t * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return {y, sum};
+}
+
+// qkv [T, (Hq + 2 Hkv) D] (the fused projection's output) -> q [T, Hq, D] and k [T, Hkv, D] rotated,
+// v [T, Hkv, D] copied, all contiguous. cos, sin: [T, 1, D] or [T, D], the step's rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t num_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t T = qkv.size(0), D = head_dim, width = (num_heads + 2 * num_kv_heads) * D;
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.size(1) == width && qkv.stride(1) == 1,
+              "qkv: [T, (Hq + 2 Hkv) D] with unit stride along a row");
+  TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
+                  sin.numel() == T * D && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "cos, sin: contiguous [T, 1, D] in qkv's dtype, D even");
+  at::Tensor q = at::empty({T, num_heads, D}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor k = at::empty({T, num_kv_heads, D}, q.options());
+  at::Tensor v = at::empty({T, num_kv_heads, D}, q.options());
+  const int64_t row = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope", [&] {
+    const scalar_t* xp = qkv.const_data_ptr<scalar_t>();
+    const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
+    scalar_t *qp = q.mutable_data_ptr<scalar_t>(), *kp = k.mutable_data_ptr<scalar_t>();
+    scalar_t* vp = v.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* src = xp + t * row;
+        for (int64_t h = 0; h < num_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, qp + (t * num_heads + h) * D, D);
+        src += num_heads * D;
+        for (int64_t h = 0; h < num_kv_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, kp + (t * num_kv_heads + h) * D, D);
+        src += num_kv_heads * D;
+        for (int64_t i = 0; i < num_kv_heads * D; ++i) vp[t * num_kv_heads * D + i] = src[i];
+      }
+    });
+  });
+  return {q, k, v};
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up: a contiguous CPU [T, 2I] tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t *g = gp + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = static_cast<float>(g[i]);
+          // (exp's argument bounded: -ffast-math assumes no infinities)
+          yp[t * I + i] = static_cast<scalar_t>(a / (1.f + std::exp(std::min(-a, 80.f))) * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+}  // namespace ruvllm
