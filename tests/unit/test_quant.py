@@ -154,7 +154,7 @@ def assert_matches_reference(layer: QuantLinear, y: torch.Tensor, x: torch.Tenso
 
 @pytest.fixture(params=["ours", "torch"])
 def int4_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """int4 on the CPU through our kernel where it builds, and through PyTorch's (as where it does not)."""
+    """int4 and int8 on the CPU through our kernel where it builds, and through PyTorch's (as where it does not)."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_matmul, "kernels", lambda: None)
     elif cpu_matmul.kernels() is None:
@@ -162,12 +162,28 @@ def int4_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return request.param
 
 
+def test_kernel_record_follows_replaced_buffers() -> None:
+    """QuantLinear keeps our kernel's view of its buffers as a plain attribute (for speed); moving
+    the module or assigning a buffer must refresh it, never leave it reading the old tensors."""
+    if cpu_matmul.kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    torch.manual_seed(8)
+    layer = QuantLinear(rtn("int4", torch.randn(64, 128) * 0.05, 32))
+    x = torch.randn(3, 128)
+    y = layer(x)
+    layer.to(torch.device("cpu"))
+    layer.scales = layer.scales * 2  # every scale doubled: outputs double (zero points unchanged)
+    assert layer._kernel_weight.scales is layer.scales
+    layer.zeros = layer.zeros * 2
+    assert torch.allclose(layer(x), 2 * y, rtol=1e-5, atol=1e-5)
+
+
 def test_int4_on_the_cpu_runs_our_kernel() -> None:
     torch.manual_seed(7)
     qw = rtn("int4", torch.randn(64, 128) * 0.05, 32)
     layer = QuantLinear(qw)
     assert layer.cpu_kernel == (cpu_matmul.kernels() is not None)
-    assert not QuantLinear(rtn("int8", torch.randn(64, 128) * 0.05)).cpu_kernel  # PyTorch's int8 kernel
+    assert QuantLinear(rtn("int8", torch.randn(64, 128) * 0.05)).cpu_kernel == layer.cpu_kernel  # per channel too
     # and its 8-bit activations stay close to the float matmul it stands for (1% of sum |x| |w|)
     x = torch.randn(9, 128)
     exact = F.linear(x, qw.dequantize())
@@ -178,8 +194,6 @@ def test_int4_on_the_cpu_runs_our_kernel() -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quant_linear_matches_dequantized_matmul(kind, group_size, with_bias, dtype, int4_path) -> None:
-    if kind != "int4" and int4_path == "ours":
-        pytest.skip("int8 has one path")
     torch.manual_seed(1)
     n, k = 96, 384
     qw = rtn(kind, torch.randn(n, k) * 0.05, group_size)
@@ -229,8 +243,6 @@ def test_quant_linear_takes_non_contiguous_input(kind) -> None:
 @pytest.mark.parametrize(("kind", "group_size"), [("int8", 0), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quant_linear_is_batch_invariant(kind, group_size, dtype, int4_path) -> None:
-    if kind != "int4" and int4_path == "ours":
-        pytest.skip("int8 has one path")
     # A request's logits must not depend on how many other rows share its step.
     torch.manual_seed(4)
     n, k = 80, 256

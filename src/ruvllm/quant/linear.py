@@ -1,11 +1,12 @@
 """Linear layers over packed int8/int4 weights.
 
-int4 and group-wise int8 (Q8_0) on the CPU run our kernel (quant/cpu_matmul.py: activations
-quantized to 8 bits per block of 32 as llama.cpp does, exact integer block dots), where it builds. The rest runs PyTorch's own
-weight-only kernels, which take activations in bf16 (fed fp32 they are 15-25x slower,
-../shared/notes), so the layer computes in bf16 whatever the model's dtype and returns the model's
-dtype. Either way each output row is computed the same way whatever the number of rows, so results
-do not depend on batch size (tests/unit/test_quant.py checks it).
+int4 and int8 (per channel or in Q8_0's groups) on the CPU run our kernel (quant/cpu_matmul.py:
+activations quantized to 8 bits per block of 32 as llama.cpp does, exact integer block dots), where
+it builds. Elsewhere (CUDA, no compiler) PyTorch's own weight-only kernels run, which take
+activations in bf16 (fed fp32 they are 15-25x slower, ../shared/notes), so the layer computes in
+bf16 whatever the model's dtype and returns the model's dtype. Either way each output row is
+computed the same way whatever the number of rows, so results do not depend on batch size
+(tests/unit/test_quant.py checks it).
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         self.on_cuda = qw.codes.device.type == "cuda"
-        # On the CPU int4 and Q8_0 run our kernel: at one row it beats PyTorch's int4 path on every
-        # shape of the default model, and at many rows PyTorch's runs one GEMV per row
-        # (docs/performance.md). Per-channel int8 stays on PyTorch's int8 kernel.
-        k, group = qw.shape[1], qw.group_size
-        self.cpu_kernel = (not self.on_cuda and not int8_activations and group > 0
+        # On the CPU int4 and int8 (per channel or Q8_0's groups) run our kernel: at one row it beats
+        # PyTorch's int4 path on every shape of the default model, at many rows PyTorch's runs one
+        # GEMV per row, and PyTorch's take bf16 activations, emulated on CPUs without native bf16
+        # (docs/performance.md). W8A8 keeps its int8 x int8 matmul.
+        k, group = qw.shape[1], qw.group_size or qw.shape[1]
+        self.cpu_kernel = (not self.on_cuda and not int8_activations
                            and k % cpu_matmul.BLOCK == 0 and group % cpu_matmul.BLOCK == 0
                            and qw.shape[0] % cpu_matmul.TILE_ROWS == 0 and cpu_matmul.kernels() is not None)
         # Elsewhere group-wise int8 (Q8_0) runs as int4 over the input repeated twice.
-        self.repeat_input = qw.kind == "int8" and group > 0 and not self.cpu_kernel
+        self.repeat_input = qw.kind == "int8" and qw.group_size > 0 and not self.cpu_kernel
         if self.repeat_input:
             qw = int8_groups_as_int4(qw)
         if self.cpu_kernel:
@@ -83,6 +85,25 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", torch.stack(
                 [qw.scales.t(), qw.zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())  # [K/g, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._kernel_weight = self._packed_record()
+
+    def _packed_record(self) -> cpu_matmul.Packed | None:
+        """Our kernel's view of the buffers, kept as a plain attribute: reading buffers goes through
+        nn.Module.__getattr__ (~1 us each, five a call, ~120 calls a step)."""
+        if not self.cpu_kernel:
+            return None
+        return cpu_matmul.Packed(self.kind == "int4", self.packed, self.scales, self.zeros,
+                                 self.group_size or self.in_features)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        out = super()._apply(fn, recurse)
+        self._kernel_weight = self._packed_record()  # .to() and the like replace the buffers
+        return out
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in ("packed", "scales", "zeros") and "_kernel_weight" in self.__dict__:
+            self._kernel_weight = self._packed_record()  # a buffer replaced by assignment
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         xq, scale = quantize_rows_int8(x.reshape(-1, self.in_features))
@@ -96,10 +117,8 @@ class QuantLinear(nn.Module):
         if self.int8_activations:
             return self._w8a8(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.cpu_kernel:  # takes any float dtype and returns x's
-            y = cpu_matmul.matmul(x2, cpu_matmul.Packed(self.kind == "int4", self.packed, self.scales, self.zeros,
-                                                        self.group_size))
-            return self._finish(y, x)
+        if self._kernel_weight is not None:  # takes any float dtype and returns x's
+            return self._finish(cpu_matmul.matmul(x2, self._kernel_weight), x)
         # The engine calls this with [T, K] rows in bf16 already, ~120 times a step: skip every
         # conversion that would be a no-op (each costs microseconds of eager overhead).
         xq = x2 if x2.dtype == COMPUTE_DTYPE else x2.to(COMPUTE_DTYPE)
