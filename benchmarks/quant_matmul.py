@@ -43,6 +43,18 @@ def _time(fn, calls: int) -> float:
     return statistics.median(samples) * 1e6
 
 
+def _torch_layer(qw) -> QuantLinear:
+    """A QuantLinear on PyTorch's packed kernels: as built where our kernels are not."""
+    ours = cpu_matmul.kernels
+    cpu_matmul.kernels = lambda: None
+    try:
+        layer = QuantLinear(qw)
+    finally:
+        cpu_matmul.kernels = ours
+    assert not layer.cpu_kernel
+    return layer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
@@ -60,7 +72,7 @@ def main() -> None:
         w = torch.randn(n, k) * 0.05
         wb = w.bfloat16()
         q4, q8 = quantize_int4(w, 32), quantize_int8(w)
-        torch_int4, torch_int8 = QuantLinear(q4), QuantLinear(q8)
+        torch_int4, torch_int8 = _torch_layer(q4), _torch_layer(q8)
         ours4, ours8 = cpu_matmul.pack(q4), cpu_matmul.pack(q8)
         for rows in args.rows:
             x = torch.randn(rows, k)

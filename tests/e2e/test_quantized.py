@@ -30,7 +30,7 @@ def test_default_keeps_gguf_weights_packed(default_llm: LLM) -> None:
     head = model.lm_head
     assert isinstance(head, QuantLinear) and (head.kind, head.group_size) == ("int8", 32)
     if head.cpu_kernel:  # its codes and float16 scales are the table's: they give back the embeddings
-        scales = head.scales.float().transpose(1, 2).reshape(head.out_features, -1)  # [N/4, K/32, 4] -> [N, K/32]
+        scales = head.scales.view(torch.float16).float().transpose(1, 2).reshape(head.out_features, -1)  # [N, K/32]
         codes, scales = head.packed.float(), scales.repeat_interleave(32, dim=1)
         table = model.embed_tokens.weight.float()
         if dtype == torch.float32:
@@ -56,7 +56,7 @@ def test_kept_quantized_logprobs_close_to_fp32(default_llm: LLM, llm: LLM) -> No
     # 0.054 / 0.18, and dense bf16 gives 0.032 / 0.14.
     quant, ref = _prompt_logprobs(default_llm), _prompt_logprobs(llm)
     diff = (quant - ref).abs()
-    assert diff.mean() < 0.15 and diff.max() < 0.6, (diff.mean(), diff.max())
+    assert diff.mean() < 0.13 and diff.max() < 0.5, (diff.mean(), diff.max())
 
 
 def test_runtime_int8_and_int4_generate_sense() -> None:

@@ -22,14 +22,19 @@ def _calls() -> dict[str, tuple]:
     x = torch.randn(5, 64)
     return {"paged_attention": (q, kc, vc, tables, row_seq, row_ctx, BLOCK, 0.125),
             "dense_matmul": (x, torch.randn(40, 64)),
-            "quant_matmul": (x, packed.codes, packed.scales, packed.zeros, packed.group, True)}
+            "quant_matmul": (x, packed.codes, packed.scales, packed.zeros, packed.group, True),
+            "rms_norm": (x, torch.randn(64), 1e-5),
+            "add_rms_norm": (x, torch.randn(5, 64), torch.randn(64), 1e-5),
+            "qkv_rope": (torch.randn(5, 15 * 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16), 9, 3, 16),
+            "silu_and_mul": (torch.randn(5, 2 * 48),)}
 
 
-@pytest.mark.parametrize("op", ["paged_attention", "dense_matmul", "quant_matmul"])
+@pytest.mark.parametrize("op", list(_calls()))
 def test_fake_kernels_give_the_real_shapes(op: str) -> None:
     args = _calls()[op]
     real = getattr(ops, op)(*args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake = getattr(ops, op)(*fake_args)
-    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+    real, fake = (real,) if isinstance(real, torch.Tensor) else real, (fake,) if isinstance(fake, torch.Tensor) else fake
+    assert [(f.shape, f.dtype) for f in fake] == [(r.shape, r.dtype) for r in real]

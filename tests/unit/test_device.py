@@ -36,6 +36,27 @@ def test_quantization_per_device() -> None:
     assert quantization_for_device(QuantConfig("auto"), cuda).method == "none"
     assert quantization_for_device(QuantConfig("bf16"), cuda).method == "bf16"
     assert quantization_for_device(QuantConfig("int4", 64), cuda) == QuantConfig("int4", 64)
+    # Without our CPU kernels (no compiler) auto keeps packed codes only for bf16 compute.
+    cpu = torch.device("cpu")
+    assert quantization_for_device(QuantConfig("auto"), cpu, torch.float32, cpu_kernels=False).method == "none"
+    assert quantization_for_device(QuantConfig("auto"), cpu, torch.bfloat16, cpu_kernels=False).method == "auto"
+    assert quantization_for_device(QuantConfig("auto"), cpu, torch.float32, cpu_kernels=True).method == "auto"
+    assert quantization_for_device(QuantConfig("int4"), cpu, torch.float32, cpu_kernels=False).method == "int4"
+
+
+def test_auto_without_our_kernels_is_dense_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight plan, which the loader follows, asks whether our kernels build: without them an
+    fp32 engine gets dense weights (PyTorch's packed kernels need bf16 activations)."""
+    from ruvllm import cpu_build
+    from ruvllm.models.weight_plan import weight_plan
+
+    if cpu_build.kernels() is not None:
+        assert weight_plan(None, QuantConfig(), "float32").quant.method == "auto"
+    monkeypatch.setattr(cpu_build, "kernels", lambda: None)
+    plan = weight_plan(None, QuantConfig(), "float32")
+    assert plan.quant.method == "none" and plan.linear_forms() == {"dense float32": 120}
+    packed = weight_plan(None, QuantConfig(), "bfloat16")  # a Q8_0 head off our kernel: int4 over 2K
+    assert packed.weights["lm_head.weight"].nbytes == 49152 * 2 * 576 // 2 + 4 * 49152 * 2 * 576 // 32
 
 
 def test_graph_buckets_cover_every_batch_size() -> None:

@@ -171,11 +171,13 @@ def test_kernel_record_follows_replaced_buffers() -> None:
     layer = QuantLinear(rtn("int4", torch.randn(64, 128) * 0.05, 32))
     x = torch.randn(3, 128)
     y = layer(x)
-    layer.to(torch.device("cpu"))
-    layer.scales = layer.scales * 2  # every scale doubled: outputs double (zero points unchanged)
+    layer.to(torch.bfloat16)  # a dtype cast leaves the packed buffers (float16 bits as int16) alone
+    assert torch.equal(layer(x), y)
+    double = (layer.scales.view(torch.float16) * 2).view(torch.int16)  # every scale doubled
+    layer.scales = double
     assert layer._kernel_weight.scales is layer.scales
-    layer.zeros = layer.zeros * 2
-    assert torch.allclose(layer(x), 2 * y, rtol=1e-5, atol=1e-5)
+    layer.zeros = (layer.zeros.view(torch.float16) * 2).view(torch.int16)
+    assert torch.allclose(layer(x), 2 * y, rtol=1e-5, atol=1e-5)  # outputs double
 
 
 def test_int4_on_the_cpu_runs_our_kernel() -> None:

@@ -121,6 +121,8 @@ def select_ops(device: torch.device) -> LayerOps:
             return triton_ops()
         except ImportError:
             return torch_ops()
+    if torch.device(device).type != "cpu":
+        return torch_ops()
     from ruvllm.cpu_build import kernels
 
     ext = kernels()

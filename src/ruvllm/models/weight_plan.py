@@ -79,7 +79,7 @@ def weight_plan(source: str | Path | ModelSource | None, quantization: QuantConf
     src = source if isinstance(source, ModelSource) else resolve_model(source)
     quant, resolved = _settings(quantization, dtype, device)
     return plan_weights(load_model_config(src), file_tensors(src), quant, resolved, str(src.path),
-                        torch.device(device).type == "cpu")
+                        _our_cpu_kernels(torch.device(device)))
 
 
 def float_weight_plan(cfg: ModelConfig, quantization: QuantConfig | None = None, dtype: str | torch.dtype = "auto",
@@ -89,7 +89,7 @@ def float_weight_plan(cfg: ModelConfig, quantization: QuantConfig | None = None,
     stored form is None either way, and the model's own names map to themselves.)"""
     quant, resolved = _settings(quantization, dtype, device)
     tensors = [FileTensor(name, tuple(p.shape), None) for name, p in _meta_model(cfg, resolved).named_parameters()]
-    return plan_weights(cfg, tensors, quant, resolved, source, torch.device(device).type == "cpu")
+    return plan_weights(cfg, tensors, quant, resolved, source, _our_cpu_kernels(torch.device(device)))
 
 
 def _settings(quantization: QuantConfig | None, dtype: str | torch.dtype,
@@ -97,14 +97,24 @@ def _settings(quantization: QuantConfig | None, dtype: str | torch.dtype,
     """The quantization as the device takes it, and the compute dtype ("auto" and names resolved)."""
     device = torch.device(device)
     quant = quantization_for_device(quantization or QuantConfig(), device)
-    return quant, dtype if isinstance(dtype, torch.dtype) else resolve_model_dtype(dtype, quant, device.type)
+    resolved = dtype if isinstance(dtype, torch.dtype) else resolve_model_dtype(dtype, quant, device.type)
+    return quantization_for_device(quant, device, resolved, _our_cpu_kernels(device)), resolved
+
+
+def _our_cpu_kernels(device: torch.device) -> bool:
+    """Whether packed weights will run on our CPU kernels (they build on first use; set-up builds them)."""
+    if device.type != "cpu":
+        return False
+    from ruvllm.cpu_build import kernels
+
+    return kernels() is not None
 
 
 def plan_weights(cfg: ModelConfig, tensors: list[FileTensor], quant: QuantConfig, dtype: torch.dtype,
                  source: str, cpu: bool = True) -> WeightPlan:
     """The plan from a tensor list: every parameter once, fused pieces together, each linear in
-    quant.plan's form, the rest dense in `dtype`. `cpu`: the weights go to the CPU (their packed
-    layout, so their bytes, can differ by device: quant.weights.estimate_bytes)."""
+    quant.plan's form, the rest dense in `dtype`. `cpu`: packed weights run on our CPU kernels
+    (their layout, so their bytes, differs from PyTorch's kernels': quant.weights.estimate_bytes)."""
     model = _meta_model(cfg, dtype)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     keep_packed = quantizes_weights(quant)

@@ -24,8 +24,8 @@ TILE_ROWS = 4  # weight rows the kernel decodes together: N must be a multiple o
 class Packed:
     int4: bool
     codes: torch.Tensor  # int4: [N, K/2] uint8, two codes a byte (Q4_0 order); int8: [N, K] int8
-    scales: torch.Tensor  # [N/4, K/group, 4] float16
-    zeros: torch.Tensor | None  # [N/4, K/group, 4] float16; int4 only
+    scales: torch.Tensor  # [N/4, K/group, 4] float16 bits as int16
+    zeros: torch.Tensor | None  # [N/4, K/group, 4] float16 bits as int16; int4 only
     group: int  # inputs per scale: the weight's group size, or K for a per-channel int8 scale
 
     @property
@@ -44,7 +44,8 @@ def pack(qw: QuantizedWeight) -> Packed:
 
     def tiled(t: torch.Tensor) -> torch.Tensor:
         t = t if t.dim() == 2 else t[:, None]
-        return t.half().reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2).contiguous()
+        # float16 values held as int16 bits: a module's dtype cast (.to(torch.bfloat16)) skips them
+        return t.half().reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2).contiguous().view(torch.int16)
 
     if qw.kind == "int8":
         return Packed(False, qw.codes.to(torch.int8).contiguous(), tiled(qw.scales), None, group)

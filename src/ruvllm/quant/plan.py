@@ -24,11 +24,16 @@ def keeps_16bit(cfg: QuantConfig, name: str) -> bool:
     return any(part in cfg.dense_modules for part in name.split("."))
 
 
-def quantization_for_device(cfg: QuantConfig, device: torch.device) -> QuantConfig:
+def quantization_for_device(cfg: QuantConfig, device: torch.device, dtype: torch.dtype | None = None,
+                            cpu_kernels: bool = True) -> QuantConfig:
     """On CUDA, "auto" means dense weights: PyTorch's CUDA int4 kernel (tinygemm) is built for few
     rows (measured here: 1.77x dense at batch 1 on Llama-3-8B; it is not tuned for the batches
-    serving runs), so packing is opt-in there: int8 and int4 run packed when asked."""
-    if device.type == "cuda" and cfg.method == "auto":
+    serving runs), so packing is opt-in there: int8 and int4 run packed when asked. On a CPU where
+    our kernels cannot build (`cpu_kernels` False), "auto" keeps packed codes only for bf16 compute:
+    PyTorch's packed kernels take bf16 activations and are 15-25x slower fed fp32."""
+    if cfg.method != "auto":
+        return cfg
+    if device.type == "cuda" or (not cpu_kernels and dtype is not None and dtype != torch.bfloat16):
         return dataclasses.replace(cfg, method="none")
     return cfg
 

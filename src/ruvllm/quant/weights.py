@@ -28,8 +28,8 @@ def estimate_bytes(kind: Literal["int8", "int4"], n: int, k: int, group_size: in
     """Bytes an [n, k] weight takes in the packed layout, from its shape alone (no tensor needed).
 
     int8: n*k one-byte codes, plus a 2-byte scale per output channel (group_size 0) or per group.
-    On CUDA group-wise int8 is held as int8_groups_as_int4 makes it, int4 over 2k inputs (`cpu`
-    False). int4: n*k/2 bytes (two codes per byte), plus a 2-byte scale and a 2-byte zero point per
+    Off our CPU kernels (`cpu` False: CUDA, or no compiler) group-wise int8 is held as
+    int8_groups_as_int4 makes it, int4 over 2k inputs. int4: n*k/2 bytes (two codes per byte), plus a 2-byte scale and a 2-byte zero point per
     group: what QuantizedWeight.nbytes counts, and QuantLinear's buffers hold.
     """
     if kind == "int8" and group_size and not cpu:

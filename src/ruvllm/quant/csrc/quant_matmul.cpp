@@ -13,7 +13,8 @@
 //   int4 codes  [N, K/2] uint8: byte j of block b holds input 32b+j in its low nibble and input
 //               32b+16+j in its high nibble (llama.cpp's Q4_0 order). w = (q - 8) * scale + zero.
 //   int8 codes  [N, K] int8. w = q * scale.
-//   scales, zeros [N/4, K/G, 4] float16, one per group of G inputs (G a multiple of 32; a per-channel
+//   scales, zeros [N/4, K/G, 4] float16 values held as their int16 bits (so that a module's dtype
+//               cast leaves them alone), one per group of G inputs (G a multiple of 32; a per-channel
 //               int8 scale is one group of K), the four rows of a tile together for each group. Two
 //               bytes each, as the weight plan counts them.
 
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -191,7 +193,9 @@ inline void tile_rows(bool int4, const Tile& w, const QuantRows& xr, const float
 }
 #else
 // Without AVX2: the same sums one (t, n) pair at a time (the dot lanes collapse to one float).
-void tile_rows_scalar(bool int4, const uint8_t* codes, const at::Half* scales, const at::Half* zeros, int64_t ng,
+inline float half_bits(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+void tile_rows_scalar(bool int4, const uint8_t* codes, const uint16_t* scales, const uint16_t* zeros, int64_t ng,
                       int64_t per_group, const QuantRows& xr, const float* xsum, int64_t T, int64_t K, int64_t N,
                       int64_t n0, float* y) {
   const int64_t nb = K / QK, row_bytes = int4 ? K / 2 : K;
@@ -203,10 +207,10 @@ void tile_rows_scalar(bool int4, const uint8_t* codes, const at::Half* scales, c
         const int8_t* xq = xr.q.data() + t * K + b * QK;
         const uint8_t* p = codes + n * row_bytes + b * (int4 ? QK / 2 : QK);
         const int64_t g = (n / TILE_N * ng + b / per_group) * TILE_N + n % TILE_N;
-        const float ws = static_cast<float>(scales[g]);
+        const float ws = half_bits(scales[g]);
         const int32_t d = int4 ? dot_int4_scalar(p, xq) : dot_int8_scalar(reinterpret_cast<const int8_t*>(p), xq);
         acc += xr.scale[t * nb + b] * ws * static_cast<float>(d);
-        if (int4) ext += (static_cast<float>(zeros[g]) - 8.f * ws) * xsum[t * nb + b];
+        if (int4) ext += (half_bits(zeros[g]) - 8.f * ws) * xsum[t * nb + b];
       }
       y[t * N + n] = acc + ext;
     }
@@ -226,14 +230,14 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K), "codes: [N, K/2] (int4) or [N, K] (int8)");
   TORCH_CHECK(N % TILE_N == 0, "N must be a multiple of 4");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+  TORCH_CHECK(scales.scalar_type() == at::kShort && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) * TILE_N == N && scales.size(1) == K / group && scales.size(2) == TILE_N,
-              "scales: contiguous float16 [N/4, K/group, 4]");
-  const at::Half* zp = nullptr;
+              "scales: float16 bits as contiguous int16 [N/4, K/group, 4]");
+  const uint16_t* zp = nullptr;
   if (int4) {
-    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kHalf && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(), "zeros: contiguous float16 [N/4, K/group, 4]");
-    zp = zeros->data_ptr<at::Half>();
+    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kShort && zeros->is_contiguous() &&
+                zeros->sizes() == scales.sizes(), "zeros: float16 bits as contiguous int16 [N/4, K/group, 4]");
+    zp = reinterpret_cast<const uint16_t*>(zeros->data_ptr());
   }
   auto y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
@@ -243,14 +247,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   std::vector<float> xsum(T * nb);  // each block's x scale times its code sum: the zero points' factor
   for (int64_t i = 0; i < T * nb; ++i) xsum[i] = xr.scale[i] * static_cast<float>(xr.sum[i]);
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const at::Half* sp = scales.data_ptr<at::Half>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t ng = K / group, per_group = group / QK;
   at::parallel_for(0, N / TILE_N, 1, [&](int64_t i0, int64_t i1) {
 #if defined(RUVLLM_AVX2)
     DecodedTile decoded;
-    PackedTile packed{int4, cp, reinterpret_cast<const uint16_t*>(sp), reinterpret_cast<const uint16_t*>(zp),
-                      K, ng, per_group, 0};
+    PackedTile packed{int4, cp, sp, zp, K, ng, per_group, 0};
 #endif
     for (int64_t i = i0; i < i1; ++i) {
 #if defined(RUVLLM_AVX2)
