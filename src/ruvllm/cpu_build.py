@@ -31,7 +31,7 @@ _ROOT = Path(__file__).resolve().parent
 # csrc/ops.cpp registers the other sources' functions as operators.
 SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
            _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
-           _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+           _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -88,6 +88,8 @@ _FAKES: dict[str, Any] = {
     "qkv_rope": lambda qkv, cos, sin, hq, hkv, d: (qkv.new_empty(qkv.shape[0], hq, d), qkv.new_empty(qkv.shape[0], hkv, d),
                                                    qkv.new_empty(qkv.shape[0], hkv, d)),
     "silu_and_mul": lambda g: g.new_empty(g.shape[0], g.shape[1] // 2),
+    "qkv_rope_cache": lambda qkv, cos, sin, hq, hkv, d, *_: qkv.new_empty(qkv.shape[0], hq, d),
+    "llama_layers": lambda x, *_: x.new_empty(x.shape),
 }
 
 

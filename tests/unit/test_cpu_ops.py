@@ -11,6 +11,7 @@ from ruvllm.cpu_build import kernels
 from ruvllm.quant import cpu_matmul
 from ruvllm.quant.rtn import quantize_int4
 from tests.unit.paged_reference import BLOCK, random_step
+from tests.unit.test_llama_layers import one_layer_call
 
 ops = kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the kernels cannot be built")
@@ -26,7 +27,10 @@ def _calls() -> dict[str, tuple]:
             "rms_norm": (x, torch.randn(64), 1e-5),
             "add_rms_norm": (x, torch.randn(5, 64), torch.randn(64), 1e-5),
             "qkv_rope": (torch.randn(5, 15 * 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16), 9, 3, 16),
-            "silu_and_mul": (torch.randn(5, 2 * 48),)}
+            "silu_and_mul": (torch.randn(5, 2 * 48),),
+            "qkv_rope_cache": (torch.randn(5, 15 * 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16), 9, 3, 16,
+                               torch.zeros(32, 3, 16), torch.zeros(32, 3, 16), torch.arange(5) + 7),
+            "llama_layers": one_layer_call()}
 
 
 @pytest.mark.parametrize("op", list(_calls()))

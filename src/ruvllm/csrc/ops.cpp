@@ -33,6 +33,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, c
                                                         const at::Tensor& sin, int64_t num_heads,
                                                         int64_t num_kv_heads, int64_t head_dim);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping);
+// models/csrc/llama_layers.cpp
+at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
+                        at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& final_norm, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& row_seq, const at::Tensor& row_ctx, int64_t block_size, double scale,
+                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -54,6 +64,13 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  // Writes k and v into the caches in place.
+  m.def("qkv_rope_cache(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("llama_layers(Tensor x, Tensor?[] weights, int[] kinds, int[] groups, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor row_seq, Tensor row_ctx, int block_size, float scale, float eps, int num_heads, int num_kv_heads, "
+        "int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -66,4 +83,6 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("add_rms_norm", &ruvllm::add_rms_norm);
   m.impl("qkv_rope", &ruvllm::qkv_rope);
   m.impl("silu_and_mul", &ruvllm::silu_and_mul);
+  m.impl("qkv_rope_cache", &ruvllm::qkv_rope_cache);
+  m.impl("llama_layers", &ruvllm::llama_layers);
 }

@@ -20,6 +20,7 @@ from ruvllm.errors import CorruptModelError
 from ruvllm.layers.dense import DenseLinear, dense_linear
 from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.layers.rotary import RotaryEmbedding
+from ruvllm.models.cpu_layer_loop import CpuLayerLoop
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.plan import Weight, fuse_pieces, realize, stored_form
 from ruvllm.quant.weights import QuantizedWeight
@@ -105,6 +106,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         cos, sin = self.rope.for_positions(positions)
+        loop = self._layer_loop()
+        if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
+            return loop(x, cos, sin, kv_caches, meta, self)  # the same kernels, called from C++
         scale = self.cfg.head_dim ** -0.5
         for layer, (k_cache, v_cache, *cold) in zip(self.layers, kv_caches):  # cold: a quantized tier's store
             h, residual = ops.add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
@@ -114,6 +118,21 @@ class LlamaForCausalLM(nn.Module):
                                            layer.post_attention_layernorm.weight, eps)
             x = layer.mlp(h)
         return ops.add_rms_norm(x, residual, self.norm.weight, eps)[0]
+
+    def _layer_loop(self) -> CpuLayerLoop | None:
+        """The C++ layer loop for this model's weights (models/cpu_layer_loop.py), built on first use;
+        None where some piece has no C++ path here."""
+        if "_loop" not in self.__dict__:
+            self.__dict__["_loop"] = CpuLayerLoop.build(self) if torch.device(self.norm.weight.device).type == "cpu" else None
+        return self.__dict__["_loop"]
+
+    def invalidate_layer_loop(self) -> None:
+        """Forget the C++ loop's view of the weights: after a module or parameter is replaced."""
+        self.__dict__.pop("_loop", None)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        self.invalidate_layer_loop()  # .to() and the like replace the tensors it holds
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "lm_head"):
@@ -167,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
                 done.add(pname)
                 ordered = [pieces[k] for k in sorted(pieces)]
                 self._install(pname, ordered, plan, device)
+        self.invalidate_layer_loop()
         missing = [n for n in expected if n not in done]
         if missing:
             raise CorruptModelError(f"{source}: missing or incomplete tensors: {', '.join(missing[:5])}")

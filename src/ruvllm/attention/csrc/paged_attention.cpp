@@ -8,9 +8,9 @@
 // decode, part of a long prompt, recomputed after preemption, or behind a prefix-cache hit. So a
 // request's output does not depend on how its tokens were split into steps or what shared them.
 //
-// Work is split into tasks of up to kTile consecutive rows of one sequence; within a task each
-// cache slot (all KV heads of one token, contiguous) is loaded once per pass and used by every row
-// of the tile and every query head, which keeps prompt chunks fast and reads memory in order.
+// Work is split into tasks of one KV head over up to kTile consecutive rows of one sequence; within a
+// task each cache slot's row for that head is loaded once per pass and used by every row of the tile
+// and every query head of the group, which keeps prompt chunks fast and reads memory in order.
 //
 // A quantized KV cache (paged_attention_tiered) adds a cold tier: block ids >= num_hot_blocks hold
 // int8/int4 codes with fp16 scales per (token, KV head) row (attention/kv_quant.py has the format).
@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,7 +54,35 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// Not inlined, so every caller runs the very same instructions (same reduction order).
+// One fixed order for every dot product and update (explicit vector code where the head size is a
+// multiple of 8), so every caller computes the very same sums; inlined, so the many short dots of a
+// step overlap instead of each paying a call.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+inline float dot(const float* a, const float* b, int64_t n) {
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int64_t i = 8; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+  }
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  if (n % 8 == 0) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+#else
 __attribute__((noinline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -65,6 +94,7 @@ __attribute__((noinline)) void axpy(float p, const float* x, float* y, int64_t n
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
 }
+#endif
 
 // The file is built with -ffast-math so this exp loop vectorizes (glibc's vector expf); no input
 // here is inf or NaN (the max starts from s[0], masked keys are never stored).
@@ -164,28 +194,32 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const float fscale = static_cast<float>(scale);
   const int64_t num_tasks = static_cast<int64_t>(tiles.size());
 
-  // One task per tile, all heads: each cache slot (every KV head of one token) is read once per
-  // pass as one contiguous run.
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, slot_row(slot_stride), slot_old(slot_stride), scores;
+  // One task per (tile, KV head): the KV head's query heads over the tile's rows. Splitting by KV
+  // head gives a single decoding sequence as many tasks as it has KV heads, so more than one thread
+  // works on it; each (row, query head) still goes through the same arithmetic in the same order.
+  at::parallel_for(0, num_tasks * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, slot_row(dim), slot_old(dim), scores;
     std::vector<uint8_t> codes_tmp(dim);
     std::vector<c10::Half> meta_tmp(2);
+    const float* hot_row = slot_row.data();
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task];
+      const Tile& tile = tiles[task / hkv];
+      const int64_t h = task % hkv;  // the KV head; its query heads are h * group ... + group - 1
       const int64_t rows = tile.row_end - tile.row_begin;
       const int64_t* table = tables + tile.seq * max_blocks;
       int64_t ctx_max = 0;
       for (int64_t r = tile.row_begin; r < tile.row_end; ++r) ctx_max = std::max(ctx_max, row_ctx[r]);
-      const int64_t heads = rows * hq;  // (row, query head) pairs of this task
+      const int64_t heads = rows * group;  // (row, query head) pairs of this task
       qf.resize(heads * dim);
       acc.assign(heads * dim, 0.f);
       scores.resize(heads * ctx_max);
-      for (int64_t r = 0; r < rows; ++r) load_row(qp + (tile.row_begin + r) * hq * dim, qf.data() + r * hq * dim, hq * dim);
+      for (int64_t r = 0; r < rows; ++r)
+        load_row(qp + ((tile.row_begin + r) * hq + h * group) * dim, qf.data() + r * group * dim, group * dim);
 
-      // Walk the context slot by slot through the block table, loading each slot (all KV heads)
-      // once from the cache (`kv` 0: keys, 1: values), and hand every (row, query head) that sees
-      // it to `use`. With a cold tier, a row for which the block is old gets `slot_old`: the slot
-      // dequantized from the cold tier, or fake-quantized from the hot tier.
+      // Walk the context slot by slot through the block table, loading this KV head's row of each
+      // slot once from the cache (`kv` 0: keys, 1: values), and hand every (row, query head) that
+      // sees it to `use`. With a cold tier, a row for which the block is old gets `slot_old`: the
+      // row dequantized from the cold tier, or fake-quantized from the hot tier.
       auto for_each_visible = [&](int kv, auto&& use) {
         const T* cache = kv ? vp : kp;
         for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
@@ -197,25 +231,26 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           const T* block = cache + (is_cold ? 0 : id) * block_size * slot_stride;
           for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
             if (is_cold) {
-              const int64_t slot = (id - cold.num_hot) * block_size + j;
-              for (int64_t h = 0; h < hkv; ++h)
-                dequantize_row(cold.codes[kv] + (slot * hkv + h) * cold.code_width,
-                               cold.meta[kv] + (slot * hkv + h) * cold.meta_width, dim, cold.bits,
-                               slot_old.data() + h * dim);
+              const int64_t row = (id - cold.num_hot) * block_size * hkv + j * hkv + h;
+              dequantize_row(cold.codes[kv] + row * cold.code_width, cold.meta[kv] + row * cold.meta_width, dim,
+                             cold.bits, slot_old.data());
             } else {
-              load_row(block + j * slot_stride, slot_row.data(), slot_stride);
+              const T* src = block + j * slot_stride + h * dim;
+              if constexpr (std::is_same_v<T, float>) {
+                hot_row = src;  // read in place: a copy would be the same floats
+              } else {
+                load_row(src, slot_row.data(), dim);
+              }
               if (fake) {
-                for (int64_t h = 0; h < hkv; ++h) {
-                  quantize_row(slot_row.data() + h * dim, dim, cold.bits, codes_tmp.data(), meta_tmp.data());
-                  dequantize_row(codes_tmp.data(), meta_tmp.data(), dim, cold.bits, slot_old.data() + h * dim);
-                }
+                quantize_row(hot_row, dim, cold.bits, codes_tmp.data(), meta_tmp.data());
+                dequantize_row(codes_tmp.data(), meta_tmp.data(), dim, cold.bits, slot_old.data());
               }
             }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t ctx = row_ctx[tile.row_begin + r];
               if (t >= ctx) continue;
-              const float* src = is_cold || (fake && ctx >= old_from) ? slot_old.data() : slot_row.data();
-              for (int64_t qh = 0; qh < hq; ++qh) use(r * hq + qh, t, src + (qh / group) * dim);
+              const float* src = is_cold || (fake && ctx >= old_from) ? slot_old.data() : hot_row;
+              for (int64_t g = 0; g < group; ++g) use(r * group + g, t, src);
             }
           }
         }
@@ -224,15 +259,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         scores[i * ctx_max + t] = dot(qf.data() + i * dim, key, dim) * fscale;
       });
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t qh = 0; qh < hq; ++qh)
-          softmax_inplace(scores.data() + (r * hq + qh) * ctx_max, row_ctx[tile.row_begin + r]);
+        for (int64_t g = 0; g < group; ++g)
+          softmax_inplace(scores.data() + (r * group + g) * ctx_max, row_ctx[tile.row_begin + r]);
       for_each_visible(1, [&](int64_t i, int64_t t, const float* value) {
         axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
       });
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = op + (tile.row_begin + r) * hq * dim;
-        const float* src = acc.data() + r * hq * dim;
-        for (int64_t d = 0; d < hq * dim; ++d) dst[d] = static_cast<T>(src[d]);
+        T* dst = op + ((tile.row_begin + r) * hq + h * group) * dim;
+        const float* src = acc.data() + r * group * dim;
+        for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(src[d]);
       }
     }
   });
@@ -384,3 +419,4 @@ void quantize_kv_blocks(at::Tensor kv_cache, at::Tensor src_slots, at::Tensor co
 }
 
 }  // namespace ruvllm
+

@@ -89,11 +89,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {y, sum};
 }
 
-// qkv [T, (Hq + 2 Hkv) D] (the fused projection's output) -> q [T, Hq, D] and k [T, Hkv, D] rotated,
-// v [T, Hkv, D] copied, all contiguous. cos, sin: [T, 1, D] or [T, D], the step's rows.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
-                                                        const at::Tensor& sin, int64_t num_heads,
-                                                        int64_t num_kv_heads, int64_t head_dim) {
+namespace {
+
+void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim) {
   const int64_t T = qkv.size(0), D = head_dim, width = (num_heads + 2 * num_kv_heads) * D;
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.size(1) == width && qkv.stride(1) == 1,
               "qkv: [T, (Hq + 2 Hkv) D] with unit stride along a row");
@@ -101,27 +100,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, c
                   sin.numel() == T * D && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type(),
               "cos, sin: contiguous [T, 1, D] in qkv's dtype, D even");
+}
+
+// Row t of qkv: q's heads rotated into q_out, k's rotated into k_row(t), v copied into v_row(t).
+template <typename scalar_t, typename KRow, typename VRow>
+void qkv_rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t D, scalar_t* qp, KRow k_row, VRow v_row) {
+  const int64_t T = qkv.size(0), row = qkv.stride(0);
+  const scalar_t* xp = qkv.const_data_ptr<scalar_t>();
+  const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* src = xp + t * row;
+      for (int64_t h = 0; h < num_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, qp + (t * num_heads + h) * D, D);
+      src += num_heads * D;
+      scalar_t* kd = k_row(t);
+      for (int64_t h = 0; h < num_kv_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, kd + h * D, D);
+      src += num_kv_heads * D;
+      scalar_t* vd = v_row(t);
+      for (int64_t i = 0; i < num_kv_heads * D; ++i) vd[i] = src[i];
+    }
+  });
+}
+
+}  // namespace
+
+// qkv [T, (Hq + 2 Hkv) D] (the fused projection's output) -> q [T, Hq, D] and k [T, Hkv, D] rotated,
+// v [T, Hkv, D] copied, all contiguous. cos, sin: [T, 1, D] or [T, D], the step's rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t num_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim) {
+  check_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim);
+  const int64_t T = qkv.size(0), D = head_dim, kv = num_kv_heads * D;
   at::Tensor q = at::empty({T, num_heads, D}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor k = at::empty({T, num_kv_heads, D}, q.options());
   at::Tensor v = at::empty({T, num_kv_heads, D}, q.options());
-  const int64_t row = qkv.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope", [&] {
-    const scalar_t* xp = qkv.const_data_ptr<scalar_t>();
-    const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
-    scalar_t *qp = q.mutable_data_ptr<scalar_t>(), *kp = k.mutable_data_ptr<scalar_t>();
-    scalar_t* vp = v.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const scalar_t* src = xp + t * row;
-        for (int64_t h = 0; h < num_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, qp + (t * num_heads + h) * D, D);
-        src += num_heads * D;
-        for (int64_t h = 0; h < num_kv_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, kp + (t * num_kv_heads + h) * D, D);
-        src += num_kv_heads * D;
-        for (int64_t i = 0; i < num_kv_heads * D; ++i) vp[t * num_kv_heads * D + i] = src[i];
-      }
-    });
+    scalar_t *kp = k.mutable_data_ptr<scalar_t>(), *vp = v.mutable_data_ptr<scalar_t>();
+    qkv_rope_rows<scalar_t>(qkv, cos, sin, num_heads, num_kv_heads, D, q.mutable_data_ptr<scalar_t>(),
+                            [&](int64_t t) { return kp + t * kv; }, [&](int64_t t) { return vp + t * kv; });
   });
   return {q, k, v};
+}
+
+// As qkv_rope, with k and v written straight into the paged caches ([slots, Hkv, D]) at each row's
+// slot (slot_mapping [T]) instead of into new tensors: the values index_copy_ would store. Returns q.
+at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping) {
+  check_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim);
+  const int64_t T = qkv.size(0), D = head_dim, kv = num_kv_heads * D;
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->dim() == 3 && c->size(1) == num_kv_heads && c->size(2) == D && c->is_contiguous() &&
+                    c->scalar_type() == qkv.scalar_type(),
+                "caches: contiguous [slots, Hkv, D] in qkv's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "slot_mapping: contiguous int64 [T]");
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache (", num_slots, " slots)");
+  at::Tensor q = at::empty({T, num_heads, D}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope_cache", [&] {
+    scalar_t *kp = k_cache.mutable_data_ptr<scalar_t>(), *vp = v_cache.mutable_data_ptr<scalar_t>();
+    qkv_rope_rows<scalar_t>(qkv, cos, sin, num_heads, num_kv_heads, D, q.mutable_data_ptr<scalar_t>(),
+                            [&](int64_t t) { return kp + slots[t] * kv; }, [&](int64_t t) { return vp + slots[t] * kv; });
+  });
+  return q;
 }
 
 // gate_up [T, 2I] -> silu(gate) * up [T, I].

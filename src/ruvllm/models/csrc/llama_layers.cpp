@@ -1,0 +1,114 @@
+// The Llama decoder's layer loop on the CPU, in C++: every layer of a step in one operator call.
+//
+// Why: at one decoding sequence the Python loop (module calls, attribute lookups, ~8 dispatcher
+// calls a layer) cost more than 1 ms a step, as much as the attention itself (docs/performance.md).
+// Here the loop calls the very kernels the Python loop calls (quant_matmul, dense_matmul, the fused
+// ops, paged_attention), in the same order on the same operands, as plain C++ functions. So its
+// output is bitwise the Python loop's (tests/unit/test_llama_layers.py), and batch invariance carries
+// over from the kernels. The one change: RoPE writes k and v straight into the cache slots
+// (qkv_rope_cache), where the Python loop writes them to new tensors and then index_copy_s them.
+//
+// models/cpu_layer_loop.py decides when it applies (our kernels for every linear, fp32, no q/k norm,
+// no quantized KV tier) and lays the weights out; anything else runs the Python loop.
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace ruvllm {
+// the kernels (csrc/ops.cpp lists their files)
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale);
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
+
+namespace {
+
+// A linear's kind (models/cpu_layer_loop.py writes the same numbers).
+constexpr int64_t kDense = 0;  // fp32 weight [N, K] on dense_matmul
+constexpr int64_t kInt4 = 1;   // quant_matmul's int4 codes, scales, zeros
+constexpr int64_t kInt8 = 2;   // quant_matmul's int8 codes, scales
+
+// Tensors per linear in the weights list: weight (or codes), scales, zeros, bias.
+constexpr int64_t kLinearSlots = 4;
+// Per layer: input norm, qkv, o, post-attention norm, gate_up, down.
+constexpr int64_t kLayerSlots = 2 + 4 * kLinearSlots;
+constexpr int64_t kLinears = 4;
+
+struct Linear {
+  int64_t kind, group;
+  const c10::List<std::optional<at::Tensor>>* w;
+  int64_t at;  // index of its first slot
+
+  at::Tensor get(int64_t i) const { return (*w)[at + i].value(); }
+  std::optional<at::Tensor> maybe(int64_t i) const { return (*w)[at + i]; }
+
+  // As QuantLinear.forward / dense_linear compute it for a contiguous fp32 [T, K] x.
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = kind == kDense ? dense_matmul(x, get(0))
+                                  : quant_matmul(x, get(0), get(1), maybe(2), group, kind == kInt4);
+    if (auto bias = maybe(3)) {
+      if (kind == kDense) y.add_(*bias);
+      else y = y.add(*bias);  // QuantLinear adds out of place (the same sum)
+    }
+    return y;
+  }
+};
+
+}  // namespace
+
+// x [T, H] (the embeddings), weights: kLayerSlots tensors a layer (None where a linear has no such
+// part); kinds and groups: four a layer (qkv, o, gate_up, down); caches: each layer's [slots, Hkv, D]
+// keys and values, written at slot_mapping. Returns the final norm's output [T, H].
+at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
+                        at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& final_norm, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& row_seq, const at::Tensor& row_ctx, int64_t block_size, double scale,
+                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers, "one value cache a layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerSlots, "weights: ", kLayerSlots, " a layer");
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == layers * kLinears &&
+                  static_cast<int64_t>(groups.size()) == layers * kLinears,
+              "kinds and groups: four a layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [T, H]");
+  for (int64_t i = 0; i < layers * kLinears; ++i)
+    TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt4 || kinds[i] == kInt8, "unknown linear kind ", kinds[i]);
+  const int64_t q_size = num_heads * head_dim;
+  at::Tensor h, residual, hidden = x;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t base = l * kLayerSlots;
+    auto linear = [&](int64_t j) {  // j: 0 qkv, 1 o, 2 gate_up, 3 down
+      return Linear{kinds[l * kLinears + j], groups[l * kLinears + j], &weights, base + 1 + j * kLinearSlots +
+                                                                                    (j >= 2 ? 1 : 0)};
+    };
+    const at::Tensor ln1 = weights[base].value(), ln2 = weights[base + 1 + 2 * kLinearSlots].value();
+    if (l == 0) {
+      h = rms_norm(hidden, ln1, eps);
+      residual = hidden;
+    } else {
+      std::tie(h, residual) = add_rms_norm(hidden, residual, ln1, eps);
+    }
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    const at::Tensor q = qkv_rope_cache(linear(0)(h), cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                                        slot_mapping);
+    const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale);
+    std::tie(h, residual) = add_rms_norm(linear(1)(o.reshape({-1, q_size})), residual, ln2, eps);
+    hidden = linear(3)(silu_and_mul(linear(2)(h)));
+  }
+  if (layers == 0) return rms_norm(hidden, final_norm, eps);
+  return std::get<0>(add_rms_norm(hidden, residual, final_norm, eps));
+}
+
+}  // namespace ruvllm
