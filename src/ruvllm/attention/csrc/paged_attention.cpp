@@ -8,9 +8,8 @@
 // decode, part of a long prompt, recomputed after preemption, or behind a prefix-cache hit. So a
 // request's output does not depend on how its tokens were split into steps or what shared them.
 //
-// Work is split into tasks of one KV head over up to kTile consecutive rows of one sequence; within a
-// task each cache slot's row for that head is loaded once per pass and used by every row of the tile
-// and every query head of the group, which keeps prompt chunks fast and reads memory in order.
+// Work is split into tasks of up to kTile consecutive rows of one sequence; within a task each cache slot is loaded once per pass and used by every row of
+// the tile and every query head, which keeps prompt chunks fast and reads memory in order.
 //
 // A quantized KV cache (paged_attention_tiered) adds a cold tier: block ids >= num_hot_blocks hold
 // int8/int4 codes with fp16 scales per (token, KV head) row (attention/kv_quant.py has the format).
@@ -194,32 +193,34 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const float fscale = static_cast<float>(scale);
   const int64_t num_tasks = static_cast<int64_t>(tiles.size());
 
-  // One task per (tile, KV head): the KV head's query heads over the tile's rows. Splitting by KV
-  // head gives a single decoding sequence as many tasks as it has KV heads, so more than one thread
-  // works on it; each (row, query head) still goes through the same arithmetic in the same order.
-  at::parallel_for(0, num_tasks * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, slot_row(dim), slot_old(dim), scores;
+  // One task per tile, all heads: each cache slot (every KV head of one token) is read once per
+  // pass as one contiguous run. (Splitting a lone sequence's heads across threads measured 2x
+  // slower in a decode step: reading one head's part of each slot is a strided walk, and the
+  // parallel region costs more than the work.)
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, slot_row(slot_stride), slot_old(slot_stride), scores;
     std::vector<uint8_t> codes_tmp(dim);
     std::vector<c10::Half> meta_tmp(2);
     const float* hot_row = slot_row.data();
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task / hkv];
-      const int64_t h = task % hkv;  // the KV head; its query heads are h * group ... + group - 1
+      const Tile& tile = tiles[task];
+      const int64_t h0 = 0, nh = hkv;  // the KV heads of the task: all
       const int64_t rows = tile.row_end - tile.row_begin;
       const int64_t* table = tables + tile.seq * max_blocks;
       int64_t ctx_max = 0;
       for (int64_t r = tile.row_begin; r < tile.row_end; ++r) ctx_max = std::max(ctx_max, row_ctx[r]);
-      const int64_t heads = rows * group;  // (row, query head) pairs of this task
+      const int64_t width = nh * group;  // query heads of the task per row
+      const int64_t heads = rows * width;  // (row, query head) pairs of the task
       qf.resize(heads * dim);
       acc.assign(heads * dim, 0.f);
       scores.resize(heads * ctx_max);
       for (int64_t r = 0; r < rows; ++r)
-        load_row(qp + ((tile.row_begin + r) * hq + h * group) * dim, qf.data() + r * group * dim, group * dim);
+        load_row(qp + ((tile.row_begin + r) * hq + h0 * group) * dim, qf.data() + r * width * dim, width * dim);
 
-      // Walk the context slot by slot through the block table, loading this KV head's row of each
+      // Walk the context slot by slot through the block table, loading the task's KV heads of each
       // slot once from the cache (`kv` 0: keys, 1: values), and hand every (row, query head) that
       // sees it to `use`. With a cold tier, a row for which the block is old gets `slot_old`: the
-      // row dequantized from the cold tier, or fake-quantized from the hot tier.
+      // rows dequantized from the cold tier, or fake-quantized from the hot tier.
       auto for_each_visible = [&](int kv, auto&& use) {
         const T* cache = kv ? vp : kp;
         for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
@@ -231,26 +232,30 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           const T* block = cache + (is_cold ? 0 : id) * block_size * slot_stride;
           for (int64_t j = 0; j < block_size && t < ctx_max; ++j, ++t) {
             if (is_cold) {
-              const int64_t row = (id - cold.num_hot) * block_size * hkv + j * hkv + h;
-              dequantize_row(cold.codes[kv] + row * cold.code_width, cold.meta[kv] + row * cold.meta_width, dim,
-                             cold.bits, slot_old.data());
+              const int64_t first = ((id - cold.num_hot) * block_size + j) * hkv + h0;
+              for (int64_t h = 0; h < nh; ++h)
+                dequantize_row(cold.codes[kv] + (first + h) * cold.code_width,
+                               cold.meta[kv] + (first + h) * cold.meta_width, dim, cold.bits,
+                               slot_old.data() + h * dim);
             } else {
-              const T* src = block + j * slot_stride + h * dim;
+              const T* src = block + j * slot_stride + h0 * dim;
               if constexpr (std::is_same_v<T, float>) {
                 hot_row = src;  // read in place: a copy would be the same floats
               } else {
-                load_row(src, slot_row.data(), dim);
+                load_row(src, slot_row.data(), nh * dim);
               }
               if (fake) {
-                quantize_row(hot_row, dim, cold.bits, codes_tmp.data(), meta_tmp.data());
-                dequantize_row(codes_tmp.data(), meta_tmp.data(), dim, cold.bits, slot_old.data());
+                for (int64_t h = 0; h < nh; ++h) {
+                  quantize_row(hot_row + h * dim, dim, cold.bits, codes_tmp.data(), meta_tmp.data());
+                  dequantize_row(codes_tmp.data(), meta_tmp.data(), dim, cold.bits, slot_old.data() + h * dim);
+                }
               }
             }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t ctx = row_ctx[tile.row_begin + r];
               if (t >= ctx) continue;
               const float* src = is_cold || (fake && ctx >= old_from) ? slot_old.data() : hot_row;
-              for (int64_t g = 0; g < group; ++g) use(r * group + g, t, src);
+              for (int64_t i = 0; i < width; ++i) use(r * width + i, t, src + (i / group) * dim);
             }
           }
         }
@@ -259,15 +264,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         scores[i * ctx_max + t] = dot(qf.data() + i * dim, key, dim) * fscale;
       });
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < group; ++g)
-          softmax_inplace(scores.data() + (r * group + g) * ctx_max, row_ctx[tile.row_begin + r]);
+        for (int64_t i = 0; i < width; ++i)
+          softmax_inplace(scores.data() + (r * width + i) * ctx_max, row_ctx[tile.row_begin + r]);
       for_each_visible(1, [&](int64_t i, int64_t t, const float* value) {
         axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
       });
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = op + ((tile.row_begin + r) * hq + h * group) * dim;
-        const float* src = acc.data() + r * group * dim;
-        for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(src[d]);
+        T* dst = op + ((tile.row_begin + r) * hq + h0 * group) * dim;
+        const float* src = acc.data() + r * width * dim;
+        for (int64_t d = 0; d < width * dim; ++d) dst[d] = static_cast<T>(src[d]);
       }
     }
   });
