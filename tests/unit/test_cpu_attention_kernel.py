@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ruvllm.attention.cpu_kernels import paged_attention
+from ruvllm.attention.cpu_kernels import cold_tier_kernels, paged_attention
 from tests.unit.paged_reference import BLOCK, random_step, reference_attention
 
 kernel = paged_attention()
@@ -40,6 +40,21 @@ def test_each_row_is_the_same_alone_or_in_any_company(dtype: torch.dtype) -> Non
     parts = [kernel(q[i].contiguous(), kc, vc, tables[5:6], torch.zeros(len(i), dtype=torch.long), row_ctx[i],
                     BLOCK, 0.125) for i in (a, b)]
     assert torch.equal(torch.cat(parts), together[rows])
+
+
+@pytest.mark.parametrize(("hq", "hkv", "dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 128), (4, 2, 48)])
+def test_fp32_row_walk_is_the_generic_walk(hq: int, hkv: int, dim: int) -> None:
+    """fp32 caches without a cold tier take a faster walk (keys four at a time, values weighed in
+    registers) when the head size is a multiple of 32; its arithmetic is the generic walk's, which
+    the tiered entry point runs: with nothing cold, the two give the same bits."""
+    tiered = cold_tier_kernels().attention
+    q, kc, vc, tables, row_seq, row_ctx = random_step(torch.float32, hq, hkv, dim=dim, seed=2)
+    fast = kernel(q, kc, vc, tables, row_seq, row_ctx, BLOCK, 0.125)
+    codes = torch.zeros(BLOCK, hkv, dim, dtype=torch.int8)
+    meta = torch.zeros(BLOCK, hkv, 1, dtype=torch.float16)
+    generic = tiered(q, kc, vc, codes, codes, meta, meta, tables, row_seq, row_ctx, BLOCK, 0.125,
+                     kc.shape[0] // BLOCK, 10**6, 8)  # every block hot, none old for any row
+    assert torch.equal(fast, generic)
 
 
 def test_kernel_rejects_bad_input() -> None:

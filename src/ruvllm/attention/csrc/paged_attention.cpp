@@ -58,18 +58,76 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 // step overlap instead of each paying a call.
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define RUVLLM_ATTN_AVX2 1
+inline float hsum8(__m256 acc) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   if (n % 8 == 0) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
     for (int64_t i = 8; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
+    return hsum8(acc);
   }
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// out[t] = dot(q, keys[t] + off, n) * scale for t < count: four keys at a time, each by dot()'s own
+// arithmetic (the same multiply, FMA chain and reduction), so four chains are in flight at once.
+// n: a multiple of 8.
+inline void dot_keys(const float* q, const float* const* keys, int64_t off, int64_t count, int64_t n, float scale,
+                     float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const float *k0 = keys[t] + off, *k1 = keys[t + 1] + off, *k2 = keys[t + 2] + off, *k3 = keys[t + 3] + off;
+    __m256 qv = _mm256_loadu_ps(q);
+    __m256 a0 = _mm256_mul_ps(qv, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv, _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(qv, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv, _mm256_loadu_ps(k3));
+    for (int64_t i = 8; i < n; i += 8) {
+      qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    }
+    out[t] = hsum8(a0) * scale;
+    out[t + 1] = hsum8(a1) * scale;
+    out[t + 2] = hsum8(a2) * scale;
+    out[t + 3] = hsum8(a3) * scale;
+  }
+  for (; t < count; ++t) out[t] = dot(q, keys[t] + off, n) * scale;
+}
+
+// out[g] = sum over t < count, in order, of p[g * p_stride + t] * (values[t] + off) for G query
+// heads sharing these values: what axpy() accumulates key by key (FMA into a zeroed row), held in
+// registers 32 values at a time instead of loaded and stored for every key. n: a multiple of 32.
+template <int G>
+inline void weigh_values(const float* p, int64_t p_stride, const float* const* values, int64_t off, int64_t count,
+                         int64_t n, float* out, int64_t out_stride) {
+  for (int64_t d = 0; d < n; d += 32) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < count; ++t) {
+      const float* v = values[t] + off + d;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                   v3 = _mm256_loadu_ps(v + 24);
+      for (int g = 0; g < G; ++g) {
+        const __m256 pb = _mm256_set1_ps(p[g * p_stride + t]);
+        acc[g][0] = _mm256_fmadd_ps(pb, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(pb, v1, acc[g][1]);
+        acc[g][2] = _mm256_fmadd_ps(pb, v2, acc[g][2]);
+        acc[g][3] = _mm256_fmadd_ps(pb, v3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + g * out_stride + d + 8 * j, acc[g][j]);
+  }
 }
 
 inline void axpy(float p, const float* x, float* y, int64_t n) {
@@ -202,6 +260,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     std::vector<uint8_t> codes_tmp(dim);
     std::vector<c10::Half> meta_tmp(2);
     const float* hot_row = slot_row.data();
+    std::vector<const T*> kslots, vslots;  // the fast path's key and value row of each context slot
     for (int64_t task = begin; task < end; ++task) {
       const Tile& tile = tiles[task];
       const int64_t h0 = 0, nh = hkv;  // the KV heads of the task: all
@@ -216,7 +275,51 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       scores.resize(heads * ctx_max);
       for (int64_t r = 0; r < rows; ++r)
         load_row(qp + ((tile.row_begin + r) * hq + h0 * group) * dim, qf.data() + r * width * dim, width * dim);
+      auto store = [&] {
+        for (int64_t r = 0; r < rows; ++r) {
+          T* dst = op + ((tile.row_begin + r) * hq + h0 * group) * dim;
+          const float* src = acc.data() + r * width * dim;
+          for (int64_t d = 0; d < width * dim; ++d) dst[d] = static_cast<T>(src[d]);
+        }
+      };
 
+#if defined(RUVLLM_ATTN_AVX2)
+      // fp32 caches without a cold tier: the same sums, computed row by row over a tile of keys
+      // (scores four keys at a time, values weighed in registers), which is what makes long prompts
+      // fast; a (row, head)'s arithmetic is the generic walk's below.
+      if constexpr (std::is_same_v<T, float>) {
+        if (cold.num_hot < 0 && dim % 32 == 0) {
+          kslots.resize(ctx_max);
+          vslots.resize(ctx_max);
+          for (int64_t t = 0; t < ctx_max; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            kslots[t] = kp + slot * slot_stride;
+            vslots[t] = vp + slot * slot_stride;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t ctx = row_ctx[tile.row_begin + r];
+            for (int64_t i = 0; i < width; ++i) {
+              float* sr = scores.data() + (r * width + i) * ctx_max;
+              dot_keys(qf.data() + (r * width + i) * dim, kslots.data(), (i / group) * dim, ctx, dim, fscale, sr);
+              softmax_inplace(sr, ctx);
+            }
+            for (int64_t h = 0; h < nh; ++h) {
+              for (int64_t g0 = 0; g0 < group; g0 += 3) {
+                const int64_t i = r * width + h * group + g0;
+                const float* pr = scores.data() + i * ctx_max;
+                float* out = acc.data() + i * dim;
+                const int64_t left = group - g0;
+                if (left >= 3) weigh_values<3>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
+                else if (left == 2) weigh_values<2>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
+                else weigh_values<1>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
+              }
+            }
+          }
+          store();
+          continue;
+        }
+      }
+#endif
       // Walk the context slot by slot through the block table, loading the task's KV heads of each
       // slot once from the cache (`kv` 0: keys, 1: values), and hand every (row, query head) that
       // sees it to `use`. With a cold tier, a row for which the block is old gets `slot_old`: the
@@ -269,11 +372,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for_each_visible(1, [&](int64_t i, int64_t t, const float* value) {
         axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
       });
-      for (int64_t r = 0; r < rows; ++r) {
-        T* dst = op + ((tile.row_begin + r) * hq + h0 * group) * dim;
-        const float* src = acc.data() + r * width * dim;
-        for (int64_t d = 0; d < width * dim; ++d) dst[d] = static_cast<T>(src[d]);
-      }
+      store();
     }
   });
 }
