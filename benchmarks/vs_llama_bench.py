@@ -6,9 +6,11 @@ copy bandwidth measured here).
 ruvllm's side: pp N is one N-token prompt (prefix caching off, so nothing is reused) with
 max_tokens=1, its time to first token; tg N is one stream's N generated tokens after a 1-token
 prompt, tokens after the first over the time after the first. Median of --repetitions, after a
-warm-up. llama-bench runs with -t --threads, -r --repetitions.
+warm-up. llama-bench runs with -t --threads, -r --repetitions. With --rounds N the engines alternate N
+times and the table gives medians, the ratios taken within each round (a shared machine's noise
+then slows both sides of a round alike).
 
-    .venv/bin/python benchmarks/vs_llama_bench.py --llama-bench ~/.cache/llama-cpp-peer/llama.cpp/build/bin/llama-bench
+    .venv/bin/python benchmarks/vs_llama_bench.py --llama-bench ~/.cache/llama-cpp-peer/llama.cpp/build/bin/llama-bench --rounds 5
 """
 
 from __future__ import annotations
@@ -98,32 +100,42 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times (medians)")
     args = ap.parse_args()
 
     gguf = str(resolve_model(args.model).path)
     bandwidth = copy_bandwidth()
-    rows = []
-    if args.llama_bench:
-        pp, tg = llama_bench_rates(args.llama_bench, gguf, args.pp, args.tg, args.threads, args.repetitions)
-        rows.append(("llama.cpp (llama-bench)", pp, tg, None))
-    for method in args.quantization:
-        llm = LLM(args.model, quantization=method, num_threads=args.threads, enable_prefix_caching=False,
-                  max_num_batched_tokens=max(2048, args.pp), num_blocks=256)
-        pp, tg = ruvllm_rates(llm, args.pp, args.tg, args.repetitions)
-        rows.append((f"ruvllm -q {method} ({llm.info.dtype})", pp, tg, bytes_per_token(llm)))
-        del llm
+    llms = {method: LLM(args.model, quantization=method, num_threads=args.threads, enable_prefix_caching=False,
+                        max_num_batched_tokens=max(2048, args.pp), num_blocks=256) for method in args.quantization}
+    # Rounds alternate the engines, so that a noisy neighbour on a shared machine slows both sides of
+    # a round alike; ratios are taken within each round, and their median reported.
+    runs: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):
+        if args.llama_bench:
+            runs.setdefault("llama.cpp (llama-bench)", []).append(
+                llama_bench_rates(args.llama_bench, gguf, args.pp, args.tg, args.threads, args.repetitions))
+        for method, llm in llms.items():
+            runs.setdefault(f"ruvllm -q {method} ({llm.info.dtype})", []).append(
+                ruvllm_rates(llm, args.pp, args.tg, args.repetitions))
+    nbytes = {f"ruvllm -q {m} ({llm.info.dtype})": bytes_per_token(llm) for m, llm in llms.items()}
 
-    table = Table(title=f"pp{args.pp} / tg{args.tg}, {args.threads} threads; copy bandwidth "
-                        f"{bandwidth / 1e9:.1f} GB/s (read + write)")
+    table = Table(title=f"pp{args.pp} / tg{args.tg}, {args.threads} threads, median of {args.rounds} round(s); "
+                        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for col in ("engine", f"pp{args.pp} tok/s", f"tg{args.tg} tok/s", "pp vs llama.cpp", "tg vs llama.cpp",
-                "bytes / token", "tg roofline share"):
+                "tg ratio range", "bytes / token", "tg roofline share"):
         table.add_column(col, justify="right")
-    ref = rows[0] if args.llama_bench else None
-    for name, pp, tg, nbytes in rows:
+    ref = runs.get("llama.cpp (llama-bench)")
+    med = statistics.median
+    for name, rates in runs.items():
+        pp, tg = med(r[0] for r in rates), med(r[1] for r in rates)
+        ratios = [(r[0] / b[0], r[1] / b[1]) for r, b in zip(rates, ref)] if ref else []
+        n = nbytes.get(name)
         table.add_row(name, f"{pp:.1f}", f"{tg:.1f}",
-                      f"{pp / ref[1]:.2f}x" if ref else "-", f"{tg / ref[2]:.2f}x" if ref else "-",
-                      f"{nbytes / 2**20:.1f} MiB" if nbytes else "-",
-                      f"{nbytes * tg / bandwidth:.0%}" if nbytes else "-")
+                      f"{med(x[0] for x in ratios):.2f}x" if ratios else "-",
+                      f"{med(x[1] for x in ratios):.2f}x" if ratios else "-",
+                      f"{min(x[1] for x in ratios):.2f}-{max(x[1] for x in ratios):.2f}x" if ratios else "-",
+                      f"{n / 2**20:.1f} MiB" if n else "-",
+                      f"{n * tg / bandwidth:.0%}" if n else "-")
     Console().print(table)
 
 
