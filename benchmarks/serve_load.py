@@ -10,6 +10,9 @@ first token p50/p99 and end-to-end latency, side by side for every server in one
     .venv/bin/python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --peer-url http://127.0.0.1:8080
     # the server against the same engine offline (LLM.generate, same prompts, same settings):
     .venv/bin/python benchmarks/serve_load.py --start-ruvllm --offline --concurrency 1 32
+
+With --rounds N every server of a level stays up and they take turns N times; the table gives medians
+and our rate against the peer's within each round (its median and range).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT.parent / "shared" / "data" / "pride-and-prejudice.txt"
+# Not a prefix of any prompt, so the warm-up leaves nothing in the prefix cache to hit.
+WARM_UP = "A short warm-up request."
 
 
 @dataclass
@@ -76,7 +81,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 async def run_load(url: str, model: str, texts: list[str], concurrency: int, gen_len: int) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
-        await one_request(client, url, model, texts[0][:200], 4)  # warm-up
+        await one_request(client, url, model, WARM_UP, 4)
         start = time.perf_counter()
         results = await asyncio.gather(*(one_request(client, url, model, texts[i], gen_len)
                                          for i in range(concurrency)))
@@ -96,13 +101,38 @@ def run_offline(texts: list[str], concurrency: int, gen_len: int, extra: dict) -
 
     llm = LLM(**extra)
     params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
-    llm.generate([texts[0][:200]], SamplingParams(max_tokens=4))  # warm-up, as the server gets
+    llm.generate([WARM_UP], SamplingParams(max_tokens=4))  # as the server gets
     start = time.perf_counter()
     outs = llm.generate(texts[:concurrency], params)
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"concurrency": concurrency, "output_tok_s": tokens / wall, "ttft_p50": float("nan"),
             "ttft_p99": float("nan"), "e2e_mean": wall, "tokens": tokens}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (server, concurrency): medians over rounds, and our rate against the peer's taken
+    within each round (median and range) and against the offline engine."""
+    keys = list(dict.fromkeys((r["server"], r["concurrency"]) for r in rows))
+    group = {k: [r for r in rows if (r["server"], r["concurrency"]) == k] for k in keys}
+    out = []
+    for (server, n), rs in group.items():
+        row = {"server": server, "concurrency": n, "vs_peer": "", "vs_peer_range": "", "vs_offline": ""}
+        for field in ("output_tok_s", "ttft_p50", "ttft_p99", "e2e_mean"):
+            row[field] = statistics.median(r[field] for r in rs)
+        if server.startswith("ruvllm"):
+            peer = group.get(("llama-server", n)) or group.get(("peer", n)) or []
+            peer_by_round = {r.get("round"): r for r in peer}
+            ratios = [r["output_tok_s"] / peer_by_round[r.get("round")]["output_tok_s"]
+                      for r in rs if r.get("round") in peer_by_round]
+            if ratios:
+                row["vs_peer"] = f"{statistics.median(ratios):.2f}x"
+                row["vs_peer_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+            offline = group.get(("offline (LLM)", n))
+            if offline:
+                row["vs_offline"] = f"{row['output_tok_s'] / statistics.median(r['output_tok_s'] for r in offline):.2f}x"
+        out.append(row)
+    return out
 
 
 def _free_port() -> int:
@@ -169,13 +199,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="load runs per server and level, the servers taking turns; the table gives medians")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (args.base_url or args.start_ruvllm or args.peer_url or args.llama_server or args.offline):
         ap.error("give at least one server: --base-url, --start-ruvllm, --peer-url or --llama-server")
 
     console = Console()
-    texts = prompts(max(args.concurrency), args.prompt_len)
+    texts = prompts(max(args.concurrency) * args.rounds, args.prompt_len)
     rows = []
     for n in args.concurrency:
         # (name, URL of a running server, or a function that starts one for this concurrency)
@@ -188,43 +220,52 @@ def main() -> None:
             targets.append(("peer", args.peer_url, None))
         if args.llama_server:
             targets.append(("llama-server", None, lambda n=n: start_llama_server(args.llama_server, n, args.threads)))
-        for name, url, start in targets:
-            proc = None
-            try:
+        procs = []
+        try:
+            # Every server is up for the whole level and they take turns, round after round: a drift in
+            # the host's speed then slows both sides of a round alike (an idle server costs nothing).
+            urls = []
+            for name, url, start in targets:
                 if start is not None:
                     with console.status(f"starting {name} for {n} clients"):
                         proc, url = start()
-                with console.status(f"{name}: {n} concurrent clients"):
-                    row = asyncio.run(run_load(url, args.model, texts, n, args.gen_len))
-                row["server"] = name
-                rows.append(row)
-            finally:
-                if proc is not None:
-                    proc.terminate()
-                    proc.wait(timeout=60)
+                    procs.append(proc)
+                urls.append((name, url))
+            for rnd in range(args.rounds):
+                for name, url in urls:
+                    # Fresh prompts every round: a repeated one would be served from the prefix cache.
+                    batch = texts[rnd * n:(rnd + 1) * n]
+                    with console.status(f"{name}: {n} concurrent clients, round {rnd + 1}/{args.rounds}"):
+                        try:
+                            row = asyncio.run(run_load(url, args.model, batch, n, args.gen_len))
+                        except httpx.HTTPError as exc:
+                            raise SystemExit(f"{name} ({n} clients, round {rnd + 1}): {type(exc).__name__}: {exc}")
+                    row.update(server=name, round=rnd)
+                    rows.append(row)
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=60)
     if args.offline:  # last, alone on the machine
         for n in args.concurrency:
             with console.status(f"offline: {n} prompts"):
-                row = run_offline(texts, n, args.gen_len, {})
+                row = run_offline(texts[:n], n, args.gen_len, {})
             row["server"] = "offline (LLM)"
             rows.append(row)
 
     title = f"serve load: {args.prompt_len}-token prompts, {args.gen_len} generated (ignore_eos), streaming"
+    if args.rounds > 1:
+        title += f"; medians of {args.rounds} rounds"
     if args.llama_server:
         title += f"; peer: {llama_server_version(args.llama_server)}"
     table = Table(title=title)
     for col in ("server", "clients", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "e2e mean (s)", "vs peer",
-                "vs offline"):
+                "vs peer range", "vs offline"):
         table.add_column(col, justify="right")
-    by = {(r["server"], r["concurrency"]): r for r in rows}
-    for r in rows:
-        peer = by.get(("llama-server", r["concurrency"])) or by.get(("peer", r["concurrency"]))
-        offline = by.get(("offline (LLM)", r["concurrency"]))
-        ours = r["server"].startswith("ruvllm")
-        ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}x" if ours and peer else ""
-        vs_offline = f"{r['output_tok_s'] / offline['output_tok_s']:.2f}x" if ours and offline else ""
-        table.add_row(r["server"], str(r["concurrency"]), f"{r['output_tok_s']:.1f}", f"{r['ttft_p50']:.2f}",
-                      f"{r['ttft_p99']:.2f}", f"{r['e2e_mean']:.2f}", ratio, vs_offline)
+    for row in summarize(rows):
+        table.add_row(row["server"], str(row["concurrency"]), f"{row['output_tok_s']:.1f}",
+                      f"{row['ttft_p50']:.2f}", f"{row['ttft_p99']:.2f}", f"{row['e2e_mean']:.2f}",
+                      row["vs_peer"], row["vs_peer_range"], row["vs_offline"])
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
