@@ -189,6 +189,16 @@ class QuantConfig:
             raise ValueError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (docs/adapters.md)."""
+
+    enable_lora: bool = setting(False, "Serve LoRA adapters (reserves --max-loras slots of --max-lora-rank).",
+                                flag="--enable-lora/--no-enable-lora")
+    max_loras: int = setting(8, "LoRA adapters loaded at once (each holds a preallocated slot).", minimum=1)
+    max_lora_rank: int = setting(64, "Largest LoRA rank an adapter may have.", minimum=1, maximum=1024)
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -213,6 +223,7 @@ class EngineConfig:
                                 flag="--cuda-graphs/--no-cuda-graphs")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:

@@ -31,7 +31,8 @@ _ROOT = Path(__file__).resolve().parent
 # csrc/ops.cpp registers the other sources' functions as operators.
 SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
            _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
-           _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp")
+           _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
+           _ROOT / "lora" / "csrc" / "lora_add.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -90,6 +91,7 @@ _FAKES: dict[str, Any] = {
     "silu_and_mul": lambda g: g.new_empty(g.shape[0], g.shape[1] // 2),
     "qkv_rope_cache": lambda qkv, cos, sin, hq, hkv, d, *_: qkv.new_empty(qkv.shape[0], hq, d),
     "llama_layers": lambda x, *_: x.new_empty(x.shape),
+    "lora_add": lambda *_: None,
 }
 
 

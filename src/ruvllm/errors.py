@@ -47,3 +47,11 @@ class RequestError(RuvllmError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class AdapterError(RuvllmError, ValueError):
+    """A LoRA adapter cannot be loaded or used: the message names the file and the problem."""
+
+
+class AdapterNotFoundError(RequestError):
+    """A request names an adapter that is not loaded (HTTP 404 at the server)."""

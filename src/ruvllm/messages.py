@@ -26,7 +26,7 @@ class CoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     arrival_time: float = 0.0  # time.monotonic(): one clock for every process of a machine
     # The first completion of the same prompt (n > 1): this one waits until that prompt is cached.
     prompt_sibling: str | None = None
-    adapter: str | None = None  # a LoRA adapter's name (none is served yet)
+    adapter: str | None = None  # a loaded LoRA adapter's name (None: the base model)
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

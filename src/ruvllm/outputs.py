@@ -19,6 +19,7 @@ class ScheduledSeq:
     # (first row, prompt tokens): rows from `first row` on predict these tokens, whose logprobs are
     # wanted (echo scoring). None when the request does not ask for prompt logprobs.
     prompt_logprob_targets: tuple[int, list[int]] | None = None
+    adapter: str | None = None  # the LoRA adapter the sequence runs with (None: the base model)
 
 
 @dataclass(slots=True)

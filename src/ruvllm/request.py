@@ -50,6 +50,10 @@ class Request:
     # The request this one shares a prompt with (n > 1): it waits until the sibling's prompt is cached.
     prompt_sibling: Request | None = None
     max_total_tokens: int = 1 << 30  # context length cap
+    adapter: str | None = None  # a LoRA adapter's name (None: the base model)
+    # Mixed into the first block's prefix-cache hash: blocks computed under one adapter (one load
+    # of it: a name loaded again is another adapter) are never a hit for another, or for the base.
+    cache_salt: object = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

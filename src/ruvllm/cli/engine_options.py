@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import typer
 
-from ruvllm.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig
 
-_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, QuantConfig)
+_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, QuantConfig, LoraConfig)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ sends an abort. The core knows nothing of files, models or devices: the executor
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 from typing import Protocol
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
-from ruvllm.errors import RequestError
+from ruvllm.errors import AdapterError, AdapterNotFoundError, RequestError
 from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
@@ -27,6 +28,10 @@ class Executor(Protocol):
     def info(self) -> EngineInfo: ...
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def add_adapter(self, name: str, path: str) -> None: ...
+
+    def remove_adapter(self, name: str) -> None: ...
 
 
 class EngineCore:
@@ -41,6 +46,37 @@ class EngineCore:
         self.scheduler = Scheduler(sched, self.kv)
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
+        self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)
+        self._unloading: set[str] = set()  # unloaded while requests still ran with them
+        self._loads = itertools.count()
+
+    # --- adapters --------------------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str) -> None:
+        """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong)."""
+        if name in self._adapters:
+            raise AdapterError(f"an adapter named {name!r} is already loaded")
+        self.executor.add_adapter(name, path)
+        self._adapters[name] = next(self._loads)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter: new requests cannot use it at once; requests running with it finish
+        first, then its slot is freed."""
+        if name not in self._adapters or name in self._unloading:
+            raise AdapterError(f"no adapter named {name!r} is loaded")
+        self._unloading.add(name)
+        self._drop_unused_adapters()
+
+    def adapters(self) -> list[str]:
+        return [name for name in self._adapters if name not in self._unloading]
+
+    def _drop_unused_adapters(self) -> None:
+        if not self._unloading:
+            return
+        in_use = {req.adapter for req in self.scheduler.requests.values()}
+        for name in [n for n in self._unloading if n not in in_use]:
+            self._unloading.discard(name)
+            del self._adapters[name]
+            self.executor.remove_adapter(name)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, cr: CoreRequest) -> None:
@@ -48,11 +84,14 @@ class EngineCore:
         which the front cannot see (another front's request), is refused here."""
         if cr.request_id in self.scheduler.requests:
             raise RequestError(f"request id {cr.request_id!r} is already in use")
+        if cr.adapter is not None and cr.adapter not in self.adapters():
+            raise AdapterNotFoundError(f"no adapter named {cr.adapter!r} is loaded", param="model")
         sibling = self.scheduler.requests.get(cr.prompt_sibling) if cr.prompt_sibling else None
         req = Request(request_id=cr.request_id, prompt_token_ids=list(cr.prompt_token_ids), params=cr.params,
                       eos_token_ids=tuple(cr.eos_token_ids), priority=Priority(cr.priority),
                       arrival=self._arrivals.next(), prompt_sibling=sibling,
-                      max_total_tokens=self.info.max_seq_len)
+                      max_total_tokens=self.info.max_seq_len, adapter=cr.adapter,
+                      cache_salt=None if cr.adapter is None else ("lora", self._adapters[cr.adapter]))
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         self._core_requests[cr.request_id] = cr
@@ -66,6 +105,7 @@ class EngineCore:
             self._core_requests.pop(rid, None)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
+        self._drop_unused_adapters()
 
     @property
     def has_unfinished(self) -> bool:
@@ -83,7 +123,9 @@ class EngineCore:
         ro = self.executor.execute(so)
         if so.is_empty:
             return []
-        return [self._output(req, ro) for req in self.scheduler.update(so, ro)]
+        outputs = [self._output(req, ro) for req in self.scheduler.update(so, ro)]
+        self._drop_unused_adapters()
+        return outputs
 
     @staticmethod
     def _output(req: Request, ro: ModelRunnerOutput) -> CoreOutput:

@@ -56,7 +56,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = None
+        parent = req.cache_salt
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))
@@ -127,7 +127,7 @@ class KVCacheManager:
             return
         blocks = self._blocks[req.request_id]
         tokens = req.all_token_ids
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else req.cache_salt
         for i in range(len(hashes), num_full):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))

@@ -117,6 +117,7 @@ class Scheduler:
                 block_table=self.kv.block_table(req.request_id),
                 sample=start + n == req.num_tokens,
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
+                adapter=req.adapter,
             ))
         return out
 

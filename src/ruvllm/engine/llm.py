@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 
-from ruvllm.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.input_processor import core_requests, stop_token_set
@@ -26,21 +27,23 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
     `quantization` is a method name ("int4", ...) or a whole QuantConfig; `group_size` and
     `keep_16bit` go to the QuantConfig."""
     quant = kwargs.pop("quantization", None)
-    parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}, QuantConfig: {}}
+    parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}, QuantConfig: {},
+                                         LoraConfig: {}}
     if isinstance(quant, QuantConfig):
         parts[QuantConfig] = dataclasses.asdict(quant)
     elif quant is not None:
         parts[QuantConfig]["method"] = quant
     for key, value in kwargs.items():
         for cls in parts:
-            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "method"):
+            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "lora", "method"):
                 parts[cls][key] = value
                 break
         else:
             raise TypeError(f"unknown engine setting {key!r}")
     return EngineConfig(model=model, cache=CacheConfig(**parts[CacheConfig]),
                         scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                        quantization=QuantConfig(**parts[QuantConfig]), **parts[EngineConfig])
+                        quantization=QuantConfig(**parts[QuantConfig]), lora=LoraConfig(**parts[LoraConfig]),
+                        **parts[EngineConfig])
 
 
 class LLM:
@@ -102,16 +105,40 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
 
+    # --- LoRA adapters (LLM(..., enable_lora=True)) ---------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load a PEFT LoRA adapter folder under `name` (AdapterError names what is wrong with it)."""
+        self.core.add_adapter(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        self.core.remove_adapter(name)
+
+    def loras(self) -> list[str]:
+        return self.core.adapters()
+
+    def _adapter(self, lora: str | Path | None) -> str | None:
+        """A loaded adapter's name; a folder not loaded yet is loaded under its path."""
+        if lora is None or str(lora) in self.core.adapters():
+            return None if lora is None else str(lora)
+        self.load_lora(str(lora), lora)
+        return str(lora)
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: Priority | list[Priority] = Priority.NORMAL,
-                 show_progress: bool = False) -> list[RequestOutput]:
+                 show_progress: bool = False, lora: str | Path | list[str | Path | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora`: a loaded adapter's name or an adapter folder, for every prompt or one per prompt."""
         items = normalize_prompts(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(items)
         prios = priority if isinstance(priority, list) else [priority] * len(items)
         if len(params) != len(items) or len(prios) != len(items):
             raise ValueError("sampling_params and priority lists must be as long as the prompts list")
+        loras = lora if isinstance(lora, list) else [lora] * len(items)
+        if len(loras) != len(items):
+            raise ValueError("the lora list must be as long as the prompts list")
+        adapters = [self._adapter(x) for x in loras]
         encoded = [encode_prompt(self.tokenizer, p) for p in items]
-        return self._run([(ids, text) for ids, text in encoded], params, prios, show_progress)
+        return self._run([(ids, text) for ids, text in encoded], params, prios, show_progress, adapters)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, chat_template: str | None = None,
@@ -123,11 +150,13 @@ class LLM:
         return self._run(encoded, [params] * len(encoded), [Priority.NORMAL] * len(encoded), False)
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
-             prios: list[Priority], show_progress: bool) -> list[RequestOutput]:
+             prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None
+             ) -> list[RequestOutput]:
         # Every request is checked before any is added: a bad one refuses the whole call.
         rids = [str(next(self._ids)) for _ in encoded]
-        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos)
-                for rid, (tokens, _), p, prio in zip(rids, encoded, params, prios)]
+        adapters = adapters or [None] * len(encoded)
+        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos, adapter)
+                for rid, (tokens, _), p, prio, adapter in zip(rids, encoded, params, prios, adapters)]
         processor = OutputProcessor(self.tokenizer)
         for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
             processor.add(rid, tokens, text, p, [s.request_id for s in group], OutputKind.FINAL_ONLY)

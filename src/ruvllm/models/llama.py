@@ -6,7 +6,8 @@ cache slots to write and which keys each query row may see.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,12 @@ from ruvllm.quant.plan import Weight, fuse_pieces, realize, stored_form
 from ruvllm.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:
+    from ruvllm.lora.batch import LoraBatch
     from ruvllm.models.weight_plan import WeightPlan
+
+# A layer's adapters for one step: (fused projection name, its input, its base output) -> the output
+# with each row's adapter delta added (ruvllm/lora/batch.py).
+LayerLora = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -56,11 +62,13 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = DenseLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = DenseLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lora: LayerLora | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused q/k/v projection of the normed input, (q/k norm,) RoPE: q [T, Hq, D], k and v [T, Hkv, D]."""
         cfg, ops = self.cfg, self.ops
         qkv = self.qkv_proj(h)
+        if lora is not None:
+            qkv = lora("qkv", h, qkv)
         if not cfg.qk_norm:
             return ops.qkv_rope(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -69,8 +77,16 @@ class DecoderLayer(nn.Module):
         q, k = ops.rope(q, k, cos, sin)
         return q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim).contiguous()
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
+    def mlp(self, h: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
+        a = self.ops.silu_and_mul(lora("gate_up", h, self.gate_up_proj(h)))
+        return lora("down", a, self.down_proj(a))
+
+    def o(self, o: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        """The output projection of the attention output o [T, Hq, D]."""
+        o = o.reshape(-1, self.cfg.q_size)
+        return self.o_proj(o) if lora is None else lora("o", o, self.o_proj(o))
 
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple], meta: AttentionMetadata,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, lora: LoraBatch | None = None) -> torch.Tensor:
         # The residual stream is carried beside each sublayer's output and added inside the next
         # norm (one fused kernel on GPU); in the torch ops this is the same arithmetic as
         # attention_inputs / attention_output_and_mlp.
@@ -106,17 +122,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         cos, sin = self.rope.for_positions(positions)
-        loop = self._layer_loop()
+        # A step with adapters runs the Python loop, which adds their deltas (the C++ loop has none).
+        loop = self._layer_loop() if lora is None else None
         if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
             return loop(x, cos, sin, kv_caches, meta, self)  # the same kernels, called from C++
         scale = self.cfg.head_dim ** -0.5
-        for layer, (k_cache, v_cache, *cold) in zip(self.layers, kv_caches):  # cold: a quantized tier's store
+        for i, (layer, (k_cache, v_cache, *cold)) in enumerate(zip(self.layers, kv_caches)):  # cold: a quantized tier's
+            layer_lora = None if lora is None else functools.partial(lora.add, i)
             h, residual = ops.add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
-            q, k, v = layer.qkv(h, cos, sin)
+            q, k, v = layer.qkv(h, cos, sin, layer_lora)
             o = attn.forward(q, k, v, k_cache, v_cache, meta, scale, *cold)
-            h, residual = ops.add_rms_norm(layer.o_proj(o.reshape(-1, self.cfg.q_size)), residual,
-                                           layer.post_attention_layernorm.weight, eps)
-            x = layer.mlp(h)
+            h, residual = ops.add_rms_norm(layer.o(o, layer_lora), residual, layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp(h, layer_lora)
         return ops.add_rms_norm(x, residual, self.norm.weight, eps)[0]
 
     def _layer_loop(self) -> CpuLayerLoop | None:

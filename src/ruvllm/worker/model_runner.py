@@ -18,6 +18,7 @@ from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from ruvllm.lora.manager import LoraManager
     from ruvllm.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_hot_tokens = kv_hot_tokens
+        self.lora: LoraManager | None = None  # set by the worker when adapters are enabled
         self.allocate_kv_cache(num_blocks, num_cold_blocks)
 
     def allocate_kv_cache(self, num_blocks: int, num_cold_blocks: int = 0) -> None:
@@ -204,7 +206,8 @@ class ModelRunner:
         meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        return self.model(ids, pos, self.kv_views, meta, self.attn)
+        lora = self.lora.batch(so) if self.lora is not None else None
+        return self.model(ids, pos, self.kv_views, meta, self.attn, lora)
 
     @staticmethod
     def _last_rows(so: SchedulerOutput) -> tuple[list[int], list[str]]:
@@ -230,8 +233,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, states: dict[str, SamplingState]) -> ModelRunnerOutput:
-        # A decode-only step runs as one CUDA graph (forward and LM head) where one was captured.
-        logits = self.graphs.run(so) if self.graphs is not None else None
+        # A decode-only step runs as one CUDA graph (forward and LM head) where one was captured
+        # (the graphs hold no adapters).
+        use_graphs = self.graphs is not None and not any(seq.adapter for seq in so.seqs)
+        logits = self.graphs.run(so) if use_graphs else None
         if logits is not None:
             out = ModelRunnerOutput({}, {}, {})
             sample_ids = [seq.request_id for seq in so.seqs]

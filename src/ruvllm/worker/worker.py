@@ -20,7 +20,9 @@ import torch
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.device import default_num_threads, resolve_device
+from ruvllm.errors import AdapterError
 from ruvllm.layers.sampler import SamplingState
+from ruvllm.lora.manager import LoraManager
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
@@ -75,6 +77,22 @@ class Worker:
         self.config = config
         self.runner = self._runner(model, config)
         self._states: dict[str, SamplingState] = {}
+        self.lora: LoraManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoraManager(self.model_config, config.lora, self.dtype, self.device)
+            self.runner.lora = self.lora
+            log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", config.lora.max_loras,
+                     config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
+
+    # --- adapters --------------------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str) -> None:
+        if self.lora is None:
+            raise AdapterError("LoRA adapters are not enabled for this engine (enable_lora / --enable-lora)")
+        self.lora.install(self.lora.read(name, path))
+
+    def remove_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
 
     def _runner(self, model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
         """The model runner with its KV pool: sized as configured, or on CUDA by profiling a warm-up

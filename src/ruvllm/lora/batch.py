@@ -1,0 +1,55 @@
+"""One step's adapters: which slot each row of the flat batch uses, and the delta each fused
+projection adds for those rows (the base matmul has already run for every row)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ruvllm.lora.slots import LoraSlots, ProjectionSlots
+
+
+def lora_kernel() -> Callable[..., None] | None:
+    """Our C++ kernel (CPU, float32), or None when the kernels cannot be built."""
+    from ruvllm.cpu_build import kernels
+
+    ext = kernels()
+    return None if ext is None else ext.lora_add
+
+
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, p: ProjectionSlots, row_slot: list[int]) -> None:
+    """The kernel's computation in PyTorch ops, for any device and dtype: per slot, its rows'
+    shrink and expand (one matmul each per sub-projection). The reference for the kernel's tests;
+    unlike the kernel, its matmuls may round a row differently with the group's size."""
+    R = p.B.shape[1]
+    for s in sorted(set(row_slot) - {-1}):
+        idx = torch.tensor([t for t, v in enumerate(row_slot) if v == s], device=x.device)
+        xs = x.index_select(0, idx)
+        for i, r in enumerate(p.ranks[s].tolist()):
+            if r == 0:
+                continue
+            lo, hi = p.bounds[i], p.bounds[i + 1]
+            u = xs @ p.A[s, i * R:i * R + r].t()
+            y[idx, lo:hi] += u @ p.B[s, :r, lo:hi]
+
+
+@dataclass
+class LoraBatch:
+    slots: LoraSlots
+    row_slot: list[int]  # per row of the flat batch: the adapter slot, or -1 for the base model
+    kernel: Callable[..., None] | None = None
+
+    def __post_init__(self) -> None:
+        self._rows = torch.tensor(self.row_slot, dtype=torch.int32)
+
+    def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base projection of x) plus each row's adapter delta, in place."""
+        p = self.slots.layers[layer][fused]
+        if self.kernel is not None and y.device.type == "cpu" and y.dtype == torch.float32 and x.is_contiguous() \
+                and y.is_contiguous():
+            self.kernel(y, x, p.A, p.B, p.ranks, self._rows, list(p.bounds))
+        else:
+            lora_add_torch(y, x, p, self.row_slot)
+        return y

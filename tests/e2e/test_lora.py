@@ -1,0 +1,309 @@
+"""LoRA adapters against peft (the oracle) on the same base weights, and in mixed batches.
+
+The adapters are made here with peft: random non-zero A and B (`init_lora_weights=False`) for the
+numeric checks, and one trained for a few steps on a toy task so that it visibly changes outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
+
+from ruvllm import LLM, SamplingParams
+from ruvllm.errors import AdapterError, AdapterNotFoundError
+from ruvllm.messages import CoreRequest
+from ruvllm.outputs import ScheduledSeq, SchedulerOutput
+from ruvllm.request import Request
+from tests.engine_fixtures import TINY_GQA, write_tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("lora") / "base")
+
+
+def hf_model(base: Path) -> torch.nn.Module:
+    return LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = ALL, r: int = 8, alpha: int = 16,
+                 **extra: object) -> torch.nn.Module:
+    """A peft adapter with random non-zero A and B, saved to `out`; returns the peft model."""
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                      init_lora_weights=False, **extra))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def engine(base: Path, **kw: object) -> LLM:
+    return LLM(str(base), enable_lora=True, max_loras=kw.pop("max_loras", 6), max_lora_rank=kw.pop("max_lora_rank", 16),
+               num_blocks=256, max_num_batched_tokens=256, **kw)
+
+
+def our_logits(llm: LLM, adapter: str | None, prompt: list[int], continuation: list[int], chunk: int | None) -> torch.Tensor:
+    """Logits after the prompt (prefilled in chunks of `chunk`) and after each teacher-forced token."""
+    core, runner = llm.core, llm.core.executor.runner
+    req = Request("r", list(prompt), SamplingParams())
+    out, pending = [], list(prompt)
+    for tok in [None] + continuation:
+        if tok is not None:
+            req.output_token_ids.append(tok)
+            pending = [tok]
+        while pending:
+            n = len(pending) if chunk is None else min(chunk, len(pending))
+            assert core.kv.allocate_slots(req, n)
+            seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, core.kv.block_table("r"),
+                               sample=n == len(pending), adapter=adapter)
+            logits, _ = runner.compute_logits(SchedulerOutput([seq]))
+            req.num_computed_tokens += n
+            pending = pending[n:]
+        out.append(logits[0])
+    core.kv.free(req)
+    return torch.stack(out)
+
+
+def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + continuation])).logits[0].float()
+    return full[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("targets,extra", [(ALL, {}), (["q_proj", "v_proj"], {}), (["o_proj", "down_proj"], {"use_rslora": True})],
+                         ids=["all-seven", "q-v", "o-down-rslora"])
+def test_logits_match_peft(base: Path, tmp_path: Path, targets: list[str], extra: dict) -> None:
+    ref = make_adapter(base, tmp_path / "a", seed=1, targets=targets, **extra)
+    llm = engine(base)
+    llm.load_lora("a", tmp_path / "a")
+    prompt = torch.randint(2, TINY_GQA.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    continuation = torch.randint(2, TINY_GQA.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected = peft_logits(ref, prompt, continuation)
+    with torch.no_grad(), ref.disable_adapter():
+        base_logits = peft_logits(ref, prompt, continuation)
+    assert (expected - base_logits).abs().max() > 0.1, "the adapter must change the logits for the test to mean anything"
+    for chunk in (None, 5):
+        ours = our_logits(llm, "a", prompt, continuation, chunk)
+        diff = (ours - expected).abs().max().item()
+        assert diff < ATOL, f"chunk {chunk}: max |logit diff| {diff:.2e}"
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    # and the base model beside it is untouched
+    assert (our_logits(llm, None, prompt, continuation, None) - base_logits).abs().max() < ATOL
+
+
+def test_mixed_batch_equals_each_alone(base: Path, tmp_path: Path) -> None:
+    """16 requests over 4 adapters and the base in one batch: each output is that request's alone."""
+    llm = engine(base)
+    for i in range(4):
+        make_adapter(base, tmp_path / f"a{i}", seed=10 + i, r=4 + 4 * (i % 3))
+        llm.load_lora(f"a{i}", tmp_path / f"a{i}")
+    names = [None if i % 5 == 4 else f"a{i % 5}" for i in range(16)]
+    prompts = [torch.randint(2, 500, (9 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = llm.generate(prompts, params, lora=names)
+    llm.reset_prefix_cache()
+    for p, name, out in zip(prompts, names, together):
+        alone = llm.generate([p], params, lora=name)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids, name
+    base_out = llm.generate(prompts[:4], params)
+    assert any(b.outputs[0].token_ids != t.outputs[0].token_ids for b, t in zip(base_out, together[:4]))
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks
+
+
+def test_prefix_cache_is_keyed_by_adapter(base: Path, tmp_path: Path) -> None:
+    make_adapter(base, tmp_path / "a", seed=3)
+    llm = engine(base)
+    llm.load_lora("a", tmp_path / "a")
+    prompt = [list(range(10, 90))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompt, params)[0]
+    first = llm.generate(prompt, params, lora="a")[0]
+    assert first.num_cached_tokens == 0  # the base's blocks are no hit for the adapter
+    again = llm.generate(prompt, params, lora="a")[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    # a name loaded again is another adapter: nothing computed under the old one is reused
+    llm.unload_lora("a")
+    make_adapter(base, tmp_path / "b", seed=4)
+    llm.load_lora("a", tmp_path / "b")
+    reloaded = llm.generate(prompt, params, lora="a")[0]
+    assert reloaded.num_cached_tokens == 0
+    assert plain.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_trained_adapter_changes_greedy_text_as_peft_does(base: Path, tmp_path: Path) -> None:
+    """An adapter trained for a few steps to answer every prompt with token 7: peft's greedy text
+    and ours are equal, and differ from the base model's."""
+    torch.manual_seed(0)
+    model = get_peft_model(hf_model(base), LoraConfig(r=8, lora_alpha=16, target_modules=ALL))
+    model.train()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        x = torch.randint(2, 500, (8, 12), generator=gen)
+        labels = torch.full_like(x, -100)
+        x[:, 6:] = 7
+        labels[:, 6:] = 7
+        loss = model(input_ids=x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(tmp_path / "sevens")
+    prompt = torch.randint(2, 500, (10,), generator=torch.Generator().manual_seed(99)).tolist()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    llm = engine(base)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = llm.generate([prompt], params, lora=str(tmp_path / "sevens"))[0].outputs[0].token_ids
+    assert ours == expected
+    assert ours.count(7) >= 6
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids.count(7) < 6
+
+
+def test_unload_lets_running_requests_finish(base: Path, tmp_path: Path) -> None:
+    make_adapter(base, tmp_path / "a", seed=6)
+    llm = engine(base)
+    llm.load_lora("a", tmp_path / "a")
+    core = llm.core
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    core.add_request(CoreRequest("r1", list(range(5, 30)), params, adapter="a"))
+    tokens = [t for out in core.step() for t in out.new_token_ids]
+    llm.unload_lora("a")
+    assert llm.loras() == []
+    with pytest.raises(AdapterNotFoundError):
+        core.add_request(CoreRequest("r2", list(range(5, 30)), params, adapter="a"))
+    while core.has_unfinished:
+        for out in core.step():
+            tokens += out.new_token_ids
+    assert len(tokens) == 20
+    assert core.executor.lora.names() == []  # the slot is free once its last request ended
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks
+
+
+def _corrupt(folder: Path) -> None:
+    (folder / "adapter_model.safetensors").write_bytes(b"\x00" * 40)
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _add_tensor(folder: Path, key: str, tensor: torch.Tensor) -> None:
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    tensors[key] = tensor
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "no such folder"),
+    ("corrupt", "not a readable safetensors file"),
+    ("rank", "over the maximum 16"),
+    ("target", "do not exist in this model"),
+    ("hidden", "an adapter for another base model"),
+    ("dora", "DoRA"),
+    ("modules_to_save", "modules_to_save"),
+    ("embedding", "LoRA on embeddings"),
+])
+def test_bad_adapters_are_refused_by_name(base: Path, tmp_path: Path, case: str, message: str) -> None:
+    folder = tmp_path / "bad"
+    if case != "missing":
+        make_adapter(base, folder, seed=2, r=32 if case == "rank" else 8)
+    if case == "corrupt":
+        _corrupt(folder)
+    elif case == "target":
+        _edit_config(folder, target_modules=["q_proj", "foo_proj"])
+    elif case == "hidden":
+        other = write_tiny_model(tmp_path / "wider", cfg=TINY_GQA.__class__(**{**TINY_GQA.__dict__, "hidden_size": 64}))
+        make_adapter(other, folder, seed=2)
+    elif case == "dora":
+        _edit_config(folder, use_dora=True)
+    elif case == "modules_to_save":
+        _edit_config(folder, modules_to_save=["lm_head"])
+    elif case == "embedding":
+        _add_tensor(folder, "base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(8, 512))
+    llm = engine(base)
+    with pytest.raises(AdapterError, match=message):
+        llm.load_lora("bad", folder)
+    assert llm.loras() == []
+    # the engine goes on serving
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def default_adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A rank-8 adapter on all seven projections of the embedded default model, and peft over the
+    model's weights dequantized to fp32 (what `quantization="none"` runs)."""
+    from ruvllm.loader import resolve_model
+    from tests.reference import hf_reference
+
+    torch.manual_seed(7)
+    model = get_peft_model(hf_reference(resolve_model(None)),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=ALL, init_lora_weights=False))
+    with torch.no_grad():  # peft's random B is large for a 576-wide model: keep the delta a nudge
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    folder = tmp_path_factory.mktemp("default-lora") / "a"
+    model.save_pretrained(folder)
+    return folder, model.eval()
+
+
+def test_default_model_fp32_logits_match_peft(default_adapter: tuple[Path, torch.nn.Module]) -> None:
+    folder, ref = default_adapter
+    llm = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, quantization="none", num_blocks=64)
+    llm.load_lora("a", folder)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+    continuation = [504, 3458, 314, 1930, 28, 253]
+    expected = peft_logits(ref, prompt, continuation)
+    with torch.no_grad(), ref.disable_adapter():
+        assert (expected - peft_logits(ref, prompt, continuation)).abs().max() > 0.1
+    for chunk in (None, 7):
+        ours = our_logits(llm, "a", prompt, continuation, chunk)
+        assert (ours - expected).abs().max().item() < ATOL
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_default_precision_mixed_batch_equals_alone(default_adapter: tuple[Path, torch.nn.Module]) -> None:
+    """The embedded default (Q4_1 codes, 8-bit activations) with the adapter beside the base."""
+    folder, _ = default_adapter
+    llm = LLM(enable_lora=True, max_loras=1, max_lora_rank=8)
+    llm.load_lora("a", folder)
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "My favourite colour is"]
+    names = ["a", None, "a", None]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    together = llm.generate(prompts, params, lora=names)
+    llm.reset_prefix_cache()
+    for p, name, out in zip(prompts, names, together):
+        assert llm.generate([p], params, lora=name)[0].outputs[0].token_ids == out.outputs[0].token_ids
+    plain = llm.generate(prompts, params)
+    adapted = llm.generate(prompts, params, lora="a")
+    assert any(p.outputs[0].token_ids != a.outputs[0].token_ids for p, a in zip(plain, adapted))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_base_mixed_batch_equals_alone(base: Path, tmp_path: Path, quantization: str) -> None:
+    make_adapter(base, tmp_path / "a", seed=8)
+    llm = engine(base, quantization=quantization)
+    llm.load_lora("a", tmp_path / "a")
+    prompts = [torch.randint(2, 500, (12 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
+    names = ["a" if i % 2 else None for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    together = llm.generate(prompts, params, lora=names)
+    llm.reset_prefix_cache()
+    for p, name, out in zip(prompts, names, together):
+        assert llm.generate([p], params, lora=name)[0].outputs[0].token_ids == out.outputs[0].token_ids
