@@ -5,7 +5,9 @@ projections (random weights, written here in PEFT's format: adapter_config.json 
 adapter_model.safetensors). The base and adapter runs alternate for --rounds rounds, the prefix
 cache emptied before each run; each run's 128-token prompts come from the novel, and each request
 generates exactly --gen-len tokens. Also reported: an adapter's load time (read, check, copy into
-its slot) on an idle engine.
+its slot) on an idle engine, and while --streams streams decode through the streaming engine (the
+core on its own thread, as `ruvllm serve` runs it in its own process): the load's wall time and the
+longest gap between two steps' outputs during it, against the longest gap before it.
 
     .venv/bin/python benchmarks/lora_throughput.py --streams 32 --adapters 4 --rank 16 --rounds 3
 """
@@ -71,6 +73,52 @@ def run(llm, prompts: list[list[int]], adapters: list[str | None], gen_len: int)
     return {"tok_s": total / elapsed, "seconds": elapsed, "longest_step_ms": longest * 1000}
 
 
+async def load_while_streaming(llm, prompts: list[list[int]], spare: Path, gen_len: int) -> dict:
+    """Start len(prompts) streams, wait until they all decode, load an adapter (the file read off the
+    core's loop, the copy between two steps), and time the gaps between consecutive steps."""
+    import asyncio
+
+    from ruvllm import SamplingParams
+    from ruvllm.outputs import OutputKind
+
+    engine = llm.async_engine()
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    step_times: list[float] = []  # when each step's outputs arrived (one entry per distinct arrival)
+    decoding = asyncio.Event()
+    firsts = 0
+
+    async def stream(i: int, p: list[int]) -> None:
+        nonlocal firsts
+        first = True
+        async for _ in engine.generate(p, params, f"load-{i}", output_kind=OutputKind.DELTA):
+            now = time.perf_counter()
+            if not step_times or now - step_times[-1] > 1e-3:
+                step_times.append(now)
+            if first:
+                first = False
+                firsts += 1
+                if firsts == len(prompts):
+                    decoding.set()
+
+    tasks = [asyncio.create_task(stream(i, p)) for i, p in enumerate(prompts)]
+    await decoding.wait()
+    await asyncio.sleep(1.0)  # a few steps of plain decoding to compare with
+    before = len(step_times)
+    t0 = time.perf_counter()
+    await asyncio.to_thread(engine.load_lora, "during", str(spare))
+    t1 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    after = len(step_times)
+    await asyncio.gather(*tasks)
+    engine.shutdown()
+    gaps = [b - a for a, b in zip(step_times, step_times[1:])]
+    window = [b - a for a, b in zip(step_times, step_times[1:]) if b >= t0 and a <= t1]
+    llm.unload_lora("during")
+    return {"load_ms": (t1 - t0) * 1000, "gap_during_ms": max(window, default=0) * 1000,
+            "gap_before_ms": max(gaps[max(0, before - 20):before - 1], default=0) * 1000,
+            "steps_during": after - before}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=32)
@@ -130,6 +178,12 @@ def main() -> None:
     console.print(table)
     console.print(f"adapter load (read {size_mb:.1f} MB, check, copy into a slot; idle engine): "
                   f"median {statistics.median(loads):.0f} ms of {', '.join(f'{x:.0f}' for x in loads)}")
+    import asyncio
+
+    during = asyncio.run(load_while_streaming(llm, prompts[:args.streams], spare, args.gen_len))
+    console.print(f"adapter load while {args.streams} streams decode: {during['load_ms']:.0f} ms; longest gap between "
+                  f"two steps' outputs during it {during['gap_during_ms']:.0f} ms (before it: "
+                  f"{during['gap_before_ms']:.0f} ms)")
 
 
 if __name__ == "__main__":

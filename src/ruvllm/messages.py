@@ -64,6 +64,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     quantization: str
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_loras: int = 0  # LoRA adapter slots (0: adapters are not enabled)
 
     @property
     def num_blocks(self) -> int:
@@ -82,6 +83,7 @@ class EngineStats(msgspec.Struct):
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    adapters: list[str] = []  # LoRA adapters loaded now (by name)
 
     @property
     def kv_usage(self) -> float:
@@ -102,10 +104,13 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 
 class Utility(msgspec.Struct, tag=True):
-    """A call answered in order with the other commands: "stats", "reset_prefix_cache"."""
+    """A call answered in order with the other commands: "stats", "reset_prefix_cache", "unload_lora"
+    (args: name), and "load_lora" (args: name, path; the file is read off the core's loop, then
+    installed between two steps)."""
 
     call_id: int
     method: str
+    args: list[str] = []
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -129,6 +134,7 @@ class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     stats: EngineStats
     error: str | None = None
+    error_type: str | None = None  # a ruvllm.errors class (or ValueError): the front raises the same
 
 
 class CoreFailed(msgspec.Struct, tag=True):

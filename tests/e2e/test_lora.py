@@ -13,7 +13,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import LlamaForCausalLM
 
 from ruvllm import LLM, SamplingParams
 from ruvllm.errors import AdapterError, AdapterNotFoundError
@@ -21,28 +20,14 @@ from ruvllm.messages import CoreRequest
 from ruvllm.outputs import ScheduledSeq, SchedulerOutput
 from ruvllm.request import Request
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
+from tests.lora_fixtures import ALL, hf_model, make_adapter
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("lora") / "base")
-
-
-def hf_model(base: Path) -> torch.nn.Module:
-    return LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-
-
-def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = ALL, r: int = 8, alpha: int = 16,
-                 **extra: object) -> torch.nn.Module:
-    """A peft adapter with random non-zero A and B, saved to `out`; returns the peft model."""
-    torch.manual_seed(seed)
-    model = get_peft_model(hf_model(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                                                      init_lora_weights=False, **extra))
-    model.save_pretrained(out)
-    return model.eval()
 
 
 def engine(base: Path, **kw: object) -> LLM:

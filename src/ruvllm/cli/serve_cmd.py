@@ -40,6 +40,12 @@ def register(app: typer.Typer) -> None:
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
         chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
+        lora: list[str] = typer.Option([], "--lora", metavar="NAME=PATH",
+                                       help="Serve a PEFT LoRA adapter as model NAME (repeatable; enables LoRA)."),
+        lora_dir: list[str] = typer.Option([], "--lora-dir", metavar="DIR",
+                                           help="POST /v1/load_lora_adapter may read adapters under DIR (repeatable)."),
+        allow_any_lora_path: bool = typer.Option(False, "--allow-any-lora-path",
+                                                 help="POST /v1/load_lora_adapter may read adapters from any path."),
         engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
@@ -59,14 +65,24 @@ def register(app: typer.Typer) -> None:
         check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
         path = resolve_cli_model(model, cache_dir)
+        adapters = [parse_lora_flag(spec) for spec in lora]
+        overrides = {"enable_lora": True} if adapters else {}
         with console.status("loading model"):
-            async_engine = AsyncEngine(engine.to_config(path))
+            async_engine = AsyncEngine(engine.to_config(path, **overrides))
+        try:
+            for name, adapter_path in adapters:
+                async_engine.load_lora(name, adapter_path)
+        except BaseException:
+            async_engine.shutdown()
+            raise
         info = async_engine.info
         open_routes = (*route_without_key, *(["/metrics"] if metrics_without_key else []))
         cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
                            max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
                            graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template,
-                           served_model_name=served_model_name or model or DEFAULT_SERVED_NAME)
+                           served_model_name=served_model_name or model or DEFAULT_SERVED_NAME,
+                           lora_dirs=tuple(lora_dir), startup_lora_paths=tuple(p for _, p in adapters),
+                           allow_any_lora_path=allow_any_lora_path)
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
                  if info.num_cold_blocks else "")
@@ -82,6 +98,13 @@ def register(app: typer.Typer) -> None:
             async_engine.shutdown()
         if not started:
             raise fail(f"could not start the server on {host}:{port} (is the port in use?)")
+
+
+def parse_lora_flag(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise fail(f"--lora takes NAME=PATH, got {spec!r}")
+    return name, path
 
 
 def check_port_free(host: str, port: int) -> None:

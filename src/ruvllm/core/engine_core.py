@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
@@ -21,6 +21,9 @@ from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 
+if TYPE_CHECKING:
+    from ruvllm.lora.peft_adapter import LoraAdapter  # the worker's; the core only passes it on
+
 
 class Executor(Protocol):
     """Runs one step's SchedulerOutput on the model (the Worker, or a group of them)."""
@@ -29,7 +32,9 @@ class Executor(Protocol):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def add_adapter(self, name: str, path: str) -> None: ...
+    def read_adapter(self, name: str, path: str) -> LoraAdapter: ...
+
+    def install_adapter(self, adapter: LoraAdapter) -> None: ...
 
     def remove_adapter(self, name: str) -> None: ...
 
@@ -53,10 +58,20 @@ class EngineCore:
     # --- adapters --------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
         """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong)."""
+        self.install_adapter(self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+        """The file work of a load: safe on another thread while the core steps."""
         if name in self._adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
-        self.executor.add_adapter(name, path)
-        self._adapters[name] = next(self._loads)
+        return self.executor.read_adapter(name, path)
+
+    def install_adapter(self, adapter: LoraAdapter) -> None:
+        """Copy a read adapter into a slot (on the core's thread, between steps)."""
+        if adapter.name in self._adapters:
+            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+        self.executor.install_adapter(adapter)
+        self._adapters[adapter.name] = next(self._loads)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter: new requests cannot use it at once; requests running with it finish
@@ -151,7 +166,7 @@ class EngineCore:
                            free_blocks=self.kv.num_free_blocks, total_blocks=self.info.num_blocks,
                            free_cold_blocks=self.kv.pool.num_free_cold, cold_blocks=self.kv.pool.num_cold,
                            prefix_queries=self.kv.stats.queries, prefix_hits=self.kv.stats.hits,
-                           preemptions=self.scheduler.num_preemptions)
+                           preemptions=self.scheduler.num_preemptions, adapters=self.adapters())
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()

@@ -26,7 +26,7 @@ from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreC
 from ruvllm.engine.input_processor import core_requests, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import PromptInput, encode_prompt
-from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError
 from ruvllm.messages import CoreOutput, EngineInfo, EngineStats
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
@@ -85,17 +85,21 @@ class AsyncEngine:
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority = Priority.NORMAL,
-                       output_kind: OutputKind = OutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+                       output_kind: OutputKind = OutputKind.CUMULATIVE, lora: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs after every step that changes it (what `output_kind` says:
         everything so far, only what is new, or only the end); the last one is finished.
 
-        Leaving the iteration early (break, cancellation, a disconnected client) aborts the request."""
+        Leaving the iteration early (break, cancellation, a disconnected client) aborts the request.
+        `lora`: a loaded adapter's name (AdapterNotFoundError when none has it)."""
         if self._closed is not None:
             raise self._closed
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids, text = encode_prompt(self.tokenizer, prompt)
-        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos)
+        if lora is not None and lora not in self.loras:
+            raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
+        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._closed is not None:
@@ -142,6 +146,21 @@ class AsyncEngine:
 
     def reset_prefix_cache(self) -> EngineStats:
         return self._client.call("reset_prefix_cache")
+
+    # --- LoRA adapters (blocking calls: from a server, run them on a worker thread) ----------------
+    def load_lora(self, name: str, path: str) -> EngineStats:
+        """Load a PEFT adapter folder under `name`: its file is read off the core's loop, then the
+        adapter is installed between two steps. AdapterError names what is wrong with it."""
+        return self._client.call("load_lora", name, str(path))
+
+    def unload_lora(self, name: str) -> EngineStats:
+        """New requests cannot use it from now; requests running with it finish first."""
+        return self._client.call("unload_lora", name)
+
+    @property
+    def loras(self) -> list[str]:
+        """The adapters loaded as of the core's latest step or command (never blocks)."""
+        return list(self._client.latest_stats.adapters)
 
     @property
     def snapshot(self) -> EngineStats:

@@ -29,7 +29,7 @@ import zmq
 from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError
 from ruvllm.messages import (AbortRequests, AddRequests, CoreFailed, CoreMessage, CoreOutput, CoreRequest,
                              EngineInfo, EngineStats, Ready, Shutdown, StepOutputs, Utility, UtilityResult)
 
@@ -48,7 +48,7 @@ class CoreClient(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
-    def call(self, method: str, timeout: float = 60.0) -> EngineStats: ...
+    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats: ...
 
     @property
     def latest_stats(self) -> EngineStats: ...
@@ -59,13 +59,68 @@ class CoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-def run_utility(core: EngineCore, method: str) -> EngineStats:
-    """The calls a front may make of the core, answered with the stats after them."""
+def run_utility(core: EngineCore, method: str, args: list[str]) -> EngineStats:
+    """The calls a front may make of the core, answered with the stats after them ("load_lora"
+    goes through AdapterLoads instead: its file is read off the loop)."""
     if method == "reset_prefix_cache":
         core.reset_prefix_cache()
+    elif method == "unload_lora" and len(args) == 1:
+        core.remove_adapter(args[0])
     elif method != "stats":
         raise ValueError(f"unknown core call {method!r}")
     return core.stats()
+
+
+Reply = Callable[[BaseException | None], None]
+
+
+class AdapterLoads:
+    """Adapter loads in flight. Each adapter's file is read and checked on a thread of its own while
+    the core steps; the loop installs what has been read between two steps, so a load holds up
+    running requests only for the copy into a slot. Replies are made on the loop's thread."""
+
+    def __init__(self, core: EngineCore, wake: Callable[[], None] = lambda: None) -> None:
+        self.core, self._wake = core, wake
+        self._done: queue.Queue[tuple[Any, BaseException | None, Reply]] = queue.Queue()
+        self.pending = 0
+
+    def start(self, name: str, path: str, reply: Reply) -> None:
+        def read() -> None:
+            try:
+                self._done.put((self.core.read_adapter(name, path), None, reply))
+            except Exception as exc:
+                self._done.put((None, exc, reply))
+            self._wake()
+
+        self.pending += 1
+        threading.Thread(target=read, name="ruvllm-adapter-read", daemon=True).start()
+
+    def install_ready(self) -> None:
+        while True:
+            try:
+                adapter, error, reply = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self.pending -= 1
+            if error is None:
+                try:
+                    self.core.install_adapter(adapter)
+                except Exception as exc:
+                    error = exc
+            reply(error)
+
+
+def add_requests(core: EngineCore, requests: list[CoreRequest], on_outputs: OnOutputs) -> None:
+    """Queue requests in the core. One naming an adapter unloaded since the front checked it ends
+    at once (finish reason "abort") rather than failing the core's loop."""
+    refused = []
+    for req in requests:
+        try:
+            core.add_request(req)
+        except AdapterNotFoundError:
+            refused.append(CoreOutput(req.request_id, finish_reason="abort"))
+    if refused:
+        on_outputs(refused)
 
 
 class _PublishedStats:
@@ -86,6 +141,7 @@ class ThreadCoreClient(_PublishedStats):
         self.core = core
         self.info = core.info
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._loads = AdapterLoads(core, wake=lambda: self._commands.put(("wake", None)))
         self._stats = core.stats()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,9 +157,9 @@ class ThreadCoreClient(_PublishedStats):
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", request_ids))
 
-    def call(self, method: str, timeout: float = 60.0) -> EngineStats:
+    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
         fut: Future[EngineStats] = Future()
-        self._commands.put(("call", (method, fut)))
+        self._commands.put(("call", (method, list(args), fut)))
         return fut.result(timeout=timeout)
 
     @property
@@ -137,24 +193,35 @@ class ThreadCoreClient(_PublishedStats):
 
     def _run_commands(self, block: bool) -> None:
         while True:
+            self._loads.install_ready()
             try:
                 kind, arg = self._commands.get(block=block)
             except queue.Empty:
                 return
             block = False
             if kind == "add":
-                for req in arg:
-                    self.core.add_request(req)
+                add_requests(self.core, arg, self._on_outputs)
             elif kind == "abort":
                 self.core.abort(arg)
             elif kind == "call":
-                method, fut = arg
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(run_utility(self.core, method))
-                    except Exception as exc:
-                        fut.set_exception(exc)
+                method, args, fut = arg
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                if method == "load_lora" and len(args) == 2:
+                    self._loads.start(args[0], args[1], lambda exc, fut=fut: self._answer(fut, exc))
+                    continue
+                try:
+                    fut.set_result(run_utility(self.core, method, args))
+                except Exception as exc:
+                    fut.set_exception(exc)
             self._stats = self.core.stats()
+
+    def _answer(self, fut: Future[EngineStats], error: BaseException | None) -> None:
+        self._stats = self.core.stats()
+        if error is None:
+            fut.set_result(self._stats)
+        else:
+            fut.set_exception(error)
 
 
 # --- the core in a child process ---------------------------------------------------------------------
@@ -273,13 +340,13 @@ class ProcessCoreClient(_PublishedStats):
         except EngineDeadError:
             pass  # nothing left to abort
 
-    def call(self, method: str, timeout: float = 60.0) -> EngineStats:
+    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
         fut: Future[EngineStats] = Future()
         with self._send_lock:
             call_id = self._next_call
             self._next_call += 1
             self._calls[call_id] = fut
-        self._send(Utility(call_id, method))
+        self._send(Utility(call_id, method, list(args)))
         return fut.result(timeout=timeout)
 
     @property
@@ -302,7 +369,8 @@ class ProcessCoreClient(_PublishedStats):
                             if msg.error is None:
                                 fut.set_result(msg.stats)
                             else:
-                                fut.set_exception(ValueError(msg.error))
+                                fut.set_exception(rebuild_error(CoreFailed(msg.error_type or "ValueError",
+                                                                           msg.error)))
                     elif isinstance(msg, CoreFailed):
                         self._die(EngineDeadError(f"the engine failed: {msg.message}"))
                         return

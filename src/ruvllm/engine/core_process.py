@@ -18,11 +18,12 @@ import msgspec
 import zmq
 
 from ruvllm.config import EngineConfig
-from ruvllm.errors import EngineDeadError
+from ruvllm.errors import EngineDeadError, RuvllmError
 
 log = logging.getLogger("ruvllm.core")
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its front still lives
+_LOAD_POLL_MS = 5
 
 
 def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
@@ -62,28 +63,43 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
 
 
 def _serve(core, commands, results, encoder, decoder, parent_pid: int) -> None:  # noqa: ANN001
-    from ruvllm.engine.core_client import run_utility
+    from ruvllm.engine.core_client import AdapterLoads, add_requests, run_utility
     from ruvllm.messages import AbortRequests, AddRequests, Shutdown, StepOutputs, Utility, UtilityResult
 
+    def answer(call_id: int, error: BaseException | None) -> None:
+        results.send(encoder.encode(UtilityResult(call_id, core.stats(), None if error is None else str(error),
+                                                  None if error is None else type(error).__name__)))
+
+    def send_outputs(outputs: list) -> None:  # noqa: ANN001
+        results.send(encoder.encode(StepOutputs(outputs, core.stats())))
+
+    loads = AdapterLoads(core)
     while True:
-        timeout = _IDLE_POLL_MS if not core.has_unfinished else 0
+        # An idle core with an adapter being read polls often, to install it soon after the read.
+        timeout = 0 if core.has_unfinished else _LOAD_POLL_MS if loads.pending else _IDLE_POLL_MS
         did_something = False
         while commands.poll(timeout):
             timeout = 0
             did_something = True
             msg = decoder.decode(commands.recv())
             if isinstance(msg, AddRequests):
-                for req in msg.requests:
-                    core.add_request(req)
+                add_requests(core, msg.requests, send_outputs)
             elif isinstance(msg, AbortRequests):
                 core.abort(msg.request_ids)
             elif isinstance(msg, Utility):
+                if msg.method == "load_lora" and len(msg.args) == 2:
+                    loads.start(msg.args[0], msg.args[1], lambda exc, call_id=msg.call_id: answer(call_id, exc))
+                    continue
                 try:
-                    results.send(encoder.encode(UtilityResult(msg.call_id, run_utility(core, msg.method))))
-                except ValueError as exc:
-                    results.send(encoder.encode(UtilityResult(msg.call_id, core.stats(), str(exc))))
+                    run_utility(core, msg.method, msg.args)
+                except (ValueError, RuvllmError) as exc:
+                    answer(msg.call_id, exc)
+                else:
+                    answer(msg.call_id, None)
             elif isinstance(msg, Shutdown):
                 return
+        if loads.pending:
+            loads.install_ready()
         if os.getppid() != parent_pid:
             log.warning("the front process is gone; the engine core leaves")
             return

@@ -1,6 +1,7 @@
 """Preallocated adapter slots: every layer's LoRA weights for `max_loras` adapters at `max_rank`,
 laid out per fused projection as the kernel reads them (lora/csrc/lora_add.cpp). Loading an adapter
-is a copy into a slot, never an allocation; a slot's unused rank rows stay zero and are skipped.
+is a copy into a slot, never an allocation; rows past a slot's rank are never read (the kernel and
+the PyTorch path both stop at it), so they need no zeroing.
 """
 
 from __future__ import annotations
@@ -50,11 +51,10 @@ class LoraSlots:
                    for layer in self.layers for p in layer.values())
 
     def clear(self, slot: int) -> None:
+        """Empty a slot. Its rank rows are left as they are: nothing reads past a slot's ranks."""
         for layer in self.layers:
             for p in layer.values():
                 p.ranks[slot] = 0
-                p.A[slot].zero_()
-                p.B[slot].zero_()
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter (checked against this model by load_peft_adapter) into a slot."""

@@ -8,16 +8,18 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.prompts import render_chat
+from ruvllm.errors import AdapterError
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -27,8 +29,8 @@ from ruvllm.server.errors import APIError, error_body, error_response, install_e
 from ruvllm.server.generation import Accumulated, Admission, EnginePrompt, api_error, check_context, follow
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
-from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                   _Sampling)
+from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
+                                   TokenizeRequest, UnloadLoraRequest, _Sampling)
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,35 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "ruvllm",
-            # The operator's name for it, never a filesystem path of the host.
-            "max_model_len": st.max_len, "root": cfg.served_model_name}]}
+        # The operator's names, never a filesystem path of the host (nor an adapter's).
+        base = {"id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "ruvllm",
+                "max_model_len": st.max_len, "root": cfg.served_model_name, "parent": None}
+        adapters = [{**base, "id": name, "root": name, "parent": cfg.served_model_name} for name in engine.loras]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest) -> Response:
+        if not engine.info.max_loras:
+            raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora or "
+                                "--lora NAME=PATH)", None, "lora_disabled")
+        if body.lora_name == cfg.served_model_name or body.lora_name in engine.loras:
+            raise APIError(400, f"the name {body.lora_name!r} is already in use", "lora_name", "name_in_use")
+        _check_lora_path(cfg, body.lora_path)
+        try:
+            await asyncio.to_thread(engine.load_lora, body.lora_name, body.lora_path)
+        except AdapterError as exc:
+            raise APIError(400, _without_host_paths(str(exc), body.lora_path), "lora_path", "invalid_adapter") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+        if body.lora_name not in engine.loras:
+            raise APIError(404, f"no adapter named {body.lora_name!r} is loaded", "lora_name", "model_not_found")
+        try:
+            await asyncio.to_thread(engine.unload_lora, body.lora_name)
+        except AdapterError as exc:  # unloaded by another call meanwhile
+            raise APIError(404, str(exc), "lora_name", "model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -107,17 +134,17 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(st, body.model)
+        lora = _check_model(st, body.model)
         body.check_supported()
         prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template), None)
         max_tokens = check_context(prompt, body.token_limit, st.max_len)
         top_n = body.top_logprobs or 0
         params = _params(body, max_tokens, logprobs=top_n if body.logprobs else None)
-        return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n)
+        return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n, lora=lora)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(st, body.model)
+        lora = _check_model(st, body.model)
         body.check_supported()
         prompts = []
         for p in body.prompts():
@@ -129,16 +156,41 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         echo_lp = body.echo and body.logprobs is not None
         params = [_params(body, b, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
                   for b in budgets]
-        return await _serve(st, request, body, prompts, params, chat=False, top_n=body.logprobs or 0)
+        return await _serve(st, request, body, prompts, params, chat=False, top_n=body.logprobs or 0, lora=lora)
 
     return app
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-def _check_model(st: _State, model: str | None) -> None:
-    if model is not None and model != st.cfg.served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                            f"`{st.cfg.served_model_name}`.", "model", "model_not_found")
+def _check_model(st: _State, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+    if model is None or model == st.cfg.served_model_name:
+        return None
+    loras = st.engine.loras
+    if model in loras:
+        return model
+    served = ", ".join(f"`{m}`" for m in [st.cfg.served_model_name, *loras])
+    raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.", "model",
+                   "model_not_found")
+
+
+def _check_lora_path(cfg: ServerConfig, path: str) -> None:
+    """403 unless the operator allowed adapters to be read from there (the folder resolved, links
+    followed, so `..` and symlinks cannot lead out)."""
+    if cfg.allow_any_lora_path:
+        return
+    target = Path(path).expanduser().resolve()
+    allowed = any(target == Path(p).expanduser().resolve() for p in cfg.startup_lora_paths) or any(
+        target.is_relative_to(Path(d).expanduser().resolve()) for d in cfg.lora_dirs)
+    if not allowed:
+        raise APIError(403, "this server does not load adapters from that path (the operator allows "
+                            "--lora-dir folders and the paths given at start-up)", "lora_path", "path_not_allowed")
+
+
+def _without_host_paths(message: str, given: str) -> str:
+    """An adapter error as the client may see it: the resolved host path replaced by the one given."""
+    resolved = str(Path(given).expanduser())
+    return message.replace(resolved, given) if resolved != given else message
 
 
 async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -176,13 +228,13 @@ def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logpr
 
 
 async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePrompt],
-                 params: list[SamplingParams], chat: bool, top_n: int) -> Response:
+                 params: list[SamplingParams], chat: bool, top_n: int, lora: str | None = None) -> Response:
     n = params[0].n
     seqs = n * len(prompts)
     st.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
     prio = Priority[(body.priority or "normal").upper()]
-    outs = follow(st.engine, prompts, params, prio, rid)
+    outs = follow(st.engine, prompts, params, prio, rid, lora)
     tracker = st.metrics.tracker()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -18,3 +18,8 @@ class ServerConfig:
     graceful_shutdown_s: float = 10.0
     max_request_bytes: int = 16 * 2**20  # a larger body gets 413 (a 128k-token prompt is ~1 MB)
     request_read_timeout_s: float = 30.0  # a body that stalls this long between chunks gets 408
+    # Where POST /v1/load_lora_adapter may read adapters: under these folders, or exactly the paths
+    # given at start-up (--lora), or anywhere with allow_any_lora_path.
+    lora_dirs: tuple[str, ...] = ()
+    startup_lora_paths: tuple[str, ...] = ()
+    allow_any_lora_path: bool = False

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.errors import EngineDeadError, EngineShutdownError, RequestError
+from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError, RequestError
 from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -106,7 +106,8 @@ class Accumulated:
 
 
 async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[SamplingParams],
-                 priority: Priority, request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 priority: Priority, request_id: str, lora: str | None = None
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of every prompt as they come (DELTA: only what is new), tagged with the prompt's
     index. Leaving early (client gone, error) cancels the others, and each cancelled stream aborts
     its engine request."""
@@ -115,7 +116,7 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
     async def pump(i: int) -> None:
         try:
             async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
-                                             OutputKind.DELTA):
+                                             OutputKind.DELTA, lora):
                 await queue.put((i, out))
             await queue.put(None)
         except asyncio.CancelledError:
@@ -148,6 +149,8 @@ def api_error(exc: BaseException) -> BaseException:
         return APIError(503, str(exc), None, "shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), None, "engine_failed")
+    if isinstance(exc, AdapterNotFoundError):  # unloaded between the check and the start
+        return APIError(404, str(exc), "model", "model_not_found")
     if isinstance(exc, RequestError):
         return APIError(400, str(exc), exc.param, "invalid_value")
     if isinstance(exc, ValueError):

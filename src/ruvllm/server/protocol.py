@@ -186,3 +186,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+class LoadLoraRequest(_Body):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraRequest(_Body):
+    """vLLM's body for POST /v1/unload_lora_adapter (lora_int_id is accepted and not used)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

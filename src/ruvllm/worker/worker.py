@@ -23,6 +23,7 @@ from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.errors import AdapterError
 from ruvllm.layers.sampler import SamplingState
 from ruvllm.lora.manager import LoraManager
+from ruvllm.lora.peft_adapter import LoraAdapter
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
@@ -85,10 +86,16 @@ class Worker:
                      config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
 
     # --- adapters --------------------------------------------------------------------------------
-    def add_adapter(self, name: str, path: str) -> None:
+    def _lora(self) -> LoraManager:
         if self.lora is None:
             raise AdapterError("LoRA adapters are not enabled for this engine (enable_lora / --enable-lora)")
-        self.lora.install(self.lora.read(name, path))
+        return self.lora
+
+    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+        return self._lora().read(name, path)
+
+    def install_adapter(self, adapter: LoraAdapter) -> None:
+        self._lora().install(adapter)
 
     def remove_adapter(self, name: str) -> None:
         if self.lora is not None:
@@ -142,7 +149,8 @@ class Worker:
             kv_cache_bytes=runner.kv_cache_bytes, kv_cache_dtype=cache.kv_cache_dtype,
             weight_bytes=self.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quant.method, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens)
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_loras=self.config.lora.max_loras if self.config.lora.enable_lora else 0)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""

@@ -1,0 +1,172 @@
+"""LoRA adapters through the HTTP server and the real `openai` client: loading and unloading while
+requests run, /v1/models, `model: NAME`, and bad input (each a clear 4xx, the server serving on).
+The server runs over the tiny model's folder, with adapters made by peft at test time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ruvllm import LLM, SamplingParams
+from tests.lora_fixtures import make_adapter
+from tests.server.conftest import MODEL, RunningServer, start_server
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    for i, name in enumerate(["a", "b", "c"]):
+        make_adapter(tiny_model_dir, root / name, seed=20 + i)
+    make_adapter(tiny_model_dir, root / "big", seed=30, r=32)
+    corrupt = root / "corrupt"
+    make_adapter(tiny_model_dir, corrupt, seed=31)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), enable_lora=True, max_loras=4, max_lora_rank=16)
+
+
+@pytest.fixture
+def server(lora_llm: LLM, adapters: Path) -> Iterator[RunningServer]:
+    yield from start_server(lora_llm, lora_dirs=(str(adapters),))
+
+
+def load(server: RunningServer, name: str, path: Path | str, **headers: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                      headers=headers, timeout=60)
+
+
+def unload(server: RunningServer, name: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+
+
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+PROMPT = [5, 17, 99, 230, 41, 8, 77, 310, 12, 3, 250, 61]
+
+
+def test_adapter_served_by_name_equals_offline(server: RunningServer, lora_llm: LLM, adapters: Path) -> None:
+    r = load(server, "a", adapters / "a")
+    assert r.status_code == 200 and "added successfully" in r.text
+    models = {m.id: m for m in client(server).models.list().data}
+    assert set(models) == {MODEL, "a"}
+    assert models["a"].model_extra["parent"] == MODEL and models["a"].model_extra["root"] == "a"
+    got = client(server).completions.create(model="a", prompt=PROMPT, max_tokens=10, temperature=0)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    expected = lora_llm.generate([PROMPT], params, lora=str(adapters / "a"))[0].outputs[0]
+    assert got.choices[0].text == expected.text
+    base = client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert base.choices[0].text != got.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(server).completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    r = unload(server, "a")
+    assert r.status_code == 200 and "removed successfully" in r.text
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="a", prompt=PROMPT, max_tokens=2)
+
+
+def test_hot_load_and_unload_while_streaming(server: RunningServer, adapters: Path) -> None:
+    """16 streams (8 on adapter a, 8 on the base) run while b is loaded and a unloaded, then 4 on
+    b: no request fails, a's streams finish, and every KV block is back (the fixture checks)."""
+    assert load(server, "a", adapters / "a").status_code == 200
+    errors: list[BaseException] = []
+    tokens: list[int] = []
+    started = threading.Barrier(17)
+
+    def stream(model: str) -> None:
+        try:
+            chunks = client(server).completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0,
+                                                       stream=True, extra_body={"ignore_eos": True})
+            started.wait(timeout=60)
+            n = sum(1 for c in chunks if c.choices and c.choices[0].text)
+            tokens.append(n)
+        except BaseException as exc:  # noqa: BLE001 (collected and asserted on below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=("a" if i % 2 else MODEL,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    assert load(server, "b", adapters / "b").status_code == 200
+    assert unload(server, "a").status_code == 200
+
+    def on_b() -> None:
+        try:
+            out = client(server).completions.create(model="b", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+            tokens.append(out.usage.completion_tokens)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    later = [threading.Thread(target=on_b) for _ in range(4)]
+    for t in later:
+        t.start()
+    for t in threads + later:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert tokens.count(40) == 16 and tokens.count(8) == 4
+    assert {m.id for m in client(server).models.list().data} == {MODEL, "b"}
+    assert unload(server, "b").status_code == 200
+
+
+@pytest.mark.parametrize("case,status,fragment", [
+    ("missing", 400, "no such folder"),
+    ("corrupt", 400, "not a readable safetensors file"),
+    ("rank", 400, "over the maximum 16"),
+    ("outside", 403, "does not load adapters from that path"),
+    ("dotdot", 403, "does not load adapters from that path"),
+    ("name-in-use", 400, "already in use"),
+])
+def test_bad_loads_are_4xx_and_the_server_serves_on(server: RunningServer, adapters: Path, tmp_path: Path,
+                                                    case: str, status: int, fragment: str) -> None:
+    path = {"missing": adapters / "nope", "corrupt": adapters / "corrupt", "rank": adapters / "big",
+            "outside": tmp_path, "dotdot": f"{adapters}/../elsewhere", "name-in-use": adapters / "a"}[case]
+    name = MODEL if case == "name-in-use" else "x"
+    r = load(server, name, path)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["param"] in ("lora_path", "lora_name")
+    assert {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]} == {MODEL}
+    assert client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_unload_unknown_is_404(server: RunningServer) -> None:
+    r = unload(server, "ghost")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_loading_needs_the_api_key(lora_llm: LLM, adapters: Path) -> None:
+    for srv in start_server(lora_llm, api_key="sekret", lora_dirs=(str(adapters),)):
+        assert load(srv, "a", adapters / "a").status_code == 401
+        assert load(srv, "a", adapters / "a", Authorization="Bearer sekret").status_code == 200
+        r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "a"},
+                       headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200
+
+
+def test_lora_disabled_server_says_so(_tiny_llm: LLM, adapters: Path) -> None:
+    for srv in start_server(_tiny_llm, lora_dirs=(str(adapters),)):
+        r = load(srv, "a", adapters / "a")
+        assert r.status_code == 400 and "not enabled" in r.json()["error"]["message"]
+
+
+def test_serve_with_a_bad_lora_flag_is_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "ruvllm.cli.main", "serve", str(tiny_model_dir), "--port", "0",
+                          "--lora", f"x={tmp_path / 'none'}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert "no such folder" in lines[-1] and "Traceback" not in out.stderr
+
+
