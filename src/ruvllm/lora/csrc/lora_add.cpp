@@ -30,41 +30,95 @@
 
 namespace {
 
-// One fixed order for a dot product over K: eight lanes of FMAs, their sum in a fixed tree, then
-// the tail in order.
-inline float dot(const float* a, const float* b, int64_t K) {
-  int64_t k = 0;
-  float s = 0.f;
 #if defined(RUVLLM_LORA_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+inline float hsum(__m256 acc) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
+  return _mm_cvtss_f32(h);
+}
 #endif
-  for (; k < K; ++k) s = std::fma(a[k], b[k], s);
-  return s;
+
+// u[i][jj] = x[i] . a[jj] over K for TR rows and TJ shrink rows at once (the registers hold the
+// TR x TJ sums; each x and a vector is loaded once for all of them). Every (row, shrink row) sum is
+// computed in one fixed order whatever the tile: eight lanes of FMAs over K, their sum in a fixed
+// tree, then the tail in order.
+template <int TR, int TJ>
+inline void shrink_tile(const float* const* x, const float* const* a, int64_t K, float* const* u, const int64_t* col) {
+  int64_t k = 0;
+  float s[TR][TJ];
+#if defined(RUVLLM_LORA_AVX2)
+  __m256 acc[TR][TJ];
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < TJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 av[TJ];
+    for (int j = 0; j < TJ; ++j) av[j] = _mm256_loadu_ps(a[j] + k);
+    for (int i = 0; i < TR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + k);
+      for (int j = 0; j < TJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv, av[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < TJ; ++j) s[i][j] = hsum(acc[i][j]);
+#else
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < TJ; ++j) s[i][j] = 0.f;
+#endif
+  for (int i = 0; i < TR; ++i)
+    for (int j = 0; j < TJ; ++j) {
+      float v = s[i][j];
+      for (int64_t kk = k; kk < K; ++kk) v = std::fma(x[i][kk], a[j][kk], v);
+      u[i][col[j]] = v;
+    }
 }
 
-// d[0..n) = sum over j < r of u[j] * b[j * ldb + 0..n), in order of j; then y[0..n) += d.
-inline void expand_add(float* y, const float* u, const float* b, int64_t ldb, int64_t r, int64_t n) {
+// For TR rows: d[c] = sum over j < r of u[i][j] * b[j * ldb + c], in order of j from zero, then
+// y[i][c] += d[c], over n columns. The vector and scalar paths do the same exact FMAs per column,
+// so neither the tile nor a column's path changes a value.
+template <int TR>
+inline void expand_tile(float* const* y, const float* const* u, const float* b, int64_t ldb, int64_t r, int64_t n) {
   int64_t c = 0;
 #if defined(RUVLLM_LORA_AVX2)
+  for (; c + 32 <= n; c += 32) {
+    __m256 d[TR][4];
+    for (int i = 0; i < TR; ++i)
+      for (int q = 0; q < 4; ++q) d[i][q] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      const float* bj = b + j * ldb + c;
+      const __m256 b0 = _mm256_loadu_ps(bj), b1 = _mm256_loadu_ps(bj + 8), b2 = _mm256_loadu_ps(bj + 16),
+                   b3 = _mm256_loadu_ps(bj + 24);
+      for (int i = 0; i < TR; ++i) {
+        const __m256 uj = _mm256_set1_ps(u[i][j]);
+        d[i][0] = _mm256_fmadd_ps(uj, b0, d[i][0]);
+        d[i][1] = _mm256_fmadd_ps(uj, b1, d[i][1]);
+        d[i][2] = _mm256_fmadd_ps(uj, b2, d[i][2]);
+        d[i][3] = _mm256_fmadd_ps(uj, b3, d[i][3]);
+      }
+    }
+    for (int i = 0; i < TR; ++i)
+      for (int q = 0; q < 4; ++q)
+        _mm256_storeu_ps(y[i] + c + 8 * q, _mm256_add_ps(_mm256_loadu_ps(y[i] + c + 8 * q), d[i][q]));
+  }
   for (; c + 8 <= n; c += 8) {
-    __m256 d = _mm256_setzero_ps();
-    for (int64_t j = 0; j < r; ++j) d = _mm256_fmadd_ps(_mm256_set1_ps(u[j]), _mm256_loadu_ps(b + j * ldb + c), d);
-    _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), d));
+    for (int i = 0; i < TR; ++i) {
+      __m256 d = _mm256_setzero_ps();
+      for (int64_t j = 0; j < r; ++j) d = _mm256_fmadd_ps(_mm256_set1_ps(u[i][j]), _mm256_loadu_ps(b + j * ldb + c), d);
+      _mm256_storeu_ps(y[i] + c, _mm256_add_ps(_mm256_loadu_ps(y[i] + c), d));
+    }
   }
 #endif
-  for (; c < n; ++c) {
-    float d = 0.f;
-    for (int64_t j = 0; j < r; ++j) d = std::fma(u[j], b[j * ldb + c], d);
-    y[c] += d;
-  }
+  for (; c < n; ++c)
+    for (int i = 0; i < TR; ++i) {
+      float d = 0.f;
+      for (int64_t j = 0; j < r; ++j) d = std::fma(u[i][j], b[j * ldb + c], d);
+      y[i][c] += d;
+    }
 }
 
-constexpr int64_t COLS = 64;  // the expand's column chunk: fixed, so a column's code path never varies
+constexpr int64_t COLS = 64;  // the expand's column chunk (a multiple of 32)
+constexpr int SJ = 4;         // shrink rows a task takes at once
+constexpr int TR = 3;         // rows of x a tile takes at once
 
 }  // namespace
 
@@ -104,22 +158,45 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
   const int64_t U = n_sub * R;
   std::vector<float> u(T * U, 0.f);
 
-  // shrink: one task per (slot, A row), over all of the slot's rows
-  std::vector<std::pair<int64_t, int64_t>> shrink;
+  // shrink: one task per (slot, up to SJ shrink rows), over all of the slot's rows
+  struct Shrink { int64_t s, a0, n; };
+  std::vector<Shrink> shrink;
   for (int64_t s = 0; s < S; ++s) {
     if (rows[s].empty()) continue;
     for (int64_t i = 0; i < n_sub; ++i)
-      for (int64_t j = 0; j < rk[s * n_sub + i]; ++j) shrink.emplace_back(s, i * R + j);
+      for (int64_t j = 0; j < rk[s * n_sub + i]; j += SJ)
+        shrink.push_back({s, i * R + j, std::min<int64_t>(SJ, rk[s * n_sub + i] - j)});
   }
   if (shrink.empty()) return;
   // small work runs on the caller's thread (the split never changes a row's arithmetic)
-  const int64_t per_task = K * std::max<int64_t>(1, T);
-  at::parallel_for(0, static_cast<int64_t>(shrink.size()), std::max<int64_t>(1, 32768 / per_task),
-                   [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / (K * SJ * std::max<int64_t>(1, T)));
+  at::parallel_for(0, static_cast<int64_t>(shrink.size()), grain, [&](int64_t b, int64_t e) {
     for (int64_t q = b; q < e; ++q) {
-      const auto [s, a] = shrink[q];
-      const float* arow = ap + (s * U + a) * K;
-      for (int64_t t : rows[s]) u[t * U + a] = dot(xp + t * K, arow, K);
+      const Shrink& task = shrink[q];
+      const std::vector<int64_t>& rs = rows[task.s];
+      const float* a[SJ];
+      int64_t col[SJ];
+      for (int j = 0; j < task.n; ++j) {
+        a[j] = ap + (task.s * U + task.a0 + j) * K;
+        col[j] = task.a0 + j;
+      }
+      size_t t = 0;
+      for (; t < rs.size(); t += TR) {
+        const int nr = static_cast<int>(std::min<size_t>(TR, rs.size() - t));
+        const float* x[TR];
+        float* u_rows[TR];
+        for (int i = 0; i < nr; ++i) {
+          x[i] = xp + rs[t + i] * K;
+          u_rows[i] = u.data() + rs[t + i] * U;
+        }
+        // the tile's shape picks which sums share registers, never how a sum is formed
+        if (nr == TR && task.n == SJ) {
+          shrink_tile<TR, SJ>(x, a, K, u_rows, col);
+        } else {
+          for (int i = 0; i < nr; ++i)
+            for (int j = 0; j < task.n; ++j) shrink_tile<1, 1>(x + i, a + j, K, u_rows + i, col + j);
+        }
+      }
     }
   });
 
@@ -128,16 +205,31 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
   for (int64_t s = 0; s < S; ++s)
     if (!rows[s].empty())
       for (int64_t c = 0; c < N; c += COLS) expand.emplace_back(s, c);
-  at::parallel_for(0, static_cast<int64_t>(expand.size()), std::max<int64_t>(1, 32768 / (COLS * R * std::max<int64_t>(1, T))),
+  at::parallel_for(0, static_cast<int64_t>(expand.size()), std::max<int64_t>(1, 65536 / (COLS * R * std::max<int64_t>(1, T))),
                    [&](int64_t b, int64_t e) {
     for (int64_t q = b; q < e; ++q) {
       const auto [s, c0] = expand[q];
       const int64_t c1 = std::min(N, c0 + COLS);
+      const std::vector<int64_t>& rs = rows[s];
       for (int64_t i = 0; i < n_sub; ++i) {
         const int64_t lo = std::max(c0, bounds[i]), hi = std::min(c1, bounds[i + 1]), r = rk[s * n_sub + i];
         if (lo >= hi || r == 0) continue;
-        for (int64_t t : rows[s])
-          expand_add(yp + t * N + lo, u.data() + t * U + i * R, bp + s * R * N + lo, N, r, hi - lo);
+        const float* bp_s = bp + s * R * N + lo;
+        size_t t = 0;
+        for (; t + TR <= rs.size(); t += TR) {
+          float* y_rows[TR];
+          const float* u_rows[TR];
+          for (int k = 0; k < TR; ++k) {
+            y_rows[k] = yp + rs[t + k] * N + lo;
+            u_rows[k] = u.data() + rs[t + k] * U + i * R;
+          }
+          expand_tile<TR>(y_rows, u_rows, bp_s, N, r, hi - lo);
+        }
+        for (; t < rs.size(); ++t) {
+          float* y_row = yp + rs[t] * N + lo;
+          const float* u_row = u.data() + rs[t] * U + i * R;
+          expand_tile<1>(&y_row, &u_row, bp_s, N, r, hi - lo);
+        }
       }
     }
   });
