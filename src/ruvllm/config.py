@@ -195,8 +195,15 @@ class LoraConfig:
 
     enable_lora: bool = setting(False, "Serve LoRA adapters (reserves --max-loras slots of --max-lora-rank).",
                                 flag="--enable-lora/--no-enable-lora")
-    max_loras: int = setting(8, "LoRA adapters loaded at once (each holds a preallocated slot).", minimum=1)
+    max_loras: int = setting(8, "LoRA adapters resident at once, in preallocated slots: the most one step "
+                                "mixes; requests for more take turns.", minimum=1)
     max_lora_rank: int = setting(64, "Largest LoRA rank an adapter may have.", minimum=1, maximum=1024)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters loaded in CPU memory, ready to be served "
+                                              "(default: --max-loras).", minimum=1)
+
+    @property
+    def cpu_capacity(self) -> int:
+        return max(self.max_cpu_loras or 0, self.max_loras)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

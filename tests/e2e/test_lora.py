@@ -292,3 +292,29 @@ def test_quantized_base_mixed_batch_equals_alone(base: Path, tmp_path: Path, qua
     llm.reset_prefix_cache()
     for p, name, out in zip(prompts, names, together):
         assert llm.generate([p], params, lora=name)[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_more_adapters_than_slots_take_turns(base: Path, tmp_path: Path) -> None:
+    """4 adapters loaded, 2 slots: no step mixes more than 2, requests for the others wait for a
+    slot, and every output is the request's alone. A fifth adapter is over --max-cpu-loras."""
+    llm = engine(base, max_loras=2, max_cpu_loras=4)
+    for i in range(5):
+        make_adapter(base, tmp_path / f"a{i}", seed=40 + i)
+    for i in range(4):
+        llm.load_lora(f"a{i}", tmp_path / f"a{i}")
+    with pytest.raises(AdapterError, match="max-cpu-loras"):
+        llm.load_lora("a4", tmp_path / "a4")
+    core = llm.core
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [torch.randint(2, 500, (14,), generator=torch.Generator().manual_seed(60 + i)).tolist() for i in range(12)]
+    names = [f"a{i % 4}" for i in range(12)]
+    for i, (p, name) in enumerate(zip(prompts, names)):
+        core.add_request(CoreRequest(f"t{i}", p, params, adapter=name))
+    tokens: dict[str, list[int]] = {f"t{i}": [] for i in range(12)}
+    while core.has_unfinished:
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        assert len({r.adapter for r in core.scheduler.running}) <= 2
+        assert len(core.executor.lora.resident()) <= 2
+    for i, (p, name) in enumerate(zip(prompts, names)):
+        assert llm.generate([p], params, lora=name)[0].outputs[0].token_ids == tokens[f"t{i}"]

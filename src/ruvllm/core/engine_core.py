@@ -48,7 +48,7 @@ class EngineCore:
                                  self.info.num_cold_blocks, cache.kv_hot_tokens)
         # The worker resolved the device's defaults (the token budget); the scheduler uses the same.
         sched = dataclasses.replace(config.scheduler, max_num_batched_tokens=self.info.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched, self.kv)
+        self.scheduler = Scheduler(sched, self.kv, self.info.max_loras)
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)

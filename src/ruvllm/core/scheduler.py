@@ -18,9 +18,10 @@ from ruvllm.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
         self.config = config
         self.kv = kv
+        self.max_loras = max_loras  # LoRA adapters the running requests may use at once (the worker's slots)
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -84,10 +85,14 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
+            adapters = {r.adapter for r in self.running if r.adapter}
             for req in list(self.waiting):
                 if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                     break
                 if self._waits_for_sibling(req):
+                    continue
+                # Every slot holds an adapter running requests use: this one waits for a slot.
+                if req.adapter and req.adapter not in adapters and len(adapters) >= self.max_loras:
                     continue
                 # Prompt logprobs need every prompt position computed: no prefix-cache hits.
                 hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None \
@@ -105,6 +110,8 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                if req.adapter:
+                    adapters.add(req.adapter)
                 scheduled.append((req, n))
                 budget -= n
 
