@@ -34,14 +34,15 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
+def write_adapter(folder: Path, cfg, rank: int, seed: int, targets: tuple[str, ...] = tuple(TARGETS)) -> Path:
     """A PEFT-format LoRA adapter with random weights (B small, so outputs stay text-like)."""
     from ruvllm.lora.peft_adapter import projection_shape
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for target, sub in TARGETS.items():
+        for target in targets:
+            sub = TARGETS[target]
             k, n = projection_shape(cfg, target)
             prefix = f"base_model.model.model.layers.{layer}.{sub}.{target}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k ** 0.5
@@ -49,7 +50,7 @@ def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))
     return folder
 
 
@@ -73,7 +74,7 @@ def run(llm, prompts: list[list[int]], adapters: list[str | None], gen_len: int)
     return {"tok_s": total / elapsed, "seconds": elapsed, "longest_step_ms": longest * 1000}
 
 
-async def load_while_streaming(llm, prompts: list[list[int]], spare: Path, gen_len: int) -> dict:
+async def load_while_streaming(llm, prompts: list[list[int]], spares: list[Path], gen_len: int) -> list[dict]:
     """Start len(prompts) streams, wait until they all decode, load an adapter (the file read off the
     core's loop, the copy between two steps), and time the gaps between consecutive steps."""
     import asyncio
@@ -86,9 +87,10 @@ async def load_while_streaming(llm, prompts: list[list[int]], spare: Path, gen_l
     step_times: list[float] = []  # when each step's outputs arrived (one entry per distinct arrival)
     decoding = asyncio.Event()
     firsts = 0
+    decode_from = 0  # the first step after every prompt's prefill
 
     async def stream(i: int, p: list[int]) -> None:
-        nonlocal firsts
+        nonlocal firsts, decode_from
         first = True
         async for _ in engine.generate(p, params, f"load-{i}", output_kind=OutputKind.DELTA):
             now = time.perf_counter()
@@ -98,25 +100,27 @@ async def load_while_streaming(llm, prompts: list[list[int]], spare: Path, gen_l
                 first = False
                 firsts += 1
                 if firsts == len(prompts):
+                    decode_from = len(step_times)
                     decoding.set()
 
     tasks = [asyncio.create_task(stream(i, p)) for i, p in enumerate(prompts)]
     await decoding.wait()
     await asyncio.sleep(1.0)  # a few steps of plain decoding to compare with
-    before = len(step_times)
-    t0 = time.perf_counter()
-    await asyncio.to_thread(engine.load_lora, "during", str(spare))
-    t1 = time.perf_counter()
-    await asyncio.sleep(0.5)
-    after = len(step_times)
+    gaps_before = [b - a for a, b in zip(step_times[decode_from:], step_times[decode_from + 1:])]
+    results = []
+    for i, spare in enumerate(spares):
+        t0 = time.perf_counter()
+        await asyncio.to_thread(engine.load_lora, f"during{i}", str(spare))
+        t1 = time.perf_counter()
+        window = [b - a for a, b in zip(step_times, step_times[1:]) if b >= t0 and a <= t1]
+        results.append({"path": spare, "load_ms": (t1 - t0) * 1000, "gap_during_ms": max(window, default=0) * 1000,
+                        "gap_before_ms": max(gaps_before, default=0) * 1000})
+        await asyncio.sleep(0.5)
     await asyncio.gather(*tasks)
     engine.shutdown()
-    gaps = [b - a for a, b in zip(step_times, step_times[1:])]
-    window = [b - a for a, b in zip(step_times, step_times[1:]) if b >= t0 and a <= t1]
-    llm.unload_lora("during")
-    return {"load_ms": (t1 - t0) * 1000, "gap_during_ms": max(window, default=0) * 1000,
-            "gap_before_ms": max(gaps[max(0, before - 20):before - 1], default=0) * 1000,
-            "steps_during": after - before}
+    for i in range(len(spares)):
+        llm.unload_lora(f"during{i}")
+    return results
 
 
 def main() -> None:
@@ -180,10 +184,12 @@ def main() -> None:
                   f"median {statistics.median(loads):.0f} ms of {', '.join(f'{x:.0f}' for x in loads)}")
     import asyncio
 
-    during = asyncio.run(load_while_streaming(llm, prompts[:args.streams], spare, args.gen_len))
-    console.print(f"adapter load while {args.streams} streams decode: {during['load_ms']:.0f} ms; longest gap between "
-                  f"two steps' outputs during it {during['gap_during_ms']:.0f} ms (before it: "
-                  f"{during['gap_before_ms']:.0f} ms)")
+    small = write_adapter(tmp / "small", cfg, args.rank, seed=98, targets=("q_proj", "v_proj"))
+    for d in asyncio.run(load_while_streaming(llm, prompts[:args.streams], [small, spare], args.gen_len)):
+        mb = (d["path"] / "adapter_model.safetensors").stat().st_size / 1e6
+        console.print(f"adapter load ({mb:.1f} MB) while {args.streams} streams decode: {d['load_ms']:.0f} ms; longest "
+                      f"gap between two steps' outputs during it {d['gap_during_ms']:.0f} ms (longest decode step "
+                      f"before: {d['gap_before_ms']:.0f} ms)")
 
 
 if __name__ == "__main__":
