@@ -136,7 +136,8 @@ def main() -> None:
     from ruvllm import LLM, SamplingParams
 
     console = Console()
-    llm = LLM(enable_lora=True, max_loras=args.adapters + 1, max_lora_rank=args.rank, max_num_seqs=args.streams,
+    llm = LLM(enable_lora=True, max_loras=args.adapters + 1, max_cpu_loras=args.adapters + 2,
+              max_lora_rank=args.rank, max_num_seqs=args.streams,
               max_num_batched_tokens=2048)
     cfg = llm.core.executor.model_config
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
