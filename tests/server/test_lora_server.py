@@ -170,3 +170,38 @@ def test_serve_with_a_bad_lora_flag_is_one_line(tiny_model_dir: Path, tmp_path: 
     assert "no such folder" in lines[-1] and "Traceback" not in out.stderr
 
 
+
+
+def test_core_process_loads_serves_and_unloads(tiny_model_dir: Path, adapters: Path, lora_llm: LLM) -> None:
+    """`ruvllm serve`'s arrangement: the core in a child process, the adapter read on a thread of that
+    process and answered from it; the outputs are the offline engine's."""
+    import asyncio
+
+    from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.engine.llm import build_engine_config
+    from ruvllm.errors import AdapterError, AdapterNotFoundError
+    from ruvllm.outputs import OutputKind
+
+    engine = AsyncEngine(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=16))
+    try:
+        engine.load_lora("a", str(adapters / "a"))
+        assert engine.loras == ["a"]
+        with pytest.raises(AdapterError, match="over the maximum 16"):
+            engine.load_lora("big", str(adapters / "big"))
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+        async def run(lora: str | None) -> list[int]:
+            out = None
+            async for out in engine.generate(PROMPT, params, output_kind=OutputKind.FINAL_ONLY, lora=lora):
+                pass
+            return out.outputs[0].token_ids
+
+        got = asyncio.run(run("a"))
+        assert got == lora_llm.generate([PROMPT], params, lora=str(adapters / "a"))[0].outputs[0].token_ids
+        engine.unload_lora("a")
+        with pytest.raises(AdapterNotFoundError):
+            asyncio.run(run("a"))
+        stats = engine.stats()
+        assert stats.adapters == [] and stats.free_blocks == stats.total_blocks
+    finally:
+        engine.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,6 +55,8 @@ class EngineCore:
         self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)
         self._unloading: set[str] = set()  # unloaded while requests still ran with them
         self._loads = itertools.count()
+        # A load joins the adapters from the thread that read it, while the loop may be stepping.
+        self._adapter_lock = threading.Lock()
 
     # --- adapters --------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
@@ -67,31 +70,36 @@ class EngineCore:
         return self.executor.read_adapter(name, path)
 
     def install_adapter(self, adapter: LoraAdapter) -> None:
-        """Copy a read adapter into a slot (on the core's thread, between steps)."""
-        if adapter.name in self._adapters:
-            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
-        self.executor.install_adapter(adapter)
-        self._adapters[adapter.name] = next(self._loads)
+        """Make a read adapter servable (any thread, even while a step runs: it takes a slot when a
+        step first uses it)."""
+        with self._adapter_lock:
+            if adapter.name in self._adapters:
+                raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+            self.executor.install_adapter(adapter)
+            self._adapters[adapter.name] = next(self._loads)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter: new requests cannot use it at once; requests running with it finish
         first, then its slot is freed."""
-        if name not in self._adapters or name in self._unloading:
-            raise AdapterError(f"no adapter named {name!r} is loaded")
-        self._unloading.add(name)
+        with self._adapter_lock:
+            if name not in self._adapters or name in self._unloading:
+                raise AdapterError(f"no adapter named {name!r} is loaded")
+            self._unloading.add(name)
         self._drop_unused_adapters()
 
     def adapters(self) -> list[str]:
-        return [name for name in self._adapters if name not in self._unloading]
+        with self._adapter_lock:
+            return [name for name in self._adapters if name not in self._unloading]
 
     def _drop_unused_adapters(self) -> None:
         if not self._unloading:
             return
         in_use = {req.adapter for req in self.scheduler.requests.values()}
-        for name in [n for n in self._unloading if n not in in_use]:
-            self._unloading.discard(name)
-            del self._adapters[name]
-            self.executor.remove_adapter(name)
+        with self._adapter_lock:
+            for name in [n for n in self._unloading if n not in in_use]:
+                self._unloading.discard(name)
+                del self._adapters[name]
+                self.executor.remove_adapter(name)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, cr: CoreRequest) -> None:

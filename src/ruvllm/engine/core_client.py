@@ -74,40 +74,19 @@ def run_utility(core: EngineCore, method: str, args: list[str]) -> EngineStats:
 Reply = Callable[[BaseException | None], None]
 
 
-class AdapterLoads:
-    """Adapter loads in flight. Each adapter's file is read and checked on a thread of its own while
-    the core steps; the loop installs what has been read between two steps, so a load holds up
-    running requests only for the copy into a slot. Replies are made on the loop's thread."""
+def load_adapter_beside_the_loop(core: EngineCore, name: str, path: str, reply: Reply) -> None:
+    """Load an adapter on a thread of its own while the loop steps: read and check the file, join
+    the loaded adapters (under the core's lock; a step first using it copies it into a slot), then
+    `reply` from that thread, so the answer waits for no step in flight."""
+    def load() -> None:
+        try:
+            core.install_adapter(core.read_adapter(name, path))
+        except Exception as exc:
+            reply(exc)
+        else:
+            reply(None)
 
-    def __init__(self, core: EngineCore, wake: Callable[[], None] = lambda: None) -> None:
-        self.core, self._wake = core, wake
-        self._done: queue.Queue[tuple[Any, BaseException | None, Reply]] = queue.Queue()
-        self.pending = 0
-
-    def start(self, name: str, path: str, reply: Reply) -> None:
-        def read() -> None:
-            try:
-                self._done.put((self.core.read_adapter(name, path), None, reply))
-            except Exception as exc:
-                self._done.put((None, exc, reply))
-            self._wake()
-
-        self.pending += 1
-        threading.Thread(target=read, name="ruvllm-adapter-read", daemon=True).start()
-
-    def install_ready(self) -> None:
-        while True:
-            try:
-                adapter, error, reply = self._done.get_nowait()
-            except queue.Empty:
-                return
-            self.pending -= 1
-            if error is None:
-                try:
-                    self.core.install_adapter(adapter)
-                except Exception as exc:
-                    error = exc
-            reply(error)
+    threading.Thread(target=load, name="ruvllm-adapter-load", daemon=True).start()
 
 
 def add_requests(core: EngineCore, requests: list[CoreRequest], on_outputs: OnOutputs) -> None:
@@ -141,7 +120,6 @@ class ThreadCoreClient(_PublishedStats):
         self.core = core
         self.info = core.info
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._loads = AdapterLoads(core, wake=lambda: self._commands.put(("wake", None)))
         self._stats = core.stats()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,7 +171,6 @@ class ThreadCoreClient(_PublishedStats):
 
     def _run_commands(self, block: bool) -> None:
         while True:
-            self._loads.install_ready()
             try:
                 kind, arg = self._commands.get(block=block)
             except queue.Empty:
@@ -208,7 +185,7 @@ class ThreadCoreClient(_PublishedStats):
                 if not fut.set_running_or_notify_cancel():
                     continue
                 if method == "load_lora" and len(args) == 2:
-                    self._loads.start(args[0], args[1], lambda exc, fut=fut: self._answer(fut, exc))
+                    load_adapter_beside_the_loop(self.core, args[0], args[1], lambda exc, fut=fut: self._answer(fut, exc))
                     continue
                 try:
                     fut.set_result(run_utility(self.core, method, args))

@@ -23,7 +23,6 @@ from ruvllm.errors import EngineDeadError, RuvllmError
 log = logging.getLogger("ruvllm.core")
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its front still lives
-_LOAD_POLL_MS = 5
 
 
 def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
@@ -51,8 +50,17 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         _close(ctx, commands, results)
         sys.exit(1)
     results.send(encoder.encode(Ready(core.info, core.stats())))
+
+    def send_from_thread(msg: object) -> None:
+        """A message from a thread other than the loop's (a socket is one thread's): its own socket."""
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(out_addr)
+        sock.send(msgspec.msgpack.Encoder().encode(msg))
+        sock.close()
+
     try:
-        _serve(core, commands, results, encoder, msgspec.msgpack.Decoder(CoreInput), parent_pid)
+        _serve(core, commands, results, encoder, msgspec.msgpack.Decoder(CoreInput), parent_pid, send_from_thread)
     except Exception as exc:
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
@@ -62,21 +70,22 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     _close(ctx, commands, results)
 
 
-def _serve(core, commands, results, encoder, decoder, parent_pid: int) -> None:  # noqa: ANN001
-    from ruvllm.engine.core_client import AdapterLoads, add_requests, run_utility
+def _serve(core, commands, results, encoder, decoder, parent_pid: int, send_from_thread) -> None:  # noqa: ANN001
+    from ruvllm.engine.core_client import add_requests, load_adapter_beside_the_loop, run_utility
     from ruvllm.messages import AbortRequests, AddRequests, Shutdown, StepOutputs, Utility, UtilityResult
 
+    def result(call_id: int, error: BaseException | None) -> UtilityResult:
+        return UtilityResult(call_id, core.stats(), None if error is None else str(error),
+                             None if error is None else type(error).__name__)
+
     def answer(call_id: int, error: BaseException | None) -> None:
-        results.send(encoder.encode(UtilityResult(call_id, core.stats(), None if error is None else str(error),
-                                                  None if error is None else type(error).__name__)))
+        results.send(encoder.encode(result(call_id, error)))
 
     def send_outputs(outputs: list) -> None:  # noqa: ANN001
         results.send(encoder.encode(StepOutputs(outputs, core.stats())))
 
-    loads = AdapterLoads(core)
     while True:
-        # An idle core with an adapter being read polls often, to install it soon after the read.
-        timeout = 0 if core.has_unfinished else _LOAD_POLL_MS if loads.pending else _IDLE_POLL_MS
+        timeout = 0 if core.has_unfinished else _IDLE_POLL_MS
         did_something = False
         while commands.poll(timeout):
             timeout = 0
@@ -88,7 +97,8 @@ def _serve(core, commands, results, encoder, decoder, parent_pid: int) -> None: 
                 core.abort(msg.request_ids)
             elif isinstance(msg, Utility):
                 if msg.method == "load_lora" and len(msg.args) == 2:
-                    loads.start(msg.args[0], msg.args[1], lambda exc, call_id=msg.call_id: answer(call_id, exc))
+                    load_adapter_beside_the_loop(core, msg.args[0], msg.args[1], lambda exc, call_id=msg.call_id:
+                                                 send_from_thread(result(call_id, exc)))
                     continue
                 try:
                     run_utility(core, msg.method, msg.args)
@@ -98,8 +108,6 @@ def _serve(core, commands, results, encoder, decoder, parent_pid: int) -> None: 
                     answer(msg.call_id, None)
             elif isinstance(msg, Shutdown):
                 return
-        if loads.pending:
-            loads.install_ready()
         if os.getppid() != parent_pid:
             log.warning("the front process is gone; the engine core leaves")
             return

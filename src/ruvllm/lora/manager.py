@@ -5,6 +5,7 @@ evicting the least recently used adapter that the step does not need."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ class LoraManager:
         self.slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, dtype, device)
         self.kernel = lora_kernel() if device.type == "cpu" else None
         self._loaded: dict[str, LoraAdapter] = {}
+        self._lock = threading.Lock()  # install runs on a load's own thread, remove on the loop's
         self._slot_of: dict[str, int] = {}  # resident adapters, least recently used first
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
@@ -31,15 +33,17 @@ class LoraManager:
 
     def install(self, adapter: LoraAdapter) -> None:
         """Keep a read adapter ready to serve (it takes a slot when a step first uses it)."""
-        if adapter.name in self._loaded:
-            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
-        if len(self._loaded) >= self.config.cpu_capacity:
-            raise AdapterError(f"{len(self._loaded)} adapters are loaded, the most this server keeps "
-                               "(--max-cpu-loras); unload one first")
-        self._loaded[adapter.name] = adapter
+        with self._lock:
+            if adapter.name in self._loaded:
+                raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+            if len(self._loaded) >= self.config.cpu_capacity:
+                raise AdapterError(f"{len(self._loaded)} adapters are loaded, the most this server keeps "
+                                   "(--max-cpu-loras); unload one first")
+            self._loaded[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
-        del self._loaded[name]
+        with self._lock:
+            del self._loaded[name]
         slot = self._slot_of.pop(name, None)
         if slot is not None:
             self.slots.clear(slot)
