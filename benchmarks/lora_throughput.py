@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="the engine's CPU threads (default: every core)")
     args = ap.parse_args()
 
     from ruvllm import LLM, SamplingParams
@@ -138,7 +139,7 @@ def main() -> None:
     console = Console()
     llm = LLM(enable_lora=True, max_loras=args.adapters + 1, max_cpu_loras=args.adapters + 2,
               max_lora_rank=args.rank, max_num_seqs=args.streams,
-              max_num_batched_tokens=2048)
+              max_num_batched_tokens=2048, num_threads=args.threads)
     cfg = llm.core.executor.model_config
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     names = []
@@ -181,7 +182,7 @@ def main() -> None:
                   f"{med(lora_rows, 'longest_step_ms'):.0f}",
                   f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)")
     console.print(table)
-    console.print(f"adapter load (read {size_mb:.1f} MB, check, copy into a slot; idle engine): "
+    console.print(f"adapter load (read {size_mb:.1f} MB and check; the copy into a slot comes with its first step; idle engine): "
                   f"median {statistics.median(loads):.0f} ms of {', '.join(f'{x:.0f}' for x in loads)}")
     import asyncio
 
