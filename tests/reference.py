@@ -58,22 +58,31 @@ class DirectRunner:
 
     def prefill_then_decode(self, prompt: list[int], continuation: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits after the prompt and after each teacher-forced continuation token: [1 + len(cont), V]."""
-        req = Request("r", list(prompt), SamplingParams())
-        out = []
-        pending = list(prompt)
-        for tok in [None] + continuation:
-            if tok is not None:
-                req.output_token_ids.append(tok)
-                pending = [tok]
-            while pending:
-                n = len(pending) if chunk is None else min(chunk, len(pending))
-                assert self.kv.allocate_slots(req, n)
-                seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, self.kv.block_table("r"),
-                                   sample=n == len(pending))
-                logits, ids = self.runner.compute_logits(SchedulerOutput([seq]))
-                req.num_computed_tokens += n
-                pending = pending[n:]
-            out.append(logits[0])
-        self.kv.free(req)
+        out = teacher_forced_logits(self.kv, self.runner, prompt, continuation, chunk)
         assert self.kv.num_free_blocks == self.kv.pool.num_blocks
-        return torch.stack(out)
+        return out
+
+
+def teacher_forced_logits(kv: KVCacheManager, runner: ModelRunner, prompt: list[int], continuation: list[int],
+                          chunk: int | None = None, adapter: str | None = None) -> torch.Tensor:
+    """Logits after the prompt (prefilled in chunks of `chunk`, or at once) and after each
+    teacher-forced continuation token, through a runner and KV manager without the scheduler:
+    [1 + len(continuation), V]. `adapter`: a LoRA adapter loaded in the runner's worker."""
+    req = Request("r", list(prompt), SamplingParams())
+    out = []
+    pending = list(prompt)
+    for tok in [None] + continuation:
+        if tok is not None:
+            req.output_token_ids.append(tok)
+            pending = [tok]
+        while pending:
+            n = len(pending) if chunk is None else min(chunk, len(pending))
+            assert kv.allocate_slots(req, n)
+            seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, kv.block_table("r"),
+                               sample=n == len(pending), adapter=adapter)
+            logits, _ = runner.compute_logits(SchedulerOutput([seq]))
+            req.num_computed_tokens += n
+            pending = pending[n:]
+        out.append(logits[0])
+    kv.free(req)
+    return torch.stack(out)

@@ -17,10 +17,9 @@ from safetensors.torch import load_file, save_file
 from ruvllm import LLM, SamplingParams
 from ruvllm.errors import AdapterError, AdapterNotFoundError
 from ruvllm.messages import CoreRequest
-from ruvllm.outputs import ScheduledSeq, SchedulerOutput
-from ruvllm.request import Request
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
 from tests.lora_fixtures import ALL, hf_model, make_adapter
+from tests.reference import teacher_forced_logits
 
 ATOL = 2e-4
 
@@ -36,25 +35,7 @@ def engine(base: Path, **kw: object) -> LLM:
 
 
 def our_logits(llm: LLM, adapter: str | None, prompt: list[int], continuation: list[int], chunk: int | None) -> torch.Tensor:
-    """Logits after the prompt (prefilled in chunks of `chunk`) and after each teacher-forced token."""
-    core, runner = llm.core, llm.core.executor.runner
-    req = Request("r", list(prompt), SamplingParams())
-    out, pending = [], list(prompt)
-    for tok in [None] + continuation:
-        if tok is not None:
-            req.output_token_ids.append(tok)
-            pending = [tok]
-        while pending:
-            n = len(pending) if chunk is None else min(chunk, len(pending))
-            assert core.kv.allocate_slots(req, n)
-            seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, core.kv.block_table("r"),
-                               sample=n == len(pending), adapter=adapter)
-            logits, _ = runner.compute_logits(SchedulerOutput([seq]))
-            req.num_computed_tokens += n
-            pending = pending[n:]
-        out.append(logits[0])
-    core.kv.free(req)
-    return torch.stack(out)
+    return teacher_forced_logits(llm.core.kv, llm.core.executor.runner, prompt, continuation, chunk, adapter)
 
 
 def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
