@@ -299,3 +299,29 @@ def test_more_adapters_than_slots_take_turns(base: Path, tmp_path: Path) -> None
         assert len(core.executor.lora.resident()) <= 2
     for i, (p, name) in enumerate(zip(prompts, names)):
         assert llm.generate([p], params, lora=name)[0].outputs[0].token_ids == tokens[f"t{i}"]
+
+
+def test_cpp_layer_loop_with_adapters_is_the_python_loop(base: Path, tmp_path: Path, monkeypatch) -> None:
+    """A step with adapter rows runs in the C++ layer loop (the deltas called from C++ where the
+    Python loop adds them): the generations are bitwise those of the Python loop."""
+    from ruvllm.models.cpu_layer_loop import CpuLayerLoop
+
+    llm = engine(base)
+    for i in range(2):
+        make_adapter(base, tmp_path / f"a{i}", seed=70 + i, r=4 + 4 * i)
+        llm.load_lora(f"a{i}", tmp_path / f"a{i}")
+    calls = []
+    real_call = CpuLayerLoop.__call__
+    monkeypatch.setattr(CpuLayerLoop, "__call__", lambda self, *a, **k: calls.append(k) or real_call(self, *a, **k))
+    prompts = [torch.randint(2, 500, (10 + 5 * i,), generator=torch.Generator().manual_seed(80 + i)).tolist() for i in range(6)]
+    names = ["a0", "a1", None, "a0", None, "a1"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    in_cpp = llm.generate(prompts, params, lora=names)
+    assert calls, "the C++ loop must have run the adapter steps"
+    model = llm.core.executor.runner.model
+    model.__dict__["_loop"] = None  # the Python loop from here on
+    llm.reset_prefix_cache()
+    in_python = llm.generate(prompts, params, lora=names)
+    for a, b in zip(in_cpp, in_python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

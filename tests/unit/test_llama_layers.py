@@ -30,7 +30,7 @@ def one_layer_call() -> tuple:
     angles = torch.arange(5)[:, None, None] * torch.linspace(0.1, 1, 16)
     return (w(5, 64), weights, [DENSE] * 4, [0] * 4, [torch.zeros(32, 2, 16)], [torch.zeros(32, 2, 16)],
             w(64) + 1, angles.cos(), angles.sin(), torch.arange(5), torch.tensor([[0, 1]]),
-            torch.zeros(5, dtype=torch.long), torch.arange(1, 6), 16, 0.25, 1e-5, 4, 2, 16)
+            torch.zeros(5, dtype=torch.long), torch.arange(1, 6), 16, 0.25, 1e-5, 4, 2, 16, [], [], None)
 
 
 def _model(llm):  # noqa: ANN001, ANN202

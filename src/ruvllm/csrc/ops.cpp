@@ -45,7 +45,8 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
                         at::TensorList v_caches, const at::Tensor& final_norm, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& row_seq, const at::Tensor& row_ctx, int64_t block_size, double scale,
-                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::TensorList lora,
+                        at::IntArrayRef lora_bounds, const std::optional<at::Tensor>& row_slot);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -75,7 +76,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("llama_layers(Tensor x, Tensor?[] weights, int[] kinds, int[] groups, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor row_seq, Tensor row_ctx, int block_size, float scale, float eps, int num_heads, int num_kv_heads, "
-        "int head_dim) -> Tensor");
+        "int head_dim, Tensor[] lora, int[] lora_bounds, Tensor? row_slot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

@@ -42,14 +42,14 @@ class LoraBatch:
     kernel: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
-        self._rows = torch.tensor(self.row_slot, dtype=torch.int32)
+        self.rows = torch.tensor(self.row_slot, dtype=torch.int32)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) plus each row's adapter delta, in place."""
         p = self.slots.layers[layer][fused]
         if self.kernel is not None and y.device.type == "cpu" and y.dtype == torch.float32 and x.is_contiguous() \
                 and y.is_contiguous():
-            self.kernel(y, x, p.A, p.B, p.ranks, self._rows, list(p.bounds))
+            self.kernel(y, x, p.A, p.B, p.ranks, self.rows, list(p.bounds))
         else:
             lora_add_torch(y, x, p, self.row_slot)
         return y

@@ -32,6 +32,7 @@ class LoraSlots:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self._flat: tuple[list[torch.Tensor], list[int]] | None = None
         self.layers: list[dict[str, ProjectionSlots]] = []
         for _ in range(cfg.num_layers):
             layer = {}
@@ -44,6 +45,16 @@ class LoraSlots:
                     torch.zeros(max_loras, max_rank, bounds[-1], dtype=dtype, device=device),
                     torch.zeros(max_loras, len(subs), dtype=torch.int32), bounds)
             self.layers.append(layer)
+
+    def flat(self) -> tuple[list[torch.Tensor], list[int]]:
+        """What the C++ layer loop takes: each layer's A, B and ranks of qkv, o, gate_up and down in
+        that order, and the four projections' output bounds one after the other (the same in every
+        layer). The tensors are the slots themselves, so one list serves every step."""
+        if self._flat is None:
+            tensors = [t for layer in self.layers for f in FUSED for t in (layer[f].A, layer[f].B, layer[f].ranks)]
+            bounds = [b for f in FUSED for b in self.layers[0][f].bounds]
+            self._flat = (tensors, bounds)
+        return self._flat
 
     @property
     def nbytes(self) -> int:

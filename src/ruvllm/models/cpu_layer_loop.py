@@ -27,6 +27,7 @@ from ruvllm.layers import dense
 from ruvllm.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
+    from ruvllm.lora.batch import LoraBatch
     from ruvllm.models.llama import LlamaForCausalLM
 
 # A linear's kind, as llama_layers.cpp numbers them.
@@ -98,9 +99,12 @@ class CpuLayerLoop:
                 and meta.tier is None and all(len(c) == 2 for c in kv_caches))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[tuple],
-                 meta: AttentionMetadata, model: LlamaForCausalLM) -> torch.Tensor:
+                 meta: AttentionMetadata, model: LlamaForCausalLM, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters (their deltas need our LoRA kernel: `lora.kernel` set)."""
         cfg = model.cfg
+        tensors, bounds = lora.slots.flat() if lora is not None else ([], [])
         return self.ops.llama_layers(
             x.contiguous(), self.weights, self.kinds, self.groups, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
             self.final_norm, cos, sin, meta.slot_mapping, meta.block_tables, meta.row_seq, meta.row_ctx,
-            meta.block_size, cfg.head_dim ** -0.5, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            meta.block_size, cfg.head_dim ** -0.5, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            tensors, bounds, None if lora is None else lora.rows)

@@ -122,10 +122,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         cos, sin = self.rope.for_positions(positions)
-        # A step with adapters runs the Python loop, which adds their deltas (the C++ loop has none).
-        loop = self._layer_loop() if lora is None else None
+        # A step with adapters takes the C++ loop only where their deltas run on our kernel too.
+        loop = self._layer_loop() if lora is None or lora.kernel is not None else None
         if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
-            return loop(x, cos, sin, kv_caches, meta, self)  # the same kernels, called from C++
+            return loop(x, cos, sin, kv_caches, meta, self, lora)  # the same kernels, called from C++
         scale = self.cfg.head_dim ** -0.5
         for i, (layer, (k_cache, v_cache, *cold)) in enumerate(zip(self.layers, kv_caches)):  # cold: a quantized tier's
             layer_lora = None if lora is None else functools.partial(lora.add, i)

@@ -31,6 +31,8 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds);
 
 namespace {
 
@@ -69,13 +71,18 @@ struct Linear {
 
 // x [T, H] (the embeddings), weights: kLayerSlots tensors a layer (None where a linear has no such
 // part); kinds and groups: four a layer (qkv, o, gate_up, down); caches: each layer's [slots, Hkv, D]
-// keys and values, written at slot_mapping. Returns the final norm's output [T, H].
+// keys and values, written at slot_mapping. With row_slot (a step with LoRA adapters): lora holds
+// each layer's slots, A, B and ranks for qkv, o, gate_up and down (twelve a layer), lora_bounds
+// their output bounds (qkv's, o's, gate_up's, down's, one after the other), and each linear's
+// output gets each row's adapter delta where the Python loop adds it (lora/batch.py).
+// Returns the final norm's output [T, H].
 at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
                         at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& final_norm, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& row_seq, const at::Tensor& row_ctx, int64_t block_size, double scale,
-                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::TensorList lora,
+                        at::IntArrayRef lora_bounds, const std::optional<at::Tensor>& row_slot) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers, "one value cache a layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerSlots, "weights: ", kLayerSlots, " a layer");
@@ -86,6 +93,20 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
   for (int64_t i = 0; i < layers * kLinears; ++i)
     TORCH_CHECK(kinds[i] == kDense || kinds[i] == kInt4 || kinds[i] == kInt8, "unknown linear kind ", kinds[i]);
   const int64_t q_size = num_heads * head_dim;
+  // each projection's bounds within lora_bounds: qkv 4 values, o 2, gate_up 3, down 2
+  const int64_t bound_at[kLinears + 1] = {0, 4, 6, 9, 11};
+  if (row_slot) {
+    TORCH_CHECK(static_cast<int64_t>(lora.size()) == layers * kLinears * 3, "lora: twelve tensors a layer");
+    TORCH_CHECK(static_cast<int64_t>(lora_bounds.size()) == bound_at[kLinears], "lora_bounds: eleven values");
+  }
+  auto with_lora = [&](int64_t l, int64_t j, at::Tensor y, const at::Tensor& in) {
+    if (row_slot) {
+      const int64_t at = (l * kLinears + j) * 3;
+      lora_add(y, in, lora[at], lora[at + 1], lora[at + 2], *row_slot,
+               lora_bounds.slice(bound_at[j], bound_at[j + 1] - bound_at[j]));
+    }
+    return y;
+  };
   at::Tensor h, residual, hidden = x;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t base = l * kLayerSlots;
@@ -101,11 +122,13 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
       std::tie(h, residual) = add_rms_norm(hidden, residual, ln1, eps);
     }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    const at::Tensor q = qkv_rope_cache(linear(0)(h), cos, sin, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                                        slot_mapping);
-    const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale);
-    std::tie(h, residual) = add_rms_norm(linear(1)(o.reshape({-1, q_size})), residual, ln2, eps);
-    hidden = linear(3)(silu_and_mul(linear(2)(h)));
+    const at::Tensor q = qkv_rope_cache(with_lora(l, 0, linear(0)(h), h), cos, sin, num_heads, num_kv_heads, head_dim,
+                                        k_cache, v_cache, slot_mapping);
+    const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale)
+                             .reshape({-1, q_size});
+    std::tie(h, residual) = add_rms_norm(with_lora(l, 1, linear(1)(o), o), residual, ln2, eps);
+    const at::Tensor a = silu_and_mul(with_lora(l, 2, linear(2)(h), h));
+    hidden = with_lora(l, 3, linear(3)(a), a);
   }
   if (layers == 0) return rms_norm(hidden, final_norm, eps);
   return std::get<0>(add_rms_norm(hidden, residual, final_norm, eps));
