@@ -325,3 +325,20 @@ def test_cpp_layer_loop_with_adapters_is_the_python_loop(base: Path, tmp_path: P
     for a, b in zip(in_cpp, in_python):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_bf16_engine_with_an_adapter_follows_peft(base: Path, tmp_path: Path) -> None:
+    """bf16 compute (the PyTorch-ops path of the deltas): within bf16's rounding of peft's fp32
+    logits, and moved by the adapter as peft's are."""
+    ref = make_adapter(base, tmp_path / "a", seed=90)
+    llm = engine(base, dtype="bfloat16")
+    llm.load_lora("a", tmp_path / "a")
+    prompt = torch.randint(2, TINY_GQA.vocab_size, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    continuation = torch.randint(2, TINY_GQA.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = peft_logits(ref, prompt, continuation)
+    with torch.no_grad(), ref.disable_adapter():
+        base_logits = peft_logits(ref, prompt, continuation)
+    ours = our_logits(llm, "a", prompt, continuation, None).float()
+    moved = (expected - base_logits).abs().max()
+    assert (ours - expected).abs().max() < 0.1 * moved
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
