@@ -12,9 +12,11 @@
 // Batch invariance: a row's delta is computed from that row and its slot's weights alone, every
 // dot product over K in one fixed order and every output summed over j = 0 .. r-1 in order, then
 // added to y once. Which rows share the batch or a thread changes how the work is split, never a
-// row's arithmetic. Each slot's weights are read once per call for all of its rows (an adapter's
-// A and B of one layer are ~0.6 MiB at rank 16 on the default model: read per row, 32 rows would
-// stream them 32 times).
+// row's arithmetic. A slot's weights are read from memory once per call for all of its rows (an
+// adapter's A and B of one layer are ~0.6 MiB at rank 16 on the default model: read per row, 32
+// rows would stream them 32 times): the shrink takes a few A rows at a time over all the slot's
+// rows, the expand a block of rows over all columns, sweeping each row of y once in order while
+// the slot's B stays in the core's cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -116,7 +118,7 @@ inline void expand_tile(float* const* y, const float* const* u, const float* b, 
     }
 }
 
-constexpr int64_t COLS = 64;  // the expand's column chunk (a multiple of 32)
+constexpr size_t ROWS = 24;   // rows of x an expand task takes (a multiple of TR)
 constexpr int SJ = 4;         // shrink rows a task takes at once
 constexpr int TR = 3;         // rows of x a tile takes at once
 
@@ -200,23 +202,22 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
     }
   });
 
-  // expand: one task per (slot, chunk of COLS columns), over all of the slot's rows
-  std::vector<std::pair<int64_t, int64_t>> expand;
+  // expand: one task per (slot, block of ROWS rows) over all columns: each row of y is written in
+  // one sequential sweep, and the slot's B (at most R x N) stays in the core's cache across the block
+  struct Expand { int64_t s; size_t r0, r1; };
+  std::vector<Expand> expand;
   for (int64_t s = 0; s < S; ++s)
-    if (!rows[s].empty())
-      for (int64_t c = 0; c < N; c += COLS) expand.emplace_back(s, c);
-  at::parallel_for(0, static_cast<int64_t>(expand.size()), std::max<int64_t>(1, 65536 / (COLS * R * std::max<int64_t>(1, T))),
-                   [&](int64_t b, int64_t e) {
+    for (size_t r0 = 0; r0 < rows[s].size(); r0 += ROWS) expand.push_back({s, r0, std::min(rows[s].size(), r0 + ROWS)});
+  at::parallel_for(0, static_cast<int64_t>(expand.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t q = b; q < e; ++q) {
-      const auto [s, c0] = expand[q];
-      const int64_t c1 = std::min(N, c0 + COLS);
-      const std::vector<int64_t>& rs = rows[s];
+      const Expand& task = expand[q];
+      const std::vector<int64_t>& rs = rows[task.s];
       for (int64_t i = 0; i < n_sub; ++i) {
-        const int64_t lo = std::max(c0, bounds[i]), hi = std::min(c1, bounds[i + 1]), r = rk[s * n_sub + i];
+        const int64_t lo = bounds[i], hi = bounds[i + 1], r = rk[task.s * n_sub + i];
         if (lo >= hi || r == 0) continue;
-        const float* bp_s = bp + s * R * N + lo;
-        size_t t = 0;
-        for (; t + TR <= rs.size(); t += TR) {
+        const float* bp_s = bp + task.s * R * N + lo;
+        size_t t = task.r0;
+        for (; t + TR <= task.r1; t += TR) {
           float* y_rows[TR];
           const float* u_rows[TR];
           for (int k = 0; k < TR; ++k) {
@@ -225,7 +226,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
           }
           expand_tile<TR>(y_rows, u_rows, bp_s, N, r, hi - lo);
         }
-        for (; t < rs.size(); ++t) {
+        for (; t < task.r1; ++t) {
           float* y_row = yp + rs[t] * N + lo;
           const float* u_row = u.data() + rs[t] * U + i * R;
           expand_tile<1>(&y_row, &u_row, bp_s, N, r, hi - lo);
