@@ -2,14 +2,15 @@
 
 One engine on the embedded default model with LoRA enabled; N rank-R adapters on all seven
 projections (random weights, written here in PEFT's format: adapter_config.json and
-adapter_model.safetensors). The base and adapter runs alternate for --rounds rounds, the prefix
-cache emptied before each run; each run's 128-token prompts come from the novel, and each request
-generates exactly --gen-len tokens. Also reported: an adapter's load time (read, check, copy into
-its slot) on an idle engine, and while --streams streams decode through the streaming engine (the
-core on its own thread, as `ruvllm serve` runs it in its own process): the load's wall time and the
-longest gap between two steps' outputs during it, against the longest gap before it.
+adapter_model.safetensors). The base and adapter runs alternate for --rounds rounds, which one goes
+first alternating too, the prefix cache emptied before each run; each run's 128-token prompts come
+from the novel, and each request generates exactly --gen-len tokens. Also reported: an adapter's
+load time (read and check; the copy into a slot comes with its first step) on an idle engine, and
+while --streams streams decode through the streaming engine (the core on its own thread, as
+`ruvllm serve` runs it in its own process): the load's wall time and the longest gap between two
+steps' outputs during it, against the longest decode step before it.
 
-    .venv/bin/python benchmarks/lora_throughput.py --streams 32 --adapters 4 --rank 16 --rounds 3
+    COLUMNS=200 .venv/bin/python benchmarks/lora_throughput.py --streams 32 --adapters 4 --rank 16 --rounds 4
 """
 
 from __future__ import annotations
@@ -160,13 +161,16 @@ def main() -> None:
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), lora=names[0])  # warm-up
     base_rows, lora_rows, ratios = [], [], []
     for rnd in range(args.rounds):
-        with console.status(f"round {rnd + 1}/{args.rounds}: base"):
-            chunk = prompts[(2 * rnd + 1) * args.streams:(2 * rnd + 2) * args.streams]
-            b = run(llm, chunk, [None] * args.streams, args.gen_len)
-        with console.status(f"round {rnd + 1}/{args.rounds}: {args.adapters} adapters"):
-            chunk = prompts[(2 * rnd + 2) * args.streams:(2 * rnd + 3) * args.streams]
-            adapters = [names[i % args.adapters] for i in range(args.streams)]
-            lo = run(llm, chunk, adapters, args.gen_len)
+        # which run goes first alternates, so a drift of the host's speed within a round favours neither
+        chunks = (prompts[(2 * rnd + 1) * args.streams:(2 * rnd + 2) * args.streams],
+                  prompts[(2 * rnd + 2) * args.streams:(2 * rnd + 3) * args.streams])
+        adapters = [names[i % args.adapters] for i in range(args.streams)]
+        order = ("base", "lora") if rnd % 2 == 0 else ("lora", "base")
+        got = {}
+        for which, chunk in zip(order, chunks):
+            with console.status(f"round {rnd + 1}/{args.rounds}: {which}"):
+                got[which] = run(llm, chunk, adapters if which == "lora" else [None] * args.streams, args.gen_len)
+        b, lo = got["base"], got["lora"]
         base_rows.append(b)
         lora_rows.append(lo)
         ratios.append(lo["tok_s"] / b["tok_s"])
