@@ -119,3 +119,31 @@ def test_chat_session_through_a_terminal(term: Terminal) -> None:
 
     term.send(b"/quit\n")
     assert term.proc.wait(15) == 0
+
+
+def test_chat_through_a_lora_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`ruvllm chat MODEL --lora PATH` replies through the adapter: the text LLM.chat gives with it."""
+    from ruvllm import LLM, SamplingParams
+    from tests.lora_fixtures import make_adapter
+
+    make_adapter(tiny_model_dir, tmp_path / "tone", seed=5)
+    question = "w1 w2 w3 w4"
+    llm = LLM(str(tiny_model_dir), enable_lora=True, max_loras=1)
+    params = SamplingParams(temperature=0, top_p=0.9, max_tokens=8)
+    message = [{"role": "user", "content": question}]
+    expected = llm.chat(message, params, lora=str(tmp_path / "tone"))[0].outputs[0].text
+    assert expected != llm.chat(message, params)[0].outputs[0].text  # the adapter shows in the reply
+    t = Terminal([str(RUVLLM), "chat", str(tiny_model_dir), "--lora", str(tmp_path / "tone"), "--temperature", "0",
+                  "--max-tokens", "8"])
+    try:
+        t.expect(r"\+ adapter tone", timeout=90)
+        t.expect(re.escape(PROMPT), timeout=30)
+        t.send(question.encode() + b"\n")
+        shown = t.expect(re.escape(PROMPT), timeout=30)
+        reply = [line for line in shown.split("(cut at max tokens")[0].splitlines()
+                 if line.strip() and line.strip() != question]  # the terminal echoes the typed line
+        assert "\n".join(reply).strip() == expected.strip()
+        t.send(b"/quit\n")
+        assert t.proc.wait(15) == 0
+    finally:
+        t.close()

@@ -49,6 +49,7 @@ class ChatSession:
     top_p: float
     max_tokens: int
     history: list[dict[str, str]] = field(default_factory=list)  # alternating user/assistant turns
+    adapter: str | None = None  # the loaded LoRA adapter every reply runs with
 
     def messages(self, user: str) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -109,13 +110,13 @@ class _Reply:
 
 
 async def _stream(engine: AsyncEngine, ids: list[int], params: SamplingParams, reply: _Reply,
-                  console: Console) -> None:
+                  console: Console, lora: str | None = None) -> None:
     # `reply` is filled as we go so a Ctrl-C (which cancels this coroutine) leaves the partial text.
     # aclosing: however we leave (cancelled, or a second Ctrl-C raised right here), the stream's
     # cleanup runs now and aborts the request, instead of whenever the generator is collected.
     from ruvllm.outputs import OutputKind
 
-    async with contextlib.aclosing(engine.generate(ids, params, output_kind=OutputKind.DELTA)) as outputs:
+    async with contextlib.aclosing(engine.generate(ids, params, output_kind=OutputKind.DELTA, lora=lora)) as outputs:
         async for out in outputs:
             for completion in out.outputs:  # DELTA: only the new text
                 if completion.text:
@@ -147,7 +148,7 @@ def _turn(session: ChatSession, engine: AsyncEngine, runner: asyncio.Runner, use
         ids, dropped = _fit(session, engine.tokenizer, user, engine.info.max_seq_len)
         if dropped:
             console.print(f"[dim](dropped the {dropped} oldest exchange(s) to fit the context)[/]")
-        runner.run(_stream(engine, ids, session.params(), reply, console))
+        runner.run(_stream(engine, ids, session.params(), reply, console, session.adapter))
     except KeyboardInterrupt:
         interrupted = True  # asyncio.Runner cancelled the stream, which aborted the request
     except (RuvllmError, ValueError) as exc:
@@ -194,6 +195,8 @@ def chat(
     top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling threshold in (0, 1]."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Longest reply in tokens."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
+    lora: str | None = typer.Option(None, "--lora", metavar="PATH",
+                                    help="Reply through a PEFT LoRA adapter (a folder; enables LoRA)."),
     engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
@@ -207,11 +210,15 @@ def chat(
     from ruvllm.loader.model_cache import resolve_cli_model
 
     resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
-    config = engine.to_config(resolve_cli_model(model, cache_dir))
+    config = engine.to_config(resolve_cli_model(model, cache_dir), **({"enable_lora": True} if lora else {}))
     with console.status("loading model…"):
         async_engine = AsyncEngine(config)
     try:
-        console.print(f"[bold]ruvllm chat[/] · {escape(Path(async_engine.info.model).name)} · "
+        if lora:
+            session.adapter = Path(lora).name or "adapter"
+            async_engine.load_lora(session.adapter, lora)
+        adapter = f" + adapter {escape(session.adapter)}" if session.adapter else ""
+        console.print(f"[bold]ruvllm chat[/] · {escape(Path(async_engine.info.model).name)}{adapter} · "
                       f"context {async_engine.info.max_seq_len} tokens · /help for commands, Ctrl-D to leave",
                       soft_wrap=True)
         run_chat(session, async_engine, console)

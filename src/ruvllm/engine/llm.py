@@ -142,12 +142,15 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora: str | Path | None = None) -> list[RequestOutput]:
+        """`lora`: a loaded adapter's name or an adapter folder, for every conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = [(render_chat(self.tokenizer, conv, chat_template, add_generation_prompt), None)
                    for conv in conversations]  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        return self._run(encoded, [params] * len(encoded), [Priority.NORMAL] * len(encoded), False)
+        adapter = self._adapter(lora)
+        return self._run(encoded, [params] * len(encoded), [Priority.NORMAL] * len(encoded), False,
+                         [adapter] * len(encoded))
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
              prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None
