@@ -44,17 +44,23 @@ def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[in
     return full[len(prompt) - 1:]
 
 
+def random_case(ref: torch.nn.Module, prompt_len: int, continuation_len: int, seed: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """A random prompt and continuation, with peft's logits through the adapter and without it."""
+    prompt = torch.randint(2, TINY_GQA.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    continuation = torch.randint(2, TINY_GQA.vocab_size, (continuation_len,), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    expected = peft_logits(ref, prompt, continuation)
+    with torch.no_grad(), ref.disable_adapter():
+        base_logits = peft_logits(ref, prompt, continuation)
+    return prompt, continuation, expected, base_logits
+
+
 @pytest.mark.parametrize("targets,extra", [(ALL, {}), (["q_proj", "v_proj"], {}), (["o_proj", "down_proj"], {"use_rslora": True})],
                          ids=["all-seven", "q-v", "o-down-rslora"])
 def test_logits_match_peft(base: Path, tmp_path: Path, targets: list[str], extra: dict) -> None:
     ref = make_adapter(base, tmp_path / "a", seed=1, targets=targets, **extra)
     llm = engine(base)
     llm.load_lora("a", tmp_path / "a")
-    prompt = torch.randint(2, TINY_GQA.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
-    continuation = torch.randint(2, TINY_GQA.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    expected = peft_logits(ref, prompt, continuation)
-    with torch.no_grad(), ref.disable_adapter():
-        base_logits = peft_logits(ref, prompt, continuation)
+    prompt, continuation, expected, base_logits = random_case(ref, 37, 12, seed=0)
     assert (expected - base_logits).abs().max() > 0.1, "the adapter must change the logits for the test to mean anything"
     for chunk in (None, 5):
         ours = our_logits(llm, "a", prompt, continuation, chunk)
@@ -333,11 +339,7 @@ def test_bf16_engine_with_an_adapter_follows_peft(base: Path, tmp_path: Path) ->
     ref = make_adapter(base, tmp_path / "a", seed=90)
     llm = engine(base, dtype="bfloat16")
     llm.load_lora("a", tmp_path / "a")
-    prompt = torch.randint(2, TINY_GQA.vocab_size, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-    continuation = torch.randint(2, TINY_GQA.vocab_size, (8,), generator=torch.Generator().manual_seed(4)).tolist()
-    expected = peft_logits(ref, prompt, continuation)
-    with torch.no_grad(), ref.disable_adapter():
-        base_logits = peft_logits(ref, prompt, continuation)
+    prompt, continuation, expected, base_logits = random_case(ref, 30, 8, seed=3)
     ours = our_logits(llm, "a", prompt, continuation, None).float()
     moved = (expected - base_logits).abs().max()
     assert (ours - expected).abs().max() < 0.1 * moved
