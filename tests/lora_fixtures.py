@@ -26,3 +26,22 @@ def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = ALL, r: 
                                                       init_lora_weights=False, **extra))
     model.save_pretrained(out)
     return model.eval()
+
+
+def make_xlora(base: Path, out: Path, adapters: list[Path], seed: int, **settings: object) -> torch.nn.Module:
+    """A peft X-LoRA model over `adapters` (peft 0.21.2 runs only adapters named "0", "1", ...)
+    with a random classifier, saved to `out` as peft saves it; returns the peft model (the oracle,
+    in eval mode: no dropout)."""
+    from peft import XLoraConfig, get_peft_model
+
+    model = hf_model(base)
+    model.config.use_cache = False  # peft's X-LoRA runs both passes over the whole sequence
+    torch.manual_seed(seed)
+    config = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,
+                         adapters={str(i): str(p) for i, p in enumerate(adapters)}, **settings)
+    xlora = get_peft_model(model, config)
+    with torch.no_grad():  # logits of a few units, so the mixture is far from uniform
+        for p in xlora.base_model.internal_xlora_classifier.parameters():
+            p.mul_(8.0)
+    xlora.save_pretrained(out)
+    return xlora.eval()

@@ -10,7 +10,7 @@ from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.models.registry import build_model
 from ruvllm.outputs import ScheduledSeq, SchedulerOutput
-from ruvllm.request import Request
+from ruvllm.request import Request, scaling_key
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.worker.model_runner import ModelRunner
 
@@ -67,8 +67,9 @@ def teacher_forced_logits(kv: KVCacheManager, runner: ModelRunner, prompt: list[
                           chunk: int | None = None, adapter: str | None = None) -> torch.Tensor:
     """Logits after the prompt (prefilled in chunks of `chunk`, or at once) and after each
     teacher-forced continuation token, through a runner and KV manager without the scheduler:
-    [1 + len(continuation), V]. `adapter`: a LoRA adapter loaded in the runner's worker."""
+    [1 + len(continuation), V]. `adapter`: a LoRA adapter or X-LoRA model loaded in the runner's worker."""
     req = Request("r", list(prompt), SamplingParams())
+    req.scaling_pass = adapter is not None and runner.lora.get(adapter).scaling_pass
     out = []
     pending = list(prompt)
     for tok in [None] + continuation:
@@ -79,7 +80,8 @@ def teacher_forced_logits(kv: KVCacheManager, runner: ModelRunner, prompt: list[
             n = len(pending) if chunk is None else min(chunk, len(pending))
             assert kv.allocate_slots(req, n)
             seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, kv.block_table("r"),
-                               sample=n == len(pending), adapter=adapter)
+                               sample=n == len(pending), adapter=adapter,
+                               scaling_block_table=kv.block_table(scaling_key("r")) if req.scaling_pass else None)
             logits, _ = runner.compute_logits(SchedulerOutput([seq]))
             req.num_computed_tokens += n
             pending = pending[n:]

@@ -20,6 +20,8 @@ class ScheduledSeq:
     # wanted (echo scoring). None when the request does not ask for prompt logprobs.
     prompt_logprob_targets: tuple[int, list[int]] | None = None
     adapter: str | None = None  # the LoRA adapter the sequence runs with (None: the base model)
+    # An X-LoRA sequence's scaling-pass block table (None for every other sequence)
+    scaling_block_table: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -39,6 +39,11 @@ class Logprob:
     rank: int
 
 
+def scaling_key(request_id: str) -> str:
+    """The KV block table of a request's scaling pass (X-LoRA), beside its own."""
+    return request_id + "\x00scaling"
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -54,6 +59,10 @@ class Request:
     # Mixed into the first block's prefix-cache hash: blocks computed under one adapter (one load
     # of it: a name loaded again is another adapter) are never a hit for another, or for the base.
     cache_salt: object = None
+    adapter_slots: int = 0  # adapter slots its adapter takes (an X-LoRA model: one per adapter it mixes)
+    # An X-LoRA request runs a scaling pass too, with a KV stream of its own: the base model's
+    # (salt None), so it shares prefix-cache blocks with base-model requests.
+    scaling_pass: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -68,6 +77,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     queue_time_sent: bool = False
+
+    @property
+    def kv_streams(self) -> list[tuple[str, object]]:
+        """(key, prefix-cache salt) of each KV block table the request holds: its own, and with a
+        scaling pass the scaling pass's."""
+        own = (self.request_id, self.cache_salt)
+        return [own, (scaling_key(self.request_id), None)] if self.scaling_pass else [own]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,7 +23,7 @@ from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 
 if TYPE_CHECKING:
-    from ruvllm.lora.peft_adapter import LoraAdapter  # the worker's; the core only passes it on
+    from ruvllm.lora.manager import Served  # the worker's; the core only passes it on
 
 
 class Executor(Protocol):
@@ -33,9 +33,9 @@ class Executor(Protocol):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def read_adapter(self, name: str, path: str) -> LoraAdapter: ...
+    def read_adapter(self, name: str, path: str) -> Served: ...
 
-    def install_adapter(self, adapter: LoraAdapter) -> None: ...
+    def install_adapter(self, adapter: Served) -> None: ...
 
     def remove_adapter(self, name: str) -> None: ...
 
@@ -53,6 +53,7 @@ class EngineCore:
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)
+        self._adapter_runs: dict[str, tuple[int, bool]] = {}  # -> (adapter slots it takes, runs a scaling pass)
         self._unloading: set[str] = set()  # unloaded while requests still ran with them
         self._loads = itertools.count()
         # A load joins the adapters from the thread that read it, while the loop may be stepping.
@@ -63,13 +64,13 @@ class EngineCore:
         """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong)."""
         self.install_adapter(self.read_adapter(name, path))
 
-    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+    def read_adapter(self, name: str, path: str) -> Served:
         """The file work of a load: safe on another thread while the core steps."""
         if name in self._adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
         return self.executor.read_adapter(name, path)
 
-    def install_adapter(self, adapter: LoraAdapter) -> None:
+    def install_adapter(self, adapter: Served) -> None:
         """Make a read adapter servable (any thread, even while a step runs: it takes a slot when a
         step first uses it)."""
         with self._adapter_lock:
@@ -77,6 +78,7 @@ class EngineCore:
                 raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
             self.executor.install_adapter(adapter)
             self._adapters[adapter.name] = next(self._loads)
+            self._adapter_runs[adapter.name] = (adapter.num_slots, adapter.scaling_pass)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter: new requests cannot use it at once; requests running with it finish
@@ -99,6 +101,7 @@ class EngineCore:
             for name in [n for n in self._unloading if n not in in_use]:
                 self._unloading.discard(name)
                 del self._adapters[name]
+                del self._adapter_runs[name]
                 self.executor.remove_adapter(name)
 
     # --- requests --------------------------------------------------------------------------------
@@ -115,6 +118,8 @@ class EngineCore:
                       arrival=self._arrivals.next(), prompt_sibling=sibling,
                       max_total_tokens=self.info.max_seq_len, adapter=cr.adapter,
                       cache_salt=None if cr.adapter is None else ("lora", self._adapters[cr.adapter]))
+        if cr.adapter is not None:
+            req.adapter_slots, req.scaling_pass = self._adapter_runs[cr.adapter]
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         self._core_requests[cr.request_id] = cr

@@ -1,4 +1,8 @@
-"""Which KV blocks each request holds: prefix-cache lookups, slot allocation, hashing, freeing."""
+"""Which KV blocks each request holds: prefix-cache lookups, slot allocation, hashing, freeing.
+
+A request holds one block table per KV stream (Request.kv_streams): its own, and for an X-LoRA
+request its scaling pass's as well. Both grow together: every count here (blocks needed, prefix
+hits, what is freed) is over all of a request's streams."""
 
 from __future__ import annotations
 
@@ -27,10 +31,11 @@ class KVCacheManager:
         self.hot_tokens = hot_tokens
         self.pool = BlockPool(num_blocks, num_cold_blocks)
         self.stats = PrefixCacheStats()
+        # keyed by KV stream (a request id, or its scaling pass's key)
         self._blocks: dict[str, list[KVBlock]] = {}
-        self._hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
-        self._cold_upto: dict[str, int] = {}  # leading blocks of the request already cold
-        self._requests: dict[str, Request] = {}  # every request holding blocks (for migrate_cold)
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of the stream's full blocks
+        self._cold_upto: dict[str, int] = {}  # leading blocks of the stream already cold
+        self._requests: dict[str, Request] = {}  # the request of every stream holding blocks (for migrate_cold)
 
     @property
     def num_free_blocks(self) -> int:
@@ -48,16 +53,27 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks at the start of the request's tokens.
+        """Longest run of cached full blocks at the start of the request's tokens, and the tokens
+        they hold. With several KV streams: a run every stream has, each stream's blocks one after
+        the other.
 
         The last token is never taken from the cache: the step must compute it to get its logits."""
         if not self.enable_prefix_caching:
             return [], 0
+        chains = [self._cached_chain(req, salt) for _, salt in req.kv_streams]
+        k = min(len(c) for c in chains)
+        while True:
+            heads = [self._exact_hits(c[:k]) if self.pool.num_cold else c[:k] for c in chains]
+            shortest = min(len(h) for h in heads)
+            if shortest == k:
+                return [b for h in heads for b in h], k * self.block_size
+            k = shortest
+
+    def _cached_chain(self, req: Request, salt: object) -> list[KVBlock]:
         tokens = req.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = req.cache_salt
-        for i in range(max_blocks):
+        parent = salt
+        for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))
             block = self.pool.lookup(h, chunk)
@@ -65,9 +81,7 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = h
-        if self.pool.num_cold:
-            hits = self._exact_hits(hits)
-        return hits, len(hits) * self.block_size
+        return hits
 
     def _num_old_blocks(self, num_tokens: int) -> int:
         """Leading blocks that every query at position >= num_tokens reads as old (dequantized):
@@ -97,45 +111,48 @@ class KVCacheManager:
         `computed_blocks` (prefix-cache hits, on admission) are counted in the hit statistics only
         when the allocation succeeds, so a request that waits several steps is counted once."""
         computed_blocks = computed_blocks or []
-        held = self._blocks.setdefault(req.request_id, [])
-        self._requests[req.request_id] = req
-        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        streams = [key for key, _ in req.kv_streams]
+        per_stream = len(computed_blocks) // len(streams)
+        hits = [computed_blocks[i * per_stream:(i + 1) * per_stream] for i in range(len(streams))]
+        held = [self._blocks.get(key, []) for key in streams]
+        total = self.num_blocks_needed(req.num_computed_tokens + per_stream * self.block_size + num_new_tokens)
+        needed = [max(0, total - len(h) - len(c)) for h, c in zip(held, hits)]
         # New tokens take hot blocks; cold hits are revived from the cold free list.
         revived = sum(1 for b in computed_blocks if b.ref_count == 0 and not self.pool.is_cold(b))
-        if needed > self.pool.num_free_hot - revived:
-            if not held:
-                del self._blocks[req.request_id]
-                del self._requests[req.request_id]
+        if sum(needed) > self.pool.num_free_hot - revived:
             return False
-        if self.enable_prefix_caching and not held:  # admission
+        if self.enable_prefix_caching and not any(held):  # admission
             self.stats.queries += req.num_tokens
-            self.stats.hits += len(computed_blocks) * self.block_size
+            self.stats.hits += per_stream * self.block_size
         self.pool.touch(computed_blocks)
-        held.extend(computed_blocks)
-        if needed > 0:
-            held.extend(self.pool.allocate(needed))
+        for key, stream_hits, n in zip(streams, hits, needed):
+            blocks = self._blocks.setdefault(key, [])
+            self._requests[key] = req
+            blocks.extend(stream_hits)
+            if n > 0:
+                blocks.extend(self.pool.allocate(n))
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register blocks that became full (all tokens computed) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes.setdefault(req.request_id, [])
         num_full = req.num_computed_tokens // self.block_size
-        if num_full <= len(hashes):
-            return
-        blocks = self._blocks[req.request_id]
-        tokens = req.all_token_ids
-        parent = hashes[-1] if hashes else req.cache_salt
-        for i in range(len(hashes), num_full):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, chunk))
-            self.pool.register(blocks[i], h, chunk)
-            hashes.append(h)
-            parent = h
+        for key, salt in req.kv_streams:
+            hashes = self._hashes.setdefault(key, [])
+            if num_full <= len(hashes):
+                continue
+            blocks = self._blocks[key]
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else salt
+            for i in range(len(hashes), num_full):
+                chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+                h = hash((parent, chunk))
+                self.pool.register(blocks[i], h, chunk)
+                hashes.append(h)
+                parent = h
 
-    def _num_movable(self, req: Request) -> int:
+    def _num_movable(self, req: Request, key: str) -> int:
         """Leading blocks of the request that none of its later queries reads exactly: old for a
         query at the start of the block holding its next token (num_computed_tokens rounded down
         to a block). Moving them then costs no more hot blocks than moving each as soon as the next
@@ -143,7 +160,7 @@ class KVCacheManager:
         every block young for the hit's first query still hot. Only fully computed blocks move."""
         ctx = req.num_computed_tokens
         start = ctx // self.block_size * self.block_size
-        return min(len(self._blocks[req.request_id]), ctx // self.block_size, self._num_old_blocks(start))
+        return min(len(self._blocks[key]), ctx // self.block_size, self._num_old_blocks(start))
 
     def migrate_cold(self, reqs: list[Request]) -> list[tuple[int, int]]:
         """Move blocks that no later query of any holder reads exactly to the cold tier.
@@ -158,13 +175,13 @@ class KVCacheManager:
             return []
         young: set[int] | None = None  # ids of shared blocks some holder still reads exactly
         moves = []
-        for req in reqs:
-            blocks = self._blocks.get(req.request_id)
+        for req, key in [(r, key) for r in reqs for key, _ in r.kv_streams]:
+            blocks = self._blocks.get(key)
             if not blocks:
                 continue
-            movable = self._num_movable(req)
+            movable = self._num_movable(req, key)
             upto = None  # the first block left behind, where the next call starts
-            for i in range(self._cold_upto.get(req.request_id, 0), movable):
+            for i in range(self._cold_upto.get(key, 0), movable):
                 block = blocks[i]
                 if self.pool.is_cold(block):
                     continue
@@ -179,22 +196,23 @@ class KVCacheManager:
                     upto = i if upto is None else upto
                     break
                 moves.append(move)
-            self._cold_upto[req.request_id] = movable if upto is None else upto
+            self._cold_upto[key] = movable if upto is None else upto
         return moves
 
     def _young_shared_blocks(self) -> set[int]:
         """Shared blocks that some holder will still read exactly (past its movable head)."""
         young = set()
-        for rid, req in self._requests.items():
-            for block in self._blocks[rid][self._num_movable(req):]:
+        for key, req in self._requests.items():
+            for block in self._blocks[key][self._num_movable(req, key):]:
                 if block.ref_count > 1:
                     young.add(id(block))
         return young
 
     def free(self, req: Request) -> None:
         """Return every block of the request; tail blocks first so they are evicted before shared heads."""
-        blocks = self._blocks.pop(req.request_id, [])
-        self._hashes.pop(req.request_id, None)
-        self._cold_upto.pop(req.request_id, None)
-        self._requests.pop(req.request_id, None)
-        self.pool.release(reversed(blocks))
+        for key, _ in req.kv_streams:
+            blocks = self._blocks.pop(key, [])
+            self._hashes.pop(key, None)
+            self._cold_upto.pop(key, None)
+            self._requests.pop(key, None)
+            self.pool.release(reversed(blocks))

@@ -14,14 +14,14 @@ import time
 from ruvllm.config import SchedulerConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from ruvllm.request import FinishReason, Request, RequestStatus
+from ruvllm.request import FinishReason, Request, RequestStatus, scaling_key
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
         self.config = config
         self.kv = kv
-        self.max_loras = max_loras  # LoRA adapters the running requests may use at once (the worker's slots)
+        self.max_loras = max_loras  # adapter slots the running requests may use at once (the worker's)
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -85,14 +85,15 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            adapters = {r.adapter for r in self.running if r.adapter}
+            adapters = {r.adapter: r.adapter_slots for r in self.running if r.adapter}
             for req in list(self.waiting):
                 if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                     break
                 if self._waits_for_sibling(req):
                     continue
-                # Every slot holds an adapter running requests use: this one waits for a slot.
-                if req.adapter and req.adapter not in adapters and len(adapters) >= self.max_loras:
+                # The slots hold adapters running requests use: this one waits for slots.
+                if req.adapter and req.adapter not in adapters \
+                        and sum(adapters.values()) + req.adapter_slots > self.max_loras:
                     continue
                 # Prompt logprobs need every prompt position computed: no prefix-cache hits.
                 hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None \
@@ -111,7 +112,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 if req.adapter:
-                    adapters.add(req.adapter)
+                    adapters[req.adapter] = req.adapter_slots
                 scheduled.append((req, n))
                 budget -= n
 
@@ -125,6 +126,7 @@ class Scheduler:
                 sample=start + n == req.num_tokens,
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
                 adapter=req.adapter,
+                scaling_block_table=self.kv.block_table(scaling_key(req.request_id)) if req.scaling_pass else None,
             ))
         return out
 

@@ -38,7 +38,8 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
                           const at::Tensor& slot_mapping);
 // lora/csrc/lora_add.cpp
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds);
+              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
+              const std::optional<at::Tensor>& row_weight);
 // models/csrc/llama_layers.cpp
 at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
                         at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
@@ -72,7 +73,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope_cache(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   // Adds each row's adapter delta to y in place.
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor ranks, Tensor row_slot, int[] bounds) -> ()");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor ranks, Tensor row_slot, int[] bounds, Tensor? row_weight=None) -> ()");
   m.def("llama_layers(Tensor x, Tensor?[] weights, int[] kinds, int[] groups, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor row_seq, Tensor row_ctx, int block_size, float scale, float eps, int num_heads, int num_kv_heads, "

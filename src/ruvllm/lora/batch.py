@@ -19,10 +19,12 @@ def lora_kernel() -> Callable[..., None] | None:
     return None if ext is None else ext.lora_add
 
 
-def lora_add_torch(y: torch.Tensor, x: torch.Tensor, p: ProjectionSlots, row_slot: list[int]) -> None:
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, p: ProjectionSlots, row_slot: list[int],
+                   row_weight: torch.Tensor | None = None) -> None:
     """The kernel's computation in PyTorch ops, for any device and dtype: per slot, its rows'
-    shrink and expand (one matmul each per sub-projection). The reference for the kernel's tests;
-    unlike the kernel, its matmuls may round a row differently with the group's size."""
+    shrink and expand (one matmul each per sub-projection), the shrink scaled by `row_weight`
+    [T, n_sub] when given. The reference for the kernel's tests; unlike the kernel, its matmuls may
+    round a row differently with the group's size."""
     R = p.B.shape[1]
     for s in sorted(set(row_slot) - {-1}):
         idx = torch.tensor([t for t, v in enumerate(row_slot) if v == s], device=x.device)
@@ -32,6 +34,8 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, p: ProjectionSlots, row_slo
                 continue
             lo, hi = p.bounds[i], p.bounds[i + 1]
             u = xs @ p.A[s, i * R:i * R + r].t()
+            if row_weight is not None:
+                u = u * row_weight.index_select(0, idx)[:, i:i + 1].to(u.dtype)
             y[idx, lo:hi] += u @ p.B[s, :r, lo:hi]
 
 
@@ -44,12 +48,52 @@ class LoraBatch:
     def __post_init__(self) -> None:
         self.rows = torch.tensor(self.row_slot, dtype=torch.int32)
 
+    @property
+    def in_layer_loop(self) -> bool:
+        """Whether the C++ layer loop can apply these deltas (it calls our kernel itself)."""
+        return self.kernel is not None
+
     def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) plus each row's adapter delta, in place."""
         p = self.slots.layers[layer][fused]
-        if self.kernel is not None and y.device.type == "cpu" and y.dtype == torch.float32 and x.is_contiguous() \
-                and y.is_contiguous():
+        if self.kernel is not None and _kernel_takes(x, y):
             self.kernel(y, x, p.A, p.B, p.ranks, self.rows, list(p.bounds))
         else:
             lora_add_torch(y, x, p, self.row_slot)
+        return y
+
+
+def _kernel_takes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return y.device.type == "cpu" and y.dtype == torch.float32 and x.is_contiguous() and y.is_contiguous()
+
+
+@dataclass
+class XLoraBatch:
+    """The real pass of X-LoRA rows: each row mixes its model's adapters by its own scalings.
+
+    member_slots[k][t] is the slot of row t's k-th adapter (-1 when its model has fewer); weights
+    [layers, fused projections, k, T, 3] holds each row's scaling of its k-th adapter in each
+    sub-projection (global_scaling_weight folded in). A row's deltas are added adapter by adapter in
+    its model's order, whatever else the batch holds."""
+
+    slots: LoraSlots
+    member_slots: list[list[int]]
+    weights: torch.Tensor
+    fused_names: list[str]
+    kernel: Callable[..., None] | None = None
+
+    in_layer_loop = False  # the C++ loop takes one adapter per row: the Python loop runs these steps
+
+    def __post_init__(self) -> None:
+        self.rows = [torch.tensor(r, dtype=torch.int32) for r in self.member_slots]
+
+    def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = self.slots.layers[layer][fused]
+        n_sub = len(p.bounds) - 1
+        w = self.weights[layer, self.fused_names.index(fused), :, :, :n_sub]
+        for k, (rows, row_slot) in enumerate(zip(self.rows, self.member_slots)):
+            if self.kernel is not None and _kernel_takes(x, y):
+                self.kernel(y, x, p.A, p.B, p.ranks, rows, list(p.bounds), w[k].contiguous())
+            else:
+                lora_add_torch(y, x, p, row_slot, w[k])
         return y

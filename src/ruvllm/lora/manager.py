@@ -1,7 +1,8 @@
 """The adapters one engine serves: each read from its folder, checked against the model and kept
 in CPU memory (up to max_cpu_loras); the ones a step uses are copied into slots of the
 preallocated LoraSlots on demand (up to max_loras, the scheduler never mixes more in one batch),
-evicting the least recently used adapter that the step does not need."""
+evicting the least recently used adapter that the step does not need. An X-LoRA model takes one
+slot per adapter it mixes."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import torch
 
 from ruvllm.config import LoraConfig, ModelConfig
 from ruvllm.errors import AdapterError
-from ruvllm.lora.batch import LoraBatch, lora_kernel
+from ruvllm.lora.batch import LoraBatch, XLoraBatch, lora_kernel
 from ruvllm.lora.peft_adapter import LoraAdapter, load_peft_adapter
-from ruvllm.lora.slots import LoraSlots
-from ruvllm.outputs import SchedulerOutput
+from ruvllm.lora.slots import FUSED, LoraSlots
+from ruvllm.lora.xlora import XLoraAdapter, is_xlora_folder, load_xlora
+from ruvllm.outputs import ScheduledSeq, SchedulerOutput
+
+Served = LoraAdapter | XLoraAdapter
+SlotKey = tuple[str, int]  # (served name, expert index; -1 for a plain adapter)
 
 
 class LoraManager:
@@ -23,19 +28,24 @@ class LoraManager:
         self.cfg, self.config = cfg, config
         self.slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, dtype, device)
         self.kernel = lora_kernel() if device.type == "cpu" else None
-        self._loaded: dict[str, LoraAdapter] = {}
+        self._loaded: dict[str, Served] = {}
         self._lock = threading.Lock()  # install runs on a load's own thread, remove on the loop's
-        self._slot_of: dict[str, int] = {}  # resident adapters, least recently used first
+        self._slot_of: dict[SlotKey, int] = {}  # resident adapters, least recently used first
 
-    def read(self, name: str, path: str | Path) -> LoraAdapter:
-        """Read and check an adapter (file work only: no slot is touched)."""
+    def read(self, name: str, path: str | Path) -> Served:
+        """Read and check an adapter or an X-LoRA model (file work only: no slot is touched)."""
+        if is_xlora_folder(path):
+            return load_xlora(path, self.cfg, self.config.max_lora_rank, name)
         return load_peft_adapter(path, self.cfg, self.config.max_lora_rank, name)
 
-    def install(self, adapter: LoraAdapter) -> None:
+    def install(self, adapter: Served) -> None:
         """Keep a read adapter ready to serve (it takes a slot when a step first uses it)."""
         with self._lock:
             if adapter.name in self._loaded:
                 raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+            if adapter.num_slots > self.config.max_loras:
+                raise AdapterError(f"{adapter.name!r} mixes {adapter.num_slots} adapters and this engine has "
+                                   f"{self.config.max_loras} adapter slots (--max-loras)")
             if len(self._loaded) >= self.config.cpu_capacity:
                 raise AdapterError(f"{len(self._loaded)} adapters are loaded, the most this server keeps "
                                    "(--max-cpu-loras); unload one first")
@@ -44,20 +54,26 @@ class LoraManager:
     def remove(self, name: str) -> None:
         with self._lock:
             del self._loaded[name]
-        slot = self._slot_of.pop(name, None)
-        if slot is not None:
-            self.slots.clear(slot)
+        for key in [k for k in self._slot_of if k[0] == name]:
+            self.slots.clear(self._slot_of.pop(key))
 
     def names(self) -> list[str]:
         return list(self._loaded)
 
-    def resident(self) -> dict[str, int]:
+    def resident(self) -> dict[SlotKey, int]:
         return dict(self._slot_of)
 
-    def _slot_for(self, name: str, needed: set[str]) -> int:
+    def get(self, name: str) -> Served:
+        return self._loaded[name]
+
+    def _keys(self, name: str) -> list[SlotKey]:
+        served = self._loaded[name]
+        return [(name, i) for i in range(len(served.adapters))] if isinstance(served, XLoraAdapter) else [(name, -1)]
+
+    def _slot_for(self, key: SlotKey, needed: set[SlotKey]) -> int:
         """The adapter's slot, copying it in first if it has none: into a free slot, else over the
         least recently used adapter this step does not need."""
-        slot = self._slot_of.pop(name, None)
+        slot = self._slot_of.pop(key, None)
         if slot is None:
             taken = set(self._slot_of.values())
             slot = next((s for s in range(self.config.max_loras) if s not in taken), None)
@@ -66,17 +82,47 @@ class LoraManager:
                 if victim is None:
                     raise AdapterError(f"a step needs more than {self.config.max_loras} adapters (--max-loras)")
                 slot = self._slot_of.pop(victim)
-            self.slots.load(slot, self._loaded[name])
-        self._slot_of[name] = slot  # most recently used last
+            served = self._loaded[key[0]]
+            self.slots.load(slot, served.adapters[key[1]] if isinstance(served, XLoraAdapter) else served)
+        self._slot_of[key] = slot  # most recently used last
         return slot
 
     def batch(self, so: SchedulerOutput) -> LoraBatch | None:
-        """The step's rows and their slots, or None when no row uses an adapter."""
-        needed = {seq.adapter for seq in so.seqs if seq.adapter}
+        """The step's first forward pass: each row's slot (the base model for X-LoRA rows: their
+        scaling pass), or None when no row uses an adapter there. Every adapter the step uses, X-LoRA
+        experts included, is made resident here, for both passes."""
+        needed = {key for seq in so.seqs if seq.adapter for key in self._keys(seq.adapter)}
         if not needed:
             return None
-        slots = {name: self._slot_for(name, needed) for name in needed}
+        slots = {key: self._slot_for(key, needed) for key in needed}
         rows: list[int] = []
         for seq in so.seqs:
-            rows.extend([slots[seq.adapter] if seq.adapter else -1] * len(seq.token_ids))
+            plain = seq.adapter and seq.scaling_block_table is None
+            rows.extend([slots[(seq.adapter, -1)] if plain else -1] * len(seq.token_ids))
+        if all(r == -1 for r in rows):
+            return None
         return LoraBatch(self.slots, rows, self.kernel)
+
+    def xlora_batch(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> XLoraBatch:
+        """The real pass of X-LoRA sequences (resident since batch()), from their rows' scaling-pass
+        hidden states [T, H] in the order of `seqs`."""
+        served = [self._loaded[seq.adapter] for seq in seqs]
+        width = max(len(m.adapters) for m in served)
+        T = hidden.shape[0]
+        member_slots = [[-1] * T for _ in range(width)]
+        fused_names = list(FUSED)
+        weights = torch.zeros(self.cfg.num_layers, len(FUSED), width, T, 3)
+        start = 0
+        for seq, model in zip(seqs, served):
+            n = len(seq.token_ids)
+            assert isinstance(model, XLoraAdapter)
+            for k in range(len(model.adapters)):
+                member_slots[k][start:start + n] = [self._slot_of[(model.name, k)]] * n
+            # each (layer, fused projection, sub-projection)'s module, or the zero column past the last
+            gather = model.gather
+            scalings = model.classifier.scalings(hidden[start:start + n]) * model.classifier.settings.global_scaling_weight
+            padded = torch.cat([scalings, scalings.new_zeros(n, 1, scalings.shape[2])], dim=1)
+            mixed = padded[:, gather.flatten(), :].view(n, *gather.shape, -1)  # [n, L, F, 3, A]
+            weights[:, :, :len(model.adapters), start:start + n, :] = mixed.permute(1, 2, 4, 0, 3)
+            start += n
+        return XLoraBatch(self.slots, member_slots, weights, fused_names, self.kernel)

@@ -44,6 +44,9 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     base_model: str | None = None
 
+    scaling_pass = False  # only X-LoRA models run a scaling pass (lora/xlora.py)
+    num_slots = 1  # adapter slots it takes when a step uses it
+
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
@@ -101,14 +104,21 @@ def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name:
     """Read and check a PEFT LoRA adapter for a model of shape `cfg`. Raises AdapterError naming the
     problem: missing or corrupt files, an unsupported feature, a rank over `max_rank`, a target this
     model does not have, or shapes made for another model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise AdapterError(f"adapter {folder}: no such folder")
     config = read_adapter_config(folder)
     check_lora_config(config, folder / "adapter_config.json")
+    weights_path = folder / "adapter_model.safetensors"
+    tensors = read_adapter_tensors(folder)
+    return adapter_from_tensors(tensors, config, cfg, max_rank, name or str(folder), folder, weights_path)
+
+
+def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a PEFT folder's adapter_model.safetensors (AdapterError when missing or corrupt)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
         if (folder / "adapter_model.bin").is_file():
@@ -116,10 +126,14 @@ def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name:
                                "save the adapter with safetensors (PEFT's default)")
         raise AdapterError(f"{folder}: no adapter_model.safetensors")
     try:
-        tensors = load_file(str(weights_path))
+        return load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from None
 
+
+def adapter_from_tensors(tensors: dict[str, torch.Tensor], config: dict, cfg: ModelConfig, max_rank: int, name: str,
+                         folder: Path, weights_path: Path) -> LoraAdapter:
+    """Check LoRA pairs (PEFT tensor names, PEFT config) against a model of shape `cfg`."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
@@ -164,5 +178,5 @@ def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name:
         alpha = _pattern_value(alphas, module, alpha_default)
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         out[(layer, target)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
-    return LoraAdapter(name=name or str(folder), path=folder, rank=max(a.shape[0] for a, _ in out.values()),
+    return LoraAdapter(name=name, path=folder, rank=max(a.shape[0] for a, _ in out.values()),
                        weights=out, base_model=config.get("base_model_name_or_path"))

@@ -27,7 +27,7 @@ from ruvllm.quant.plan import Weight, fuse_pieces, realize, stored_form
 from ruvllm.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:
-    from ruvllm.lora.batch import LoraBatch
+    from ruvllm.lora.batch import LoraBatch, XLoraBatch
     from ruvllm.models.weight_plan import WeightPlan
 
 # A layer's adapters for one step: (fused projection name, its input, its base output) -> the output
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple], meta: AttentionMetadata,
-                attn: AttentionBackend, lora: LoraBatch | None = None) -> torch.Tensor:
+                attn: AttentionBackend, lora: LoraBatch | XLoraBatch | None = None) -> torch.Tensor:
         # The residual stream is carried beside each sublayer's output and added inside the next
         # norm (one fused kernel on GPU); in the torch ops this is the same arithmetic as
         # attention_inputs / attention_output_and_mlp.
@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         cos, sin = self.rope.for_positions(positions)
         # A step with adapters takes the C++ loop only where their deltas run on our kernel too.
-        loop = self._layer_loop() if lora is None or lora.kernel is not None else None
+        loop = self._layer_loop() if lora is None or lora.in_layer_loop else None
         if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
             return loop(x, cos, sin, kv_caches, meta, self, lora)  # the same kernels, called from C++
         scale = self.cfg.head_dim ** -0.5

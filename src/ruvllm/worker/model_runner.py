@@ -15,9 +15,10 @@ from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
 from ruvllm.layers.sampler import SamplingState, sample, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
-from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
+from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
+    from ruvllm.lora.batch import LoraBatch, XLoraBatch
     from ruvllm.lora.manager import LoraManager
     from ruvllm.worker.cuda_graphs import DecodeGraphs
 
@@ -194,19 +195,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, so: SchedulerOutput) -> torch.Tensor:
-        """One forward pass over every scheduled token of every request: final hidden states [T, H]."""
+        """One forward pass over every scheduled token of every request: final hidden states [T, H].
+
+        X-LoRA sequences run it as their scaling pass (the base model, over their scaling block
+        tables); a second pass over those sequences alone, mixing their adapters by the scalings
+        their classifier reads off the first pass, gives their rows' hidden states."""
+        lora = self.lora.batch(so) if self.lora is not None else None
+        hidden = self._forward(so.seqs, lora, scaling_tables=True)
+        mixed = [i for i, seq in enumerate(so.seqs) if seq.scaling_block_table is not None]
+        if mixed:
+            assert self.lora is not None
+            starts = [0]
+            for seq in so.seqs:
+                starts.append(starts[-1] + len(seq.token_ids))
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mixed]).to(self.device)
+            seqs = [so.seqs[i] for i in mixed]
+            xlora = self.lora.xlora_batch(seqs, hidden.index_select(0, rows))
+            hidden.index_copy_(0, rows, self._forward(seqs, xlora, scaling_tables=False))
+        return hidden
+
+    def _forward(self, scheduled: list[ScheduledSeq], lora: LoraBatch | XLoraBatch | None,
+                 scaling_tables: bool) -> torch.Tensor:
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
-        for seq in so.seqs:
+        for seq in scheduled:
             n = len(seq.token_ids)
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_position, seq.start_position + n))
-            seqs.append((n, seq.start_position + n, seq.block_table))
+            table = seq.scaling_block_table if scaling_tables and seq.scaling_block_table is not None \
+                else seq.block_table
+            seqs.append((n, seq.start_position + n, table))
         meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        lora = self.lora.batch(so) if self.lora is not None else None
         return self.model(ids, pos, self.kv_views, meta, self.attn, lora)
 
     @staticmethod

@@ -22,8 +22,7 @@ from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, S
 from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.errors import AdapterError
 from ruvllm.layers.sampler import SamplingState
-from ruvllm.lora.manager import LoraManager
-from ruvllm.lora.peft_adapter import LoraAdapter
+from ruvllm.lora.manager import LoraManager, Served
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
@@ -91,10 +90,10 @@ class Worker:
             raise AdapterError("LoRA adapters are not enabled for this engine (enable_lora / --enable-lora)")
         return self.lora
 
-    def read_adapter(self, name: str, path: str) -> LoraAdapter:
+    def read_adapter(self, name: str, path: str) -> Served:
         return self._lora().read(name, path)
 
-    def install_adapter(self, adapter: LoraAdapter) -> None:
+    def install_adapter(self, adapter: Served) -> None:
         self._lora().install(adapter)
 
     def remove_adapter(self, name: str) -> None:

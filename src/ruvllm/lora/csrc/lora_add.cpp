@@ -8,6 +8,8 @@
 //                             u[i * R + j]; columns of one sub-projection are bounds[i] .. bounds[i+1]
 //   ranks  [S, n_sub] int32   each slot's rank per sub-projection (0: no LoRA there)
 //   row_slot [T] int32        the slot of each row of x, -1 for the base model alone
+//   row_weight [T, n_sub]     optional: each row's weight for each sub-projection's delta (X-LoRA's
+//                             per-token scalings; its mixture of adapters is one call per adapter)
 //
 // Batch invariance: a row's delta is computed from that row and its slot's weights alone, every
 // dot product over K in one fixed order and every output summed over j = 0 .. r-1 in order, then
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -127,7 +130,8 @@ constexpr int TR = 3;         // rows of x a tile takes at once
 namespace ruvllm {
 
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds) {
+              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
+              const std::optional<at::Tensor>& row_weight) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
               B.scalar_type() == at::kFloat, "lora_add: float32 tensors");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.is_contiguous() && x.size(0) == y.size(0),
@@ -143,6 +147,9 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
               ranks.size(1) == n_sub, "lora_add: ranks int32 [S, n_sub]");
   TORCH_CHECK(row_slot.scalar_type() == at::kInt && row_slot.is_contiguous() && row_slot.numel() == T,
               "lora_add: row_slot int32 [T]");
+  if (row_weight)
+    TORCH_CHECK(row_weight->scalar_type() == at::kFloat && row_weight->is_contiguous() && row_weight->dim() == 2 &&
+                row_weight->size(0) == T && row_weight->size(1) == n_sub, "lora_add: row_weight float32 [T, n_sub]");
   const int32_t* slot = row_slot.data_ptr<int32_t>();
   const int32_t* rk = ranks.data_ptr<int32_t>();
   std::vector<std::vector<int64_t>> rows(S);
@@ -201,6 +208,15 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
       }
     }
   });
+
+  // a row's weights scale its shrink results (a fixed multiply per value: the row's own arithmetic)
+  if (row_weight) {
+    const float* w = row_weight->data_ptr<float>();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t t : rows[s])
+        for (int64_t i = 0; i < n_sub; ++i)
+          for (int64_t j = 0; j < rk[s * n_sub + i]; ++j) u[t * U + i * R + j] *= w[t * n_sub + i];
+  }
 
   // expand: one task per (slot, block of ROWS rows) over all columns: each row of y is written in
   // one sequential sweep, and the slot's B (at most R x N) stays in the core's cache across the block

@@ -32,7 +32,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds);
+              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
+              const std::optional<at::Tensor>& row_weight);
 
 namespace {
 
@@ -103,7 +104,7 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
     if (row_slot) {
       const int64_t at = (l * kLinears + j) * 3;
       lora_add(y, in, lora[at], lora[at + 1], lora[at + 2], *row_slot,
-               lora_bounds.slice(bound_at[j], bound_at[j + 1] - bound_at[j]));
+               lora_bounds.slice(bound_at[j], bound_at[j + 1] - bound_at[j]), std::nullopt);
     }
     return y;
   };
