@@ -28,13 +28,14 @@ def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = ALL, r: 
     return model.eval()
 
 
-def make_xlora(base: Path, out: Path, adapters: list[Path], seed: int, **settings: object) -> torch.nn.Module:
+def make_xlora(base: Path | None, out: Path, adapters: list[Path], seed: int, model: torch.nn.Module | None = None,
+               **settings: object) -> torch.nn.Module:
     """A peft X-LoRA model over `adapters` (peft 0.21.2 runs only adapters named "0", "1", ...)
     with a random classifier, saved to `out` as peft saves it; returns the peft model (the oracle,
-    in eval mode: no dropout)."""
+    in eval mode: no dropout). The base: `model` (transformers', consumed), or the folder's."""
     from peft import XLoraConfig, get_peft_model
 
-    model = hf_model(base)
+    model = model if model is not None else hf_model(base)
     model.config.use_cache = False  # peft's X-LoRA runs both passes over the whole sequence
     torch.manual_seed(seed)
     config = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,

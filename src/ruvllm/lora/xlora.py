@@ -147,6 +147,16 @@ def is_xlora_folder(folder: str | Path) -> bool:
         return False
 
 
+def xlora_expert_paths(folder: Path) -> list[Path]:
+    """The adapters' folders an X-LoRA checkpoint names; [] for anything else, or a checkpoint
+    that cannot be read (loading it says why)."""
+    try:
+        config = read_adapter_config(folder)
+        return expert_paths(folder, config, must_exist=False) if config.get("peft_type") == "XLORA" else []
+    except AdapterError:
+        return []
+
+
 def _classifier_tensors(folder: Path, subfolders: list[str]) -> dict[str, torch.Tensor]:
     """Every classifier tensor the checkpoint holds, keyed as in the top-level file ("3.weight").
     A key of subfolder n lost ".{n}" to peft's save: "layers.weight" in subfolder "0" is "0.weight"."""
@@ -165,7 +175,7 @@ def _classifier_tensors(folder: Path, subfolders: list[str]) -> dict[str, torch.
     return found
 
 
-def expert_paths(folder: Path, config: dict) -> list[Path]:
+def expert_paths(folder: Path, config: dict, must_exist: bool = True) -> list[Path]:
     """The adapters an X-LoRA checkpoint mixes, in order: its config's `adapters` values, as peft's
     loader reads them, a relative one taken from the checkpoint's folder."""
     adapters = config.get("adapters")
@@ -175,7 +185,7 @@ def expert_paths(folder: Path, config: dict) -> list[Path]:
     for key, value in adapters.items():
         path = Path(str(value)).expanduser()
         path = path if path.is_absolute() else folder / path
-        if not path.is_dir():
+        if must_exist and not path.is_dir():
             raise AdapterError(f"{folder}: adapter {key!r} is at {value}, and no folder is there")
         paths.append(path)
     return paths

@@ -179,12 +179,23 @@ def _check_lora_path(cfg: ServerConfig, path: str) -> None:
     followed, so `..` and symlinks cannot lead out)."""
     if cfg.allow_any_lora_path:
         return
-    target = Path(path).expanduser().resolve()
-    allowed = any(target == Path(p).expanduser().resolve() for p in cfg.startup_lora_paths) or any(
-        target.is_relative_to(Path(d).expanduser().resolve()) for d in cfg.lora_dirs)
-    if not allowed:
+
+    def allowed(target: Path) -> bool:
+        return any(target == Path(p).expanduser().resolve() for p in cfg.startup_lora_paths) or any(
+            target.is_relative_to(Path(d).expanduser().resolve()) for d in cfg.lora_dirs)
+
+    folder = Path(path).expanduser().resolve()
+    if not allowed(folder):
         raise APIError(403, "this server does not load adapters from that path (the operator allows "
                             "--lora-dir folders and the paths given at start-up)", "lora_path", "path_not_allowed")
+    # An X-LoRA checkpoint names the adapters it mixes: each of those must be allowed too (a load
+    # that fails to read them reports that itself).
+    from ruvllm.lora.xlora import xlora_expert_paths
+
+    for expert in xlora_expert_paths(folder):
+        if not (expert.resolve().is_relative_to(folder) or allowed(expert.resolve())):
+            raise APIError(403, f"the X-LoRA model at {path} mixes an adapter from a path this server does not "
+                                "load adapters from", "lora_path", "path_not_allowed")
 
 
 def _without_host_paths(message: str, given: str) -> str:
