@@ -205,3 +205,32 @@ def test_core_process_loads_serves_and_unloads(tiny_model_dir: Path, adapters: P
         assert stats.adapters == [] and stats.free_blocks == stats.total_blocks
     finally:
         engine.shutdown()
+
+
+def test_xlora_model_served_by_name(server: RunningServer, lora_llm: LLM, adapters: Path, tiny_model_dir: Path,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An X-LoRA model loads like an adapter and answers as offline; one that mixes an adapter
+    from outside the allowed folders is refused (403), and the server serves on."""
+    import json
+    import shutil
+
+    from tests.lora_fixtures import make_xlora
+
+    make_xlora(tiny_model_dir, adapters / "x", [adapters / "a", adapters / "b"], seed=40, xlora_depth=1)
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copytree(adapters / "c", outside / "c")
+    shutil.copytree(adapters / "x", adapters / "x-out")
+    config = json.loads((adapters / "x-out" / "adapter_config.json").read_text())
+    config["adapters"] = {"0": str(adapters / "a"), "1": str(outside / "c")}
+    (adapters / "x-out" / "adapter_config.json").write_text(json.dumps(config))
+
+    r = load(server, "x", adapters / "x")
+    assert r.status_code == 200, r.text
+    got = client(server).completions.create(model="x", prompt=PROMPT, max_tokens=10, temperature=0)
+    expected = lora_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10),
+                                 lora=str(adapters / "x"))[0].outputs[0]
+    assert got.choices[0].text == expected.text
+    r = load(server, "x-out", adapters / "x-out")
+    assert r.status_code == 403 and "mixes an adapter from a path" in r.text
+    assert unload(server, "x").status_code == 200
+    assert client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
