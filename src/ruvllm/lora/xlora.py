@@ -161,7 +161,7 @@ def _classifier_tensors(folder: Path, subfolders: list[str]) -> dict[str, torch.
     """Every classifier tensor the checkpoint holds, keyed as in the top-level file ("3.weight").
     A key of subfolder n lost ".{n}" to peft's save: "layers.weight" in subfolder "0" is "0.weight"."""
     found: dict[str, torch.Tensor] = {}
-    for sub in [None, *subfolders]:
+    for sub in [None, *(s for s in subfolders if (folder / s / "adapter_model.safetensors").is_file())]:
         tensors = read_adapter_tensors(folder if sub is None else folder / sub)
         for key, t in tensors.items():
             if not key.startswith(_CLASSIFIER[:-1]):
