@@ -67,3 +67,30 @@ def test_bad_slot_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="slot 5 of 3"):
         KERNEL(torch.zeros(1, p.B.shape[2]), torch.zeros(1, p.A.shape[2]), p.A, p.B, p.ranks,
                torch.tensor([5], dtype=torch.int32), list(p.bounds))
+
+
+@pytest.mark.parametrize("fused", ["qkv", "gate_up"])
+def test_row_weights_scale_each_rows_delta(fused: str) -> None:
+    """X-LoRA's per-row weights (one per sub-projection): the kernel matches the PyTorch ops, a
+    weight of 1 is the unweighted delta, 0 adds nothing, and each row is the same alone."""
+    slots = random_slots()
+    p = slots.layers[0][fused]
+    g = torch.Generator().manual_seed(2)
+    T, K, N, n_sub = 29, p.A.shape[2], p.B.shape[2], len(p.bounds) - 1
+    rows = torch.randint(-1, 3, (T,), generator=g, dtype=torch.int32)
+    x = torch.randn(T, K, generator=g)
+    w = torch.rand(T, n_sub, generator=g)
+    w[:5] = 1.0
+    w[5:8] = 0.0
+    y0 = torch.randn(T, N, generator=g)
+    ours, ref, plain = y0.clone(), y0.clone(), y0.clone()
+    KERNEL(ours, x, p.A, p.B, p.ranks, rows, list(p.bounds), w)
+    lora_add_torch(ref, x, p, rows.tolist(), w)
+    KERNEL(plain, x, p.A, p.B, p.ranks, rows, list(p.bounds))
+    assert (ours - ref).abs().max() < 1e-4 * (ref - y0).abs().max()
+    assert torch.equal(ours[:5], plain[:5]) and torch.equal(ours[5:8], y0[5:8])
+    for t in range(T):
+        alone = y0[t:t + 1].clone()
+        KERNEL(alone, x[t:t + 1].contiguous(), p.A, p.B, p.ranks, rows[t:t + 1].contiguous(), list(p.bounds),
+               w[t:t + 1].contiguous())
+        assert torch.equal(alone[0], ours[t]), t
