@@ -46,6 +46,13 @@ def register(app: typer.Typer) -> None:
                                            help="POST /v1/load_lora_adapter may read adapters under DIR (repeatable)."),
         allow_any_lora_path: bool = typer.Option(False, "--allow-any-lora-path",
                                                  help="POST /v1/load_lora_adapter may read adapters from any path."),
+        witness_log: str = typer.Option(None, "--witness-log", metavar="PATH",
+                                        help="The witness log of every completion (SQLite, hash-chained; default: "
+                                             "$RUVLLM_DATA_DIR or ~/.local/share/ruvllm, witness.sqlite3; "
+                                             "`off`: none)."),
+        witness_store_tokens: bool = typer.Option(False, "--witness-store-tokens",
+                                                  help="Keep prompt and output token ids in the witness log, not "
+                                                       "only their hashes."),
         engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
@@ -82,7 +89,8 @@ def register(app: typer.Typer) -> None:
                            graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME,
                            lora_dirs=tuple(lora_dir), startup_lora_paths=tuple(p for _, p in adapters),
-                           allow_any_lora_path=allow_any_lora_path)
+                           allow_any_lora_path=allow_any_lora_path,
+                           witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens)
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
                  if info.num_cold_blocks else "")
@@ -98,6 +106,14 @@ def register(app: typer.Typer) -> None:
             async_engine.shutdown()
         if not started:
             raise fail(f"could not start the server on {host}:{port} (is the port in use?)")
+
+
+def witness_path(flag: str | None) -> str | None:
+    from ruvllm.witness.log import default_witness_path
+
+    if flag == "off":
+        return None
+    return str(Path(flag).expanduser()) if flag else str(default_witness_path())
 
 
 def parse_lora_flag(spec: str) -> tuple[str, str]:

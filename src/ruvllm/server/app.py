@@ -26,7 +26,10 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
-from ruvllm.server.generation import Accumulated, Admission, EnginePrompt, api_error, check_context, follow
+from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Recorder, api_error, check_context,
+                                      follow)
+from ruvllm.witness.log import WitnessLog
+from ruvllm.witness.records import completion_record, model_digest
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
@@ -43,6 +46,7 @@ class _State:
     admission: Admission
     text_of: R.TokenText
     created: int
+    witness: WitnessLog | None = None
 
     @property
     def max_len(self) -> int:
@@ -55,10 +59,14 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         yield
         if owns_engine:
             engine.shutdown()  # aborts what is still in flight, so every block returns
+        if st.witness is not None:
+            st.witness.close()  # what is queued is committed first
 
     app = FastAPI(title="ruvllm", lifespan=lifespan)
     st = _State(engine, cfg, ServerMetrics(lambda: engine.snapshot, cfg.served_model_name),
                 Admission(engine.info.max_num_seqs + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
+    if cfg.witness_log:
+        st.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
     app.state.ruvllm = st
     install_error_handlers(app)
 
@@ -245,7 +253,7 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     st.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
     prio = Priority[(body.priority or "normal").upper()]
-    outs = follow(st.engine, prompts, params, prio, rid, lora)
+    outs = follow(st.engine, prompts, params, prio, rid, lora, _recorder(st, rid, prompts, params, lora))
     tracker = st.metrics.tracker()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -261,6 +269,21 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     if chat:
         return JSONResponse(_chat_body(st, body, final[0], top_n, rid))
     return JSONResponse(_completion_body(st, body, prompts, final, top_n, rid))
+
+
+def _recorder(st: _State, rid: str, prompts: list[EnginePrompt], params: list[SamplingParams],
+              lora: str | None) -> Recorder | None:
+    """Each prompt's completion into the witness log, once its generation has ended."""
+    witness = st.witness
+    if witness is None:
+        return None
+
+    def record(i: int, choices: list[tuple[list[int], str]]) -> None:
+        body = completion_record(st.cfg.served_model_name, lora, params[i], prompts[i].token_ids, choices,
+                                 st.cfg.witness_store_tokens, index=i)
+        witness.append(rid, "completion", "default", body)
+
+    return record
 
 
 class _Stream(StreamingResponse):

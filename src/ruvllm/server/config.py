@@ -23,3 +23,6 @@ class ServerConfig:
     lora_dirs: tuple[str, ...] = ()
     startup_lora_paths: tuple[str, ...] = ()
     allow_any_lora_path: bool = False
+    # The witness log (SQLite, hash-chained): every completion recorded there; None: not kept.
+    witness_log: str | None = None
+    witness_store_tokens: bool = False  # the prompt and output token ids too, not only their hashes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
@@ -105,8 +105,13 @@ class Accumulated:
                              first.num_cached_tokens, first.prompt, first.prompt_logprobs, first.queue_time)
 
 
+# Told, once a prompt's generation has ended however it ended, what it produced: each choice's
+# token ids and finish reason ("abort" when it was cut off).
+Recorder = Callable[[int, list[tuple[list[int], str]]], None]
+
+
 async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[SamplingParams],
-                 priority: Priority, request_id: str, lora: str | None = None
+                 priority: Priority, request_id: str, lora: str | None = None, record: Recorder | None = None
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of every prompt as they come (DELTA: only what is new), tagged with the prompt's
     index. Leaving early (client gone, error) cancels the others, and each cancelled stream aborts
@@ -114,15 +119,24 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:
+        tokens: dict[int, list[int]] = {}
+        reasons: dict[int, str] = {}
         try:
             async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
                                              OutputKind.DELTA, lora):
+                for c in out.outputs:
+                    tokens.setdefault(c.index, []).extend(c.token_ids)
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason.value
                 await queue.put((i, out))
             await queue.put(None)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # forwarded to the caller, which maps it to an HTTP error
             await queue.put(exc)
+        finally:
+            if record is not None and tokens:
+                record(i, [(tokens[k], reasons.get(k, "abort")) for k in sorted(tokens)])
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
     remaining = len(tasks)
