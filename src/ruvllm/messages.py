@@ -27,6 +27,9 @@ class CoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # The first completion of the same prompt (n > 1): this one waits until that prompt is cached.
     prompt_sibling: str | None = None
     adapter: str | None = None  # a loaded LoRA adapter's name (None: the base model)
+    # Mixed into the prefix cache's keys (vLLM's cache_salt): requests with different salts share
+    # no cached block, so one tenant cannot time another's prompts through cache hits.
+    cache_salt: str | None = None
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -61,8 +61,9 @@ class Request:
     cache_salt: object = None
     adapter_slots: int = 0  # adapter slots its adapter takes (an X-LoRA model: one per adapter it mixes)
     # An X-LoRA request runs a scaling pass too, with a KV stream of its own: the base model's
-    # (salt None), so it shares prefix-cache blocks with base-model requests.
+    # (salted as the base model's requests with its own cache salt are), so it shares their blocks.
     scaling_pass: bool = False
+    scaling_cache_salt: object = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -83,7 +84,7 @@ class Request:
         """(key, prefix-cache salt) of each KV block table the request holds: its own, and with a
         scaling pass the scaling pass's."""
         own = (self.request_id, self.cache_salt)
-        return [own, (scaling_key(self.request_id), None)] if self.scaling_pass else [own]
+        return [own, (scaling_key(self.request_id), self.scaling_cache_salt)] if self.scaling_pass else [own]
 
     @property
     def all_token_ids(self) -> list[int]:

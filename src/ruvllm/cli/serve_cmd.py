@@ -10,6 +10,7 @@ import typer
 from ruvllm.cli.common import CliState, clean_errors, fail
 from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
 from ruvllm.server.config import ServerConfig
+from ruvllm.server.tenants import read_api_keys
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -27,6 +28,9 @@ def register(app: typer.Typer) -> None:
                                       help="Sequences that may wait beyond --max-num-seqs; then 429."),
         api_key: str = typer.Option(None, envvar="RUVLLM_API_KEY",
                                     help="Require 'Authorization: Bearer KEY' on every route but /health."),
+        api_keys: str = typer.Option(None, "--api-keys", metavar="FILE",
+                                     help="Tenants' keys, `KEY TENANT` per line: a request is its key's tenant's "
+                                          "(its own prefix cache; docs/learning.md)."),
         metrics_without_key: bool = typer.Option(False, "--metrics-without-key",
                                                  help="With --api-key: serve /metrics without the key."),
         route_without_key: list[str] = typer.Option([], "--route-without-key", metavar="PATH",
@@ -71,6 +75,7 @@ def register(app: typer.Typer) -> None:
             template = Path(template).read_text(encoding="utf-8")
         check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
+        keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
         path = resolve_cli_model(model, cache_dir)
         adapters = [parse_lora_flag(spec) for spec in lora]
         overrides = {"enable_lora": True} if adapters else {}
@@ -85,6 +90,7 @@ def register(app: typer.Typer) -> None:
         info = async_engine.info
         open_routes = (*route_without_key, *(["/metrics"] if metrics_without_key else []))
         cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
+                           api_keys=keys,
                            max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
                            graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME,

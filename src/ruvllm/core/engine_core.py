@@ -117,9 +117,10 @@ class EngineCore:
                       eos_token_ids=tuple(cr.eos_token_ids), priority=Priority(cr.priority),
                       arrival=self._arrivals.next(), prompt_sibling=sibling,
                       max_total_tokens=self.info.max_seq_len, adapter=cr.adapter,
-                      cache_salt=None if cr.adapter is None else ("lora", self._adapters[cr.adapter]))
+                      cache_salt=_salt(cr, None if cr.adapter is None else self._adapters[cr.adapter]))
         if cr.adapter is not None:
             req.adapter_slots, req.scaling_pass = self._adapter_runs[cr.adapter]
+            req.scaling_cache_salt = _salt(cr, None)
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         self._core_requests[cr.request_id] = cr
@@ -183,3 +184,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
+
+
+def _salt(cr: CoreRequest, adapter_load: int | None) -> object:
+    """The prefix cache's salt for a request: its adapter's load and its own cache_salt (None when
+    neither applies: the base model's blocks, shared by every unsalted request)."""
+    if adapter_load is None and cr.cache_salt is None:
+        return None
+    return (None if adapter_load is None else ("lora", adapter_load), cr.cache_salt)

@@ -85,13 +85,14 @@ class AsyncEngine:
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority = Priority.NORMAL,
-                       output_kind: OutputKind = OutputKind.CUMULATIVE, lora: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       output_kind: OutputKind = OutputKind.CUMULATIVE, lora: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs after every step that changes it (what `output_kind` says:
         everything so far, only what is new, or only the end); the last one is finished.
 
         Leaving the iteration early (break, cancellation, a disconnected client) aborts the request.
-        `lora`: a loaded adapter's name (AdapterNotFoundError when none has it)."""
+        `lora`: a loaded adapter's name (AdapterNotFoundError when none has it). `cache_salt`: prefix-
+        cache blocks are shared only among requests with the same salt (a tenant's)."""
         if self._closed is not None:
             raise self._closed
         params = params or SamplingParams()
@@ -99,7 +100,7 @@ class AsyncEngine:
         token_ids, text = encode_prompt(self.tokenizer, prompt)
         if lora is not None and lora not in self.loras:
             raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
-        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora)
+        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora, cache_salt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._closed is not None:

@@ -48,7 +48,8 @@ def child_ids(request_id: str, n: int) -> list[str]:
 
 
 def core_requests(request_id: str, ids: list[int], params: SamplingParams, priority: Priority,
-                  info: EngineInfo, eos_token_ids: tuple[int, ...], adapter: str | None = None) -> list[CoreRequest]:
+                  info: EngineInfo, eos_token_ids: tuple[int, ...], adapter: str | None = None,
+                  cache_salt: str | None = None) -> list[CoreRequest]:
     """One CoreRequest per completion: n > 1 becomes n sequences over the same prompt, each with
     its own seed (seed + i, wrapping in the generator's 64-bit range) when the request has one."""
     check_request(ids, params, info)
@@ -60,5 +61,6 @@ def core_requests(request_id: str, ids: list[int], params: SamplingParams, prior
             seed = None if params.seed is None else (params.seed + i) % 2**64
             p = dataclasses.replace(params, n=1, seed=seed)
         out.append(CoreRequest(cid, list(ids), p, eos_token_ids, int(priority), now,
-                               prompt_sibling=out[0].request_id if out else None, adapter=adapter))
+                               prompt_sibling=out[0].request_id if out else None, adapter=adapter,
+                               cache_salt=cache_salt))
     return out

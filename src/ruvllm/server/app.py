@@ -31,6 +31,7 @@ from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Reco
 from ruvllm.witness.log import WitnessLog
 from ruvllm.witness.records import completion_record, model_digest
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
+from ruvllm.server.tenants import tenant_of, tenant_salt
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                    TokenizeRequest, UnloadLoraRequest, _Sampling)
@@ -73,8 +74,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=cfg.max_request_bytes,
                        read_timeout_s=cfg.request_read_timeout_s)
-    if cfg.api_key:
-        app.add_middleware(APIKeyMiddleware, key=cfg.api_key, open_paths=("/health", *cfg.routes_without_key))
+    if cfg.api_key or cfg.api_keys:
+        keys: dict[str, str | None] = dict(cfg.api_keys)
+        if cfg.api_key:
+            keys[cfg.api_key] = None
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", *cfg.routes_without_key))
 
     @app.get("/health")
     async def health() -> Response:
@@ -253,7 +257,9 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     st.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
     rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
     prio = Priority[(body.priority or "normal").upper()]
-    outs = follow(st.engine, prompts, params, prio, rid, lora, _recorder(st, rid, prompts, params, lora))
+    who = tenant_of(request, body.user)
+    outs = follow(st.engine, prompts, params, prio, rid, lora, _recorder(st, rid, prompts, params, lora, who),
+                  cache_salt=tenant_salt(who))
     tracker = st.metrics.tracker()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -272,7 +278,7 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
 
 
 def _recorder(st: _State, rid: str, prompts: list[EnginePrompt], params: list[SamplingParams],
-              lora: str | None) -> Recorder | None:
+              lora: str | None, tenant: str) -> Recorder | None:
     """Each prompt's completion into the witness log, once its generation has ended."""
     witness = st.witness
     if witness is None:
@@ -281,7 +287,7 @@ def _recorder(st: _State, rid: str, prompts: list[EnginePrompt], params: list[Sa
     def record(i: int, choices: list[tuple[list[int], str]]) -> None:
         body = completion_record(st.cfg.served_model_name, lora, params[i], prompts[i].token_ids, choices,
                                  st.cfg.witness_store_tokens, index=i)
-        witness.append(rid, "completion", "default", body)
+        witness.append(rid, "completion", tenant, body)
 
     return record
 
@@ -362,9 +368,10 @@ def _reason(c: CompletionOutput) -> str | None:
     return c.finish_reason.value if c.finish_reason is not None else None
 
 
-def _usage(results: list[RequestOutput]) -> dict[str, int]:
+def _usage(results: list[RequestOutput]) -> dict[str, Any]:
     return R.usage(sum(len(r.prompt_token_ids) for r in results),
-                   sum(len(c.token_ids) for r in results for c in r.outputs))
+                   sum(len(c.token_ids) for r in results for c in r.outputs),
+                   sum(r.num_cached_tokens for r in results))
 
 
 def _chat_body(st: _State, body: ChatCompletionRequest, out: RequestOutput, top_n: int, rid: str) -> dict[str, Any]:

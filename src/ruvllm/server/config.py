@@ -10,6 +10,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    # Keys of tenants (--api-keys FILE): each key admits its requests as its tenant's. With either
+    # this or api_key, every route but /health needs a key.
+    api_keys: tuple[tuple[str, str], ...] = ()
     routes_without_key: tuple[str, ...] = ()  # paths the operator opens without the key (e.g. /metrics)
     served_model_name: str = "default"
     # Sequences allowed to wait beyond the engine's running cap (EngineInfo.max_num_seqs) before 429.

@@ -111,8 +111,8 @@ Recorder = Callable[[int, list[tuple[list[int], str]]], None]
 
 
 async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[SamplingParams],
-                 priority: Priority, request_id: str, lora: str | None = None, record: Recorder | None = None
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 priority: Priority, request_id: str, lora: str | None = None, record: Recorder | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of every prompt as they come (DELTA: only what is new), tagged with the prompt's
     index. Leaving early (client gone, error) cancels the others, and each cancelled stream aborts
     its engine request."""
@@ -123,7 +123,7 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
         reasons: dict[int, str] = {}
         try:
             async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
-                                             OutputKind.DELTA, lora):
+                                             OutputKind.DELTA, lora, cache_salt):
                 for c in out.outputs:
                     tokens.setdefault(c.index, []).extend(c.token_ids)
                     if c.finish_reason is not None:

@@ -23,29 +23,39 @@ def _digest(value: bytes) -> bytes:
 class APIKeyMiddleware:
     """Every path needs `Authorization: Bearer <key>` except those in `open_paths` (/health, and what
     the operator opened). The scheme is case-insensitive (RFC 9110); keys are compared as digests in
-    constant time, so neither their content nor their length leaks through timing."""
+    constant time (against every key, whichever matches), so neither their content nor their length
+    leaks through timing. `keys` maps each key to its tenant, which the request carries on
+    (`request.state.tenant`); None for the single --api-key."""
 
-    def __init__(self, app: ASGIApp, key: str, open_paths: Iterable[str] = ("/health",)) -> None:
+    def __init__(self, app: ASGIApp, keys: dict[str, str | None], open_paths: Iterable[str] = ("/health",)) -> None:
         self.app = app
-        self.expected = _digest(key.encode())
+        self.expected = [(_digest(k.encode()), tenant) for k, tenant in keys.items()]
         self.open_paths = frozenset(open_paths)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> tuple[bool, str | None]:
         auth = b""
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 auth = value
                 break
         scheme, _, token = auth.strip().partition(b" ")
-        ok_token = hmac.compare_digest(_digest(token.strip()), self.expected)
-        return scheme.lower() == b"bearer" and ok_token
+        given = _digest(token.strip())
+        found, tenant = False, None
+        for digest, owner in self.expected:
+            if hmac.compare_digest(given, digest):
+                found, tenant = True, owner
+        return scheme.lower() == b"bearer" and found, tenant
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths and not self._authorized(scope):
-            resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                  None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'})
-            await resp(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            ok, tenant = self._tenant(scope)
+            if not ok:
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'})
+                await resp(scope, receive, send)
+                return
+            if tenant is not None:
+                scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

@@ -1,6 +1,6 @@
 """OpenAI request bodies as pydantic models, and their translation into SamplingParams.
 
-Fields OpenAI defines that change nothing here (user, metadata, store, ...) are accepted and
+Fields OpenAI defines that change nothing here (metadata, store, ...) are accepted and
 ignored; fields whose meaning we cannot honour (tools, non-text response formats, suffix) are a 400.
 """
 

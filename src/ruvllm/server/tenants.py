@@ -1,0 +1,46 @@
+"""Which tenant a request belongs to: its API key's (--api-keys), else its `user` field, else
+"default". Tenants other than "default" get a prefix-cache salt of their own, so no tenant can
+learn another's prompts from cache-hit timing; the single-tenant set-up keeps sharing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.requests import Request
+
+DEFAULT_TENANT = "default"
+
+
+def tenant_of(request: Request, user: str | None) -> str:
+    keyed = getattr(request.state, "tenant", None)
+    if keyed:
+        return keyed
+    return user or DEFAULT_TENANT
+
+
+def tenant_salt(tenant: str) -> str | None:
+    return None if tenant == DEFAULT_TENANT else f"tenant:{tenant}"
+
+
+def read_api_keys(path: str | Path) -> tuple[tuple[str, str], ...]:
+    """`KEY TENANT` per line (blank lines and `#` comments skipped). Errors name the line."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-keys {path}: cannot read it ({e})") from None
+    keys: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"--api-keys {path}:{n}: expected `KEY TENANT`, got {len(parts)} fields")
+        key, tenant = parts
+        if key in keys:
+            raise ValueError(f"--api-keys {path}:{n}: a key is listed twice")
+        keys[key] = tenant
+    if not keys:
+        raise ValueError(f"--api-keys {path}: no keys")
+    return tuple(keys.items())
