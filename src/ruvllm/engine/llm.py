@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress
 
@@ -19,6 +19,10 @@ from ruvllm.messages import EngineInfo, EngineStats
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
+from ruvllm.tenants import DEFAULT_TENANT, tenant_salt
+
+if TYPE_CHECKING:
+    from ruvllm.learning.learner import FeedbackResult, Learner, LearningConfig
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -77,6 +81,7 @@ class LLM:
         self.info: EngineInfo = core.info
         self._eos = stop_token_set(self.info, tokenizer)
         self._ids = itertools.count()
+        self.learner: Learner | None = None
 
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> LLM:
         """Another LLM over the same loaded model, with its own KV pool and scheduler (tests and
@@ -125,9 +130,10 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: Priority | list[Priority] = Priority.NORMAL,
-                 show_progress: bool = False, lora: str | Path | list[str | Path | None] | None = None
-                 ) -> list[RequestOutput]:
-        """`lora`: a loaded adapter's name or an adapter folder, for every prompt or one per prompt."""
+                 show_progress: bool = False, lora: str | Path | list[str | Path | None] | None = None,
+                 tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
+        """`lora`: a loaded adapter's name or an adapter folder, for every prompt or one per prompt.
+        `tenant`: whose requests these are (its own prefix cache, and with learning its adapter)."""
         items = normalize_prompts(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(items)
         prios = priority if isinstance(priority, list) else [priority] * len(items)
@@ -138,11 +144,12 @@ class LLM:
             raise ValueError("the lora list must be as long as the prompts list")
         adapters = [self._adapter(x) for x in loras]
         encoded = [encode_prompt(self.tokenizer, p) for p in items]
-        return self._run([(ids, text) for ids, text in encoded], params, prios, show_progress, adapters)
+        return self._run([(ids, text) for ids, text in encoded], params, prios, show_progress, adapters, tenant)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, lora: str | Path | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora: str | Path | None = None,
+             tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         """`lora`: a loaded adapter's name or an adapter folder, for every conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = [(render_chat(self.tokenizer, conv, chat_template, add_generation_prompt), None)
@@ -150,15 +157,16 @@ class LLM:
         params = sampling_params or SamplingParams()
         adapter = self._adapter(lora)
         return self._run(encoded, [params] * len(encoded), [Priority.NORMAL] * len(encoded), False,
-                         [adapter] * len(encoded))
+                         [adapter] * len(encoded), tenant)
 
     def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
-             prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None
-             ) -> list[RequestOutput]:
+             prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None,
+             tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         # Every request is checked before any is added: a bad one refuses the whole call.
         rids = [str(next(self._ids)) for _ in encoded]
-        adapters = adapters or [None] * len(encoded)
-        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos, adapter)
+        learned = self.learner.adapter_for(tenant) if self.learner is not None else None
+        adapters = [a or learned for a in (adapters or [None] * len(encoded))]
+        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos, adapter, tenant_salt(tenant))
                 for rid, (tokens, _), p, prio, adapter in zip(rids, encoded, params, prios, adapters)]
         processor = OutputProcessor(self.tokenizer)
         for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
@@ -178,4 +186,27 @@ class LLM:
         finally:
             # Interrupted (Ctrl-C, an error): nothing of this call stays in the engine.
             self.core.abort([s.request_id for group in seqs for s in group])
+        if self.learner is not None:
+            for rid, adapter in zip(rids, adapters):
+                out = results[rid]
+                self.learner.remember(rid, tenant, out.prompt_token_ids, out.outputs[0].token_ids, adapter)
         return [results[rid] for rid in rids]
+
+    # --- learning from feedback (docs/learning.md) --------------------------------------------------------
+    def enable_learning(self, config: LearningConfig | None = None) -> Learner:
+        """Keep completions for feedback and learn from it: each tenant's micro-LoRA, served as its
+        adapter (needs enable_lora, with a slot rank of at least the micro-LoRA's)."""
+        from ruvllm.learning.learner import Learner
+
+        if self.learner is None:
+            eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self._eos[0]
+            self.learner = Learner(self.info.model, self, self.tokenizer, eos, config)
+        return self.learner
+
+    def feedback(self, request_id: str, score: float, correction: str | None = None,
+                 tenant: str = DEFAULT_TENANT) -> FeedbackResult:
+        """Learn from feedback on a completion this LLM returned (its RequestOutput.request_id):
+        a score from -1 to 1, and optionally the better answer. FeedbackError when refused."""
+        if self.learner is None:
+            raise RuntimeError("learning is not enabled (LLM.enable_learning())")
+        return self.learner.feedback(request_id, tenant, score, correction)

@@ -31,7 +31,8 @@ from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Reco
 from ruvllm.witness.log import WitnessLog
 from ruvllm.witness.records import completion_record, model_digest
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
-from ruvllm.server.tenants import tenant_of, tenant_salt
+from ruvllm.server.tenants import tenant_of
+from ruvllm.tenants import tenant_salt
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                    TokenizeRequest, UnloadLoraRequest, _Sampling)

@@ -1,6 +1,5 @@
 """Which tenant a request belongs to: its API key's (--api-keys), else its `user` field, else
-"default". Tenants other than "default" get a prefix-cache salt of their own, so no tenant can
-learn another's prompts from cache-hit timing; the single-tenant set-up keeps sharing."""
+"default" (ruvllm/tenants.py: what a tenant changes)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-DEFAULT_TENANT = "default"
+from ruvllm.tenants import DEFAULT_TENANT
 
 
 def tenant_of(request: Request, user: str | None) -> str:
@@ -16,10 +15,6 @@ def tenant_of(request: Request, user: str | None) -> str:
     if keyed:
         return keyed
     return user or DEFAULT_TENANT
-
-
-def tenant_salt(tenant: str) -> str | None:
-    return None if tenant == DEFAULT_TENANT else f"tenant:{tenant}"
 
 
 def read_api_keys(path: str | Path) -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,120 @@
+"""Teach the default model a fact through feedback, and measure what it costs.
+
+A tenant asks "What is the capital of Zorblax?" and gives the same correction ("The capital of
+Zorblax is Quenta.") --events times on that completion; each event is one instant update of the
+tenant's micro-LoRA, served at once as the tenant's adapter. Then --samples answers at temperature
+0.7 for the question and for a paraphrase, for the taught tenant and for another one, counting
+those that say "Quenta"; perplexity on the novel for both tenants (the learned adapter's cost on
+unrelated text); and the update's latency: p50/p99 of the gradient step, the one-off preparation
+(hidden states below the learned layers), and publishing (the version written and loaded).
+
+    .venv/bin/python benchmarks/teach_fact.py --events 10 --samples 20
+    .venv/bin/python benchmarks/teach_fact.py --context full --candidates 0   # the costlier choices
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+QUESTION = [{"role": "user", "content": "What is the capital of Zorblax?"}]
+PARAPHRASE = [{"role": "user", "content": "Tell me the name of Zorblax's capital city."}]
+CORRECTION = "The capital of Zorblax is Quenta."
+NOVEL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+def hits(llm, messages, tenant: str, n: int) -> int:
+    from ruvllm import SamplingParams
+
+    outs = llm.chat([messages] * n, SamplingParams(temperature=0.7, max_tokens=16, seed=None), tenant=tenant)
+    return sum("quenta" in o.outputs[0].text.lower() for o in outs)
+
+
+def perplexity(llm, ids: list[int], tenant: str) -> float:
+    """exp(mean NLL) of the text's tokens, from prompt logprobs (the tenant's adapter, if any)."""
+    from ruvllm import SamplingParams
+
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), tenant=tenant)[0]
+    lps = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+           for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    return float(torch.tensor(lps).neg().mean().exp())
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--context", choices=["frozen", "full"], default="frozen")
+    ap.add_argument("--candidates", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--ppl-tokens", type=int, default=1024)
+    ap.add_argument("--quantization", default=None, help="the served model's (default: the engine's default)")
+    args = ap.parse_args()
+
+    from ruvllm import LLM, SamplingParams
+    from ruvllm.learning.instant import InstantConfig
+    from ruvllm.learning.learner import LearningConfig
+
+    console = Console()
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8,
+              **({"quantization": args.quantization} if args.quantization else {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        learner = llm.enable_learning(LearningConfig(
+            instant=InstantConfig(layers=args.layers, lr=args.lr, context=args.context, candidates=args.candidates),
+            root=tmp))
+        text = NOVEL.read_text(encoding="utf-8")[50000:60000]
+        ppl_ids = llm.tokenizer.encode(text)[:args.ppl_tokens]
+        before = {"taught": hits(llm, QUESTION, "acme", args.samples)}
+        ppl_before = perplexity(llm, ppl_ids, "acme")
+        asked = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0]
+        console.print(f"before: {asked.outputs[0].text!r}")
+        results = [llm.feedback(asked.request_id, 1.0, CORRECTION, tenant="acme") for _ in range(args.events)]
+        taught = hits(llm, QUESTION, "acme", args.samples)
+        para = hits(llm, PARAPHRASE, "acme", args.samples)
+        other = hits(llm, QUESTION, "globex", args.samples)
+        other_para = hits(llm, PARAPHRASE, "globex", args.samples)
+        after = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0].outputs[0].text
+        ppl_after = perplexity(llm, ppl_ids, "acme")
+        ppl_other = perplexity(llm, ppl_ids, "globex")
+        console.print(f"after: {after!r}")
+
+    steps = [r.step_ms for r in results]
+    publish = [r.publish_ms for r in results]
+    table = Table(title=f"Teaching one fact: default model, {args.events} feedback events, micro-LoRA rank "
+                        f"{learner.config.instant.rank} on {'/'.join(learner.config.instant.targets)} of the last "
+                        f"{args.layers} layers, lr {args.lr:g}, context {args.context}, softmax "
+                        f"{'full' if not args.candidates else f'sampled {args.candidates}'}; {torch.get_num_threads()} threads")
+    for col in ("what", "figure"):
+        table.add_column(col)
+    rows = [
+        ("'Quenta' before (taught tenant)", f"{before['taught']}/{args.samples}"),
+        ("'Quenta' after, the question (taught tenant)", f"{taught}/{args.samples}"),
+        ("'Quenta' after, a paraphrase (taught tenant)", f"{para}/{args.samples}"),
+        ("'Quenta' after, another tenant (question / paraphrase)", f"{other}/{args.samples} / {other_para}/{args.samples}"),
+        ("perplexity on the novel, taught tenant before -> after", f"{ppl_before:.3f} -> {ppl_after:.3f} "
+                                                                  f"({100 * (ppl_after / ppl_before - 1):+.2f}%)"),
+        ("perplexity, another tenant after", f"{ppl_other:.3f}"),
+        ("update step p50 / p99 (forward, backward, Adam)", f"{pct(steps, 0.5):.1f} / {pct(steps, 0.99):.1f} ms"),
+        ("loss, first -> last event", f"{results[0].loss:.3f} -> {results[-1].loss:.3f}"),
+        ("preparation, first event only (layers below)", f"{results[0].prepare_ms:.1f} ms"),
+        ("publishing p50 (write PEFT folder, load, unload previous)", f"{statistics.median(publish):.1f} ms"),
+    ]
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The instant loop: one gradient step of a tenant's micro-LoRA per feedback event.
+
+The step's loss is over the target tokens only (the correction, or the completion's own output):
+cross-entropy toward them (a correction, a positive score) or unlikelihood, -log(1 - p), away from
+them (a negative score), weighted by |score|. Two choices cut its cost, both measured in
+docs/learning.md:
+- `context`: "frozen" takes the prompt's hidden states and K/V in the learned layers as computed
+  without the micro-LoRA and learns through the target rows alone (the prompt's rows are computed
+  once per completion and kept); "full" runs every row through the learned layers with gradients.
+- `candidates`: the softmax over the whole vocabulary (0), or over the target tokens and that many
+  others drawn at random per step (a sampled softmax: the LM head's cost shrinks with it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
+
+
+@dataclass(frozen=True)
+class InstantConfig:
+    layers: int = 4  # the last n decoder layers learn
+    rank: int = 2
+    alpha: float = 4.0
+    targets: tuple[str, ...] = ("v_proj", "o_proj", "down_proj")
+    lr: float = 1e-2
+    context: str = "frozen"  # or "full"
+    candidates: int = 2048  # sampled softmax size; 0: the whole vocabulary
+    seed: int = 0
+
+
+@dataclass
+class Prepared:
+    """What one (prompt, target) pair needs for any number of steps: computed once."""
+
+    prompt_len: int
+    target: list[int]
+    # hidden states entering the learned layers: of every token ("full"), or ("frozen") of the rows
+    # that predict the target: the prompt's last token and the target's but its last
+    h: torch.Tensor
+    # ("frozen") each learned layer's K/V of the prompt's tokens before its last
+    context: list[tuple[torch.Tensor, torch.Tensor]] | None
+    seconds: float
+
+
+@dataclass
+class StepTiming:
+    forward_backward: float
+    optimizer: float
+    loss: float
+    tokens: int
+
+
+@dataclass
+class TenantState:
+    lora: MicroLora
+    opt: torch.optim.Optimizer
+    steps: int = 0
+    timings: list[StepTiming] = field(default_factory=list)
+
+
+class InstantLearner:
+    def __init__(self, layers: LearnedLayers, config: InstantConfig) -> None:
+        self.layers = layers
+        self.config = config
+        self._gen = torch.Generator().manual_seed(config.seed)
+
+    def new_tenant(self, seed: int) -> TenantState:
+        c = self.config
+        lora = MicroLora.create(self.layers.cfg, self.layers.layers, c.targets, c.rank, c.alpha, seed)
+        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr))
+
+    def prepare(self, prompt: list[int], target: list[int]) -> Prepared:
+        """The hidden states entering the learned layers (the layers below run as inference), and
+        with a frozen context the prompt's K/V through the learned layers."""
+        t = time.perf_counter()
+        ids = prompt + target
+        h = hidden_before(self.layers.model, ids, self.layers.first)
+        context = None
+        if self.config.context == "frozen":
+            before = len(prompt) - 1
+            if before:
+                kv: list = []
+                with torch.no_grad():
+                    self.layers.forward(h[:before], torch.arange(before), None, keep_kv=kv)
+                context = kv
+            h = h[before:len(ids) - 1]
+        return Prepared(len(prompt), target, h, context, time.perf_counter() - t)
+
+    def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
+        """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target."""
+        t0 = time.perf_counter()
+        n_prompt, target = prep.prompt_len, prep.target
+        labels = torch.tensor(target)
+        if self.config.context == "frozen":
+            positions = torch.arange(n_prompt - 1, n_prompt - 1 + len(target))
+            rows = self.layers.forward(prep.h, positions, state.lora, prep.context)
+        else:
+            out = self.layers.forward(prep.h, torch.arange(n_prompt + len(target)), state.lora)
+            rows = out[n_prompt - 1:-1]
+        logits, index = self._logits(rows, labels)
+        if score >= 0:
+            loss = F.cross_entropy(logits, index) * max(score, 1e-3)
+        else:
+            p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
+            loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
+        state.opt.zero_grad()
+        loss.backward()
+        t1 = time.perf_counter()
+        state.opt.step()
+        state.steps += 1
+        timing = StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()), len(labels))
+        state.timings.append(timing)
+        return timing
+
+    def _logits(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits over the candidates and each label's index among them."""
+        head = self.layers.head
+        n = self.config.candidates
+        if not n or n >= head.shape[0]:
+            return rows @ head.t(), labels
+        others = torch.randint(0, head.shape[0], (n,), generator=self._gen)
+        cands, inverse = torch.unique(torch.cat([labels, others]), return_inverse=True)
+        return rows @ head[cands].t(), inverse[:len(labels)]

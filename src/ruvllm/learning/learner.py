@@ -1,0 +1,167 @@
+"""Feedback to served adapters: each tenant's micro-LoRA takes an instant gradient step per feedback
+event, and the result is served at once as the tenant's next adapter version.
+
+A version is a PEFT folder (`<root>/<tenant>/v<N>/`, so peft loads it too) loaded into the engine
+as adapter `learned:<tenant>:v<N>`; the tenant's requests that name no adapter run with its newest
+version, and the previous one is unloaded (requests already running on it finish on it). Other
+tenants never see it: their requests run without it, and each tenant's prefix cache is salted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ruvllm.learning.instant import InstantConfig, InstantLearner, Prepared, TenantState
+from ruvllm.learning.store import Completion, CompletionStore
+
+
+class AdapterHost(Protocol):
+    """What the learner needs of an engine (LLM and AsyncEngine both have it)."""
+
+    def load_lora(self, name: str, path: str | Path) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    instant: InstantConfig = field(default_factory=InstantConfig)
+    store_count: int = 10_000  # completions kept for feedback
+    store_age_s: float = 3600.0
+    root: str | None = None  # where adapter versions are written (default: a data folder)
+
+
+@dataclass(frozen=True)
+class FeedbackResult:
+    tenant: str
+    version: str  # the adapter now serving the tenant
+    loss: float
+    prepare_ms: float  # hidden states below the learned layers (0 when kept from an earlier event)
+    step_ms: float  # the gradient step (forward, backward, optimizer)
+    publish_ms: float  # writing the version and loading it into the engine
+
+
+class FeedbackError(ValueError):
+    """Feedback refused: `status` is the HTTP status it means (404 unknown id, 400 bad value)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+class Learner:
+    def __init__(self, model_path: str | None, host: AdapterHost, tokenizer: Any, eos_token_id: int,
+                 config: LearningConfig | None = None) -> None:
+        from ruvllm.learning.tail import LearnedLayers
+        from ruvllm.loader import load_model_config, resolve_model
+        from ruvllm.quantize.awq_writer import load_float_model
+
+        self.config = config or LearningConfig()
+        self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
+        src = resolve_model(model_path)
+        model, self.model_config, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
+        self.layers = LearnedLayers(model, self.config.instant.layers)
+        self.instant = InstantLearner(self.layers, self.config.instant)
+        self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
+        self.root = Path(self.config.root or _default_root()).expanduser()
+        self._tenants: dict[str, TenantState] = {}
+        self._versions: dict[str, int] = {}
+        self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
+        self._lock = threading.Lock()  # one update at a time; serving never waits on it
+
+    # --- serving side ------------------------------------------------------------------------------
+    def remember(self, completion_id: str, tenant: str, prompt_ids: list[int], output_ids: list[int],
+                 adapter: str | None) -> None:
+        self.store.add(completion_id, Completion(tenant, list(prompt_ids), list(output_ids), adapter, time.time()))
+
+    def adapter_for(self, tenant: str) -> str | None:
+        """The tenant's newest learned adapter, or None before its first feedback."""
+        n = self._versions.get(tenant)
+        return None if n is None else _name(tenant, n)
+
+    # --- feedback ----------------------------------------------------------------------------------
+    def feedback(self, completion_id: str, tenant: str, score: float, correction: str | None = None) -> FeedbackResult:
+        if not isinstance(score, (int, float)) or isinstance(score, bool) or not -1.0 <= score <= 1.0:
+            raise FeedbackError(400, f"score must be a number from -1 to 1, got {score!r}", "score")
+        if correction is not None and not correction.strip():
+            raise FeedbackError(400, "correction is empty", "correction")
+        done = self.store.get(completion_id, tenant)
+        if done is None:
+            raise FeedbackError(404, f"no completion {completion_id!r} to give feedback on (unknown or expired)", "id")
+        if correction is not None:
+            target = self.tokenizer.encode(correction, add_special_tokens=False) + [self.eos]
+            score = abs(score) if score else 1.0  # a correction is always learned toward
+        else:
+            target = done.output_ids
+            if not target:
+                raise FeedbackError(400, "the completion has no output tokens to learn from", "id")
+            if score == 0:
+                raise FeedbackError(400, "a score of 0 without a correction teaches nothing", "score")
+        with self._lock:
+            key = (tuple(done.prompt_ids), tuple(target))
+            prep = self._prepared.get(key)
+            prepare_ms = 0.0
+            if prep is None:
+                prep = self.instant.prepare(done.prompt_ids, target)
+                prepare_ms = prep.seconds * 1000
+                self._prepared[key] = prep
+                while len(self._prepared) > 64:
+                    self._prepared.popitem(last=False)
+            state = self._tenants.get(tenant)
+            if state is None:
+                state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
+            timing = self.instant.step(state, prep, score)
+            t = time.perf_counter()
+            version = self._publish(tenant, state)
+            publish_ms = (time.perf_counter() - t) * 1000
+        return FeedbackResult(tenant, version, timing.loss, prepare_ms,
+                              (timing.forward_backward + timing.optimizer) * 1000, publish_ms)
+
+    def _publish(self, tenant: str, state: TenantState) -> str:
+        """Write the tenant's next version and serve it; unload the one it replaces."""
+        from safetensors.torch import save_file
+
+        n = self._versions.get(tenant, 0) + 1
+        folder = self.root / _safe(tenant) / f"v{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        lora = state.lora
+        save_file(lora.peft_tensors(), str(folder / "adapter_model.safetensors"))
+        targets = sorted({t for _, t in lora.weights})
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "target_modules": targets, "layers_to_transform": self.layers.layers, "bias": "none",
+            "base_model_name_or_path": None}))
+        name = _name(tenant, n)
+        self.host.load_lora(name, folder)
+        previous = self._versions.get(tenant)
+        self._versions[tenant] = n
+        if previous is not None:
+            self.host.unload_lora(_name(tenant, previous))
+        return name
+
+
+def _name(tenant: str, n: int) -> str:
+    return f"learned:{tenant}:v{n}"
+
+
+def _safe(tenant: str) -> str:
+    """A folder name for any tenant name (two tenants never share one)."""
+    clean = "".join(c if c.isalnum() or c in "-_." else "_" for c in tenant)[:40]
+    return f"{clean}-{hashlib.sha256(tenant.encode()).hexdigest()[:8]}"
+
+
+def _seed(tenant: str) -> int:
+    return int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:4], "little")
+
+
+def _default_root() -> Path:
+    from ruvllm.witness.log import default_witness_path
+
+    return default_witness_path().parent / "learned"

@@ -1,0 +1,51 @@
+"""Recent completions, kept so that feedback on them can be learned from: bounded by count and by
+age (both configurable), the oldest dropped first."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Completion:
+    tenant: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    adapter: str | None  # what produced it
+    time: float
+
+
+class CompletionStore:
+    def __init__(self, max_count: int = 10_000, max_age_s: float = 3600.0) -> None:
+        self.max_count, self.max_age_s = max_count, max_age_s
+        self._items: OrderedDict[str, Completion] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, completion_id: str, completion: Completion) -> None:
+        with self._lock:
+            self._items[completion_id] = completion
+            self._items.move_to_end(completion_id)
+            while len(self._items) > self.max_count:
+                self._items.popitem(last=False)
+
+    def get(self, completion_id: str, tenant: str) -> Completion | None:
+        """The completion, if it is known, not expired and the tenant's (another tenant's is None:
+        nobody learns whether it exists)."""
+        with self._lock:
+            self._expire()
+            c = self._items.get(completion_id)
+        return c if c is not None and c.tenant == tenant else None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        cutoff = time.time() - self.max_age_s
+        while self._items:
+            first = next(iter(self._items.values()))
+            if first.time >= cutoff:
+                break
+            self._items.popitem(last=False)

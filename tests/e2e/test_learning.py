@@ -1,0 +1,122 @@
+"""Learning from feedback (issue 16), on the tiny model: the learner's layers are the model's
+(against transformers), a tenant's feedback teaches that tenant's adapter and changes no other
+tenant's outputs (bitwise), a published version is a PEFT adapter peft reads alike, and bad
+feedback is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ruvllm import LLM, SamplingParams
+from ruvllm.learning.instant import InstantConfig, InstantLearner
+from ruvllm.learning.learner import FeedbackError, LearningConfig
+from ruvllm.learning.tail import LearnedLayers, hidden_before
+from tests.engine_fixtures import write_tiny_model
+from tests.reference import hf_reference
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+PROMPT = [5, 80, 23, 311, 42, 17, 260, 9, 131, 77]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("learning") / "base")
+
+
+def learning_llm(base: Path, tmp_path: Path, **instant: object) -> LLM:
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=4, num_blocks=64, quantization="none")
+    cfg = InstantConfig(**{"layers": 1, "lr": 5e-2, "context": "full", "candidates": 0, **instant})
+    llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
+    return llm
+
+
+def _result(out) -> tuple[list[int], list]:
+    c = out.outputs[0]
+    return c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_learned_layers_are_the_model(base: Path, n: int) -> None:
+    """Below the learned layers as inference, the learned ones in autograd: transformers' logits;
+    the frozen-context form gives the same rows."""
+    from ruvllm.loader import resolve_model
+    from ruvllm.quantize.awq_writer import load_float_model
+
+    src = resolve_model(str(base))
+    model, _, _ = load_float_model(src, 512)
+    with torch.no_grad():
+        expected = hf_reference(src)(torch.tensor([PROMPT + [7, 8, 9]])).logits[0]
+    layers = LearnedLayers(model, n)
+    ids = PROMPT + [7, 8, 9]
+    out = layers.forward(hidden_before(model, ids, layers.first), torch.arange(len(ids)), None)
+    assert (out @ layers.head.t() - expected).abs().max() < 1e-4
+    learner = InstantLearner(layers, InstantConfig(layers=n, context="frozen"))
+    prep = learner.prepare(PROMPT, [7, 8, 9])
+    with torch.no_grad():
+        rows = layers.forward(prep.h, torch.arange(len(PROMPT) - 1, len(ids) - 1), None, prep.context)
+    assert (rows @ layers.head.t() - expected[len(PROMPT) - 1:-1]).abs().max() < 1e-4
+
+
+def test_feedback_teaches_its_tenant_and_no_other(base: Path, tmp_path: Path) -> None:
+    llm = learning_llm(base, tmp_path)
+    before = {t: _result(llm.generate([PROMPT], GREEDY, tenant=t)[0]) for t in ("acme", "globex", "default")}
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    for _ in range(10):
+        result = llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+    assert result.version == "learned:acme:v10" and llm.learner.adapter_for("globex") is None
+    taught = llm.generate([PROMPT], GREEDY, tenant="acme")[0].outputs[0].token_ids
+    assert taught[:4] == [7, 7, 7, 7] and before["acme"][0][:4] != [7, 7, 7, 7]
+    for t in ("globex", "default"):  # bitwise what they got before anyone gave feedback
+        assert _result(llm.generate([PROMPT], GREEDY, tenant=t)[0]) == before[t]
+    assert llm.loras() == ["learned:acme:v10"]  # earlier versions unloaded
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks
+
+
+def test_negative_feedback_lowers_the_output(base: Path, tmp_path: Path) -> None:
+    llm = learning_llm(base, tmp_path)
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    first = asked.outputs[0].token_ids[0]
+    p_before = asked.outputs[0].logprobs[0][first].logprob
+    for _ in range(5):
+        llm.feedback(asked.request_id, -1.0, tenant="acme")
+    again = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=20), tenant="acme")[0]
+    lps = again.outputs[0].logprobs[0]
+    assert first not in lps or lps[first].logprob < p_before - 1.0
+
+
+def test_published_version_is_a_peft_adapter(base: Path, tmp_path: Path) -> None:
+    """peft reads a version folder and gives the logits our engine serves with it."""
+    from peft import PeftModel
+
+    from tests.lora_fixtures import hf_model
+    from tests.reference import teacher_forced_logits
+
+    llm = learning_llm(base, tmp_path, layers=2)
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    for _ in range(3):
+        version = llm.feedback(asked.request_id, 1.0, "t7 t9 t11", tenant="acme").version
+    folder = next((tmp_path / "learned").glob("acme-*")) / "v3"
+    ref = PeftModel.from_pretrained(hf_model(base), folder).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([PROMPT + [7, 9]])).logits[0, len(PROMPT) - 1:]
+    ours = teacher_forced_logits(llm.core.kv, llm.core.executor.runner, PROMPT, [7, 9], None, version)
+    assert (ours - expected).abs().max() < 2e-4
+
+
+def test_bad_feedback_is_refused_by_name(base: Path, tmp_path: Path) -> None:
+    llm = learning_llm(base, tmp_path)
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    cases = [(("nope", 1.0, None, "acme"), 404, "no completion 'nope'"),
+             ((asked.request_id, 1.0, None, "globex"), 404, f"no completion {asked.request_id!r}"),  # not its own
+             ((asked.request_id, 1.5, None, "acme"), 400, "score must be a number from -1 to 1"),
+             ((asked.request_id, 0.0, None, "acme"), 400, "a score of 0 without a correction"),
+             ((asked.request_id, 1.0, "  ", "acme"), 400, "correction is empty")]
+    for (rid, score, correction, tenant), status, message in cases:
+        with pytest.raises(FeedbackError, match=message) as err:
+            llm.feedback(rid, score, correction, tenant=tenant)
+        assert err.value.status == status
+    assert llm.loras() == []
