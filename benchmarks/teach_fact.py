@@ -9,7 +9,7 @@ unrelated text); and the update's latency: p50/p99 of the gradient step, the one
 (hidden states below the learned layers), and publishing (the version written and loaded).
 
     .venv/bin/python benchmarks/teach_fact.py --events 10 --samples 20
-    .venv/bin/python benchmarks/teach_fact.py --context full --candidates 0   # the costlier choices
+    .venv/bin/python benchmarks/teach_fact.py --context frozen --candidates 0   # other choices
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=10)
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--context", choices=["frozen", "full"], default="frozen")
+    ap.add_argument("--context", choices=["frozen", "full"], default="full")
     ap.add_argument("--candidates", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
@@ -64,8 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from ruvllm import LLM, SamplingParams
-    from ruvllm.learning.instant import InstantConfig
-    from ruvllm.learning.learner import LearningConfig
+    from ruvllm.learning.config import InstantConfig, LearningConfig
 
     console = Console()
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8,

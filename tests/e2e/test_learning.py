@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ruvllm import LLM, SamplingParams
-from ruvllm.learning.instant import InstantConfig, InstantLearner
-from ruvllm.learning.learner import FeedbackError, LearningConfig
+from ruvllm.learning.config import InstantConfig, LearningConfig
+from ruvllm.learning.instant import InstantLearner
+from ruvllm.learning.learner import FeedbackError
 from ruvllm.learning.tail import LearnedLayers, hidden_before
 from tests.engine_fixtures import write_tiny_model
 from tests.reference import hf_reference
@@ -71,7 +72,7 @@ def test_feedback_teaches_its_tenant_and_no_other(base: Path, tmp_path: Path) ->
     assert taught[:4] == [7, 7, 7, 7] and before["acme"][0][:4] != [7, 7, 7, 7]
     for t in ("globex", "default"):  # bitwise what they got before anyone gave feedback
         assert _result(llm.generate([PROMPT], GREEDY, tenant=t)[0]) == before[t]
-    assert llm.loras() == ["learned:acme:v10"]  # earlier versions unloaded
+    assert sorted(llm.loras()) == ["learned:acme:v10", "learned:acme:v9"]  # older versions unloaded
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks
 

@@ -9,6 +9,7 @@ import typer
 
 from ruvllm.cli.common import CliState, clean_errors, fail
 from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
+from ruvllm.learning.config import LearningConfig
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.tenants import read_api_keys
 
@@ -57,6 +58,17 @@ def register(app: typer.Typer) -> None:
         witness_store_tokens: bool = typer.Option(False, "--witness-store-tokens",
                                                   help="Keep prompt and output token ids in the witness log, not "
                                                        "only their hashes."),
+        learn: bool = typer.Option(False, "--learn",
+                                   help="Learn from POST /v1/feedback: each tenant's own adapter, updated per event "
+                                        "(enables LoRA; docs/learning.md)."),
+        feedback_rate: float = typer.Option(ServerConfig.feedback_rate, "--feedback-rate", min=0.001,
+                                            help="With --learn: feedback events a second per tenant; then 429."),
+        feedback_keep: int = typer.Option(10_000, "--feedback-keep", min=1,
+                                          help="With --learn: completions kept for feedback, at most."),
+        feedback_max_age: float = typer.Option(3600.0, "--feedback-max-age", min=1,
+                                               help="With --learn: seconds a completion takes feedback."),
+        learned_dir: str = typer.Option(None, "--learned-dir", metavar="DIR",
+                                        help="With --learn: where adapter versions are written (PEFT folders)."),
         engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
@@ -78,7 +90,7 @@ def register(app: typer.Typer) -> None:
         keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
         path = resolve_cli_model(model, cache_dir)
         adapters = [parse_lora_flag(spec) for spec in lora]
-        overrides = {"enable_lora": True} if adapters else {}
+        overrides = {"enable_lora": True} if adapters or learn else {}
         with console.status("loading model"):
             async_engine = AsyncEngine(engine.to_config(path, **overrides))
         try:
@@ -96,7 +108,10 @@ def register(app: typer.Typer) -> None:
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME,
                            lora_dirs=tuple(lora_dir), startup_lora_paths=tuple(p for _, p in adapters),
                            allow_any_lora_path=allow_any_lora_path,
-                           witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens)
+                           witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens,
+                           learning=LearningConfig(store_count=feedback_keep, store_age_s=feedback_max_age,
+                                                   root=learned_dir) if learn else None,
+                           feedback_rate=feedback_rate)
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
                  if info.num_cold_blocks else "")

@@ -22,7 +22,8 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.tenants import DEFAULT_TENANT, tenant_salt
 
 if TYPE_CHECKING:
-    from ruvllm.learning.learner import FeedbackResult, Learner, LearningConfig
+    from ruvllm.learning.config import LearningConfig
+    from ruvllm.learning.learner import FeedbackResult, Learner
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:

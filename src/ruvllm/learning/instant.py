@@ -19,19 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
-
-
-@dataclass(frozen=True)
-class InstantConfig:
-    layers: int = 4  # the last n decoder layers learn
-    rank: int = 2
-    alpha: float = 4.0
-    targets: tuple[str, ...] = ("v_proj", "o_proj", "down_proj")
-    lr: float = 1e-2
-    context: str = "frozen"  # or "full"
-    candidates: int = 2048  # sampled softmax size; 0: the whole vocabulary
-    seed: int = 0
 
 
 @dataclass

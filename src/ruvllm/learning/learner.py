@@ -3,7 +3,7 @@ event, and the result is served at once as the tenant's next adapter version.
 
 A version is a PEFT folder (`<root>/<tenant>/v<N>/`, so peft loads it too) loaded into the engine
 as adapter `learned:<tenant>:v<N>`; the tenant's requests that name no adapter run with its newest
-version, and the previous one is unloaded (requests already running on it finish on it). Other
+version; the one before the previous is unloaded (requests still running on it finish on it). Other
 tenants never see it: their requests run without it, and each tenant's prefix cache is salted.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ruvllm.learning.instant import InstantConfig, InstantLearner, Prepared, TenantState
+from ruvllm.learning.config import LearningConfig
+from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
 from ruvllm.learning.store import Completion, CompletionStore
 
 
@@ -28,14 +29,6 @@ class AdapterHost(Protocol):
     def load_lora(self, name: str, path: str | Path) -> None: ...
 
     def unload_lora(self, name: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class LearningConfig:
-    instant: InstantConfig = field(default_factory=InstantConfig)
-    store_count: int = 10_000  # completions kept for feedback
-    store_age_s: float = 3600.0
-    root: str | None = None  # where adapter versions are written (default: a data folder)
 
 
 @dataclass(frozen=True)
@@ -67,7 +60,7 @@ class Learner:
         self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
         src = resolve_model(model_path)
         model, self.model_config, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
-        self.layers = LearnedLayers(model, self.config.instant.layers)
+        self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers))
         self.instant = InstantLearner(self.layers, self.config.instant)
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
         self.root = Path(self.config.root or _default_root()).expanduser()
@@ -140,10 +133,11 @@ class Learner:
             "base_model_name_or_path": None}))
         name = _name(tenant, n)
         self.host.load_lora(name, folder)
-        previous = self._versions.get(tenant)
         self._versions[tenant] = n
-        if previous is not None:
-            self.host.unload_lora(_name(tenant, previous))
+        # The version before the previous one goes: a request routed to the previous one just before
+        # this publish still finds it loaded.
+        if n > 2:
+            self.host.unload_lora(_name(tenant, n - 2))
         return name
 
 

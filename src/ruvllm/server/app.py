@@ -8,10 +8,10 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,18 +24,23 @@ from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
+from ruvllm.learning.config import LearningConfig
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
+from ruvllm.server.feedback import FeedbackRequest, RateLimiter
 from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Recorder, api_error, check_context,
                                       follow)
-from ruvllm.witness.log import WitnessLog
-from ruvllm.witness.records import completion_record, model_digest
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
-from ruvllm.server.tenants import tenant_of
-from ruvllm.tenants import tenant_salt
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
                                    TokenizeRequest, UnloadLoraRequest, _Sampling)
+from ruvllm.server.tenants import tenant_of
+from ruvllm.tenants import tenant_salt
+from ruvllm.witness.log import WitnessLog, token_hash
+from ruvllm.witness.records import completion_record, model_digest
+
+if TYPE_CHECKING:
+    from ruvllm.learning.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class _State:
     text_of: R.TokenText
     created: int
     witness: WitnessLog | None = None
+    learner: Learner | None = None
+    feedback_limiter: RateLimiter | None = None
 
     @property
     def max_len(self) -> int:
@@ -69,6 +76,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
                 Admission(engine.info.max_num_seqs + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
     if cfg.witness_log:
         st.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
+    if cfg.learning is not None:
+        st.learner = _learner(engine, cfg.learning)
+        st.feedback_limiter = RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
     app.state.ruvllm = st
     install_error_handlers(app)
 
@@ -124,6 +134,32 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         except AdapterError as exc:  # unloaded by another call meanwhile
             raise APIError(404, str(exc), "lora_name", "model_not_found") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request, body: FeedbackRequest) -> dict[str, Any]:
+        """Feedback on one of the tenant's completions, learned at once (docs/learning.md)."""
+        from ruvllm.learning.learner import FeedbackError
+
+        if st.learner is None or st.feedback_limiter is None:
+            raise APIError(400, "this server does not learn from feedback (start it with --learn)", None,
+                           "learning_disabled")
+        who = tenant_of(request, body.user)
+        if not st.feedback_limiter.allow(who):
+            raise APIError(429, f"too much feedback: at most {st.cfg.feedback_rate:g} events a second per tenant",
+                           None, "rate_limit_exceeded")
+        try:
+            result = await asyncio.to_thread(st.learner.feedback, body.id, who, body.score, body.correction)
+        except FeedbackError as exc:
+            raise APIError(exc.status, str(exc), exc.param, "not_found" if exc.status == 404 else "invalid_value") \
+                from None
+        if st.witness is not None:
+            correction = engine.tokenizer.encode(body.correction, add_special_tokens=False) if body.correction else None
+            st.witness.append(body.id, "feedback", who, {
+                "score": body.score, "correction_hash": None if correction is None else token_hash(correction),
+                "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)})
+        return {"id": body.id, "object": "feedback", "status": "learned", "adapter": result.version,
+                "loss": result.loss, "update_ms": round(result.step_ms, 3), "prepare_ms": round(result.prepare_ms, 3),
+                "publish_ms": round(result.publish_ms, 3)}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -259,6 +295,8 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     rid = st.admission.next_id("chatcmpl" if chat else "cmpl")
     prio = Priority[(body.priority or "normal").upper()]
     who = tenant_of(request, body.user)
+    if lora is None and st.learner is not None:
+        lora = st.learner.adapter_for(who)  # the tenant's learned adapter, if it has one
     outs = follow(st.engine, prompts, params, prio, rid, lora, _recorder(st, rid, prompts, params, lora, who),
                   cache_salt=tenant_salt(who))
     tracker = st.metrics.tracker()
@@ -281,16 +319,27 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
 def _recorder(st: _State, rid: str, prompts: list[EnginePrompt], params: list[SamplingParams],
               lora: str | None, tenant: str) -> Recorder | None:
     """Each prompt's completion into the witness log, once its generation has ended."""
-    witness = st.witness
-    if witness is None:
+    witness, learner = st.witness, st.learner
+    if witness is None and learner is None:
         return None
 
     def record(i: int, choices: list[tuple[list[int], str]]) -> None:
-        body = completion_record(st.cfg.served_model_name, lora, params[i], prompts[i].token_ids, choices,
-                                 st.cfg.witness_store_tokens, index=i)
-        witness.append(rid, "completion", tenant, body)
+        if witness is not None:
+            body = completion_record(st.cfg.served_model_name, lora, params[i], prompts[i].token_ids, choices,
+                                     st.cfg.witness_store_tokens, index=i)
+            witness.append(rid, "completion", tenant, body)
+        if learner is not None and i == 0:  # feedback names the response: its first prompt's first choice
+            learner.remember(rid, tenant, prompts[0].token_ids, choices[0][0], lora)
 
     return record
+
+
+def _learner(engine: AsyncEngine, config: LearningConfig) -> Learner:
+    from ruvllm.learning.learner import Learner
+
+    tok = engine.tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else engine.info.eos_token_ids[0]
+    return Learner(engine.info.model, engine, tok, eos, config)
 
 
 class _Stream(StreamingResponse):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ruvllm.learning.config import LearningConfig
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -29,3 +31,8 @@ class ServerConfig:
     # The witness log (SQLite, hash-chained): every completion recorded there; None: not kept.
     witness_log: str | None = None
     witness_store_tokens: bool = False  # the prompt and output token ids too, not only their hashes
+    # Learning from feedback (POST /v1/feedback; None: off). The engine needs LoRA slots of at least
+    # the micro-LoRA's rank.
+    learning: LearningConfig | None = None
+    feedback_rate: float = 2.0  # events a second per tenant (bursts of feedback_burst); then 429
+    feedback_burst: int = 10

@@ -1,0 +1,1 @@
+"""Learning from feedback while serving (docs/learning.md)."""

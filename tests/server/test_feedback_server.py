@@ -1,0 +1,79 @@
+"""POST /v1/feedback through the real `openai` client's HTTP (tiny model): a tenant's corrections
+are learned and served to it at once while another tenant's outputs stay bitwise the same; unknown,
+expired and other tenants' ids are 404 alike, a bad score 400, too much feedback 429; feedback is
+witnessed; a server without --learn answers 400."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ruvllm import LLM
+from ruvllm.learning.config import InstantConfig, LearningConfig
+from ruvllm.server.tenants import read_api_keys
+from ruvllm.witness.log import find, verify
+from tests.server.conftest import MODEL, RunningServer, start_server
+
+PROMPT = [5, 80, 23, 311, 42, 17, 260, 9, 131, 77]
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), enable_lora=True, max_loras=4, max_lora_rank=4, quantization="none")
+
+
+@pytest.fixture
+def server(lora_llm: LLM, tmp_path: Path) -> Iterator[RunningServer]:
+    (tmp_path / "keys").write_text("key-a acme\nkey-b globex\n")
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0), root=str(tmp_path / "learned"))
+    yield from start_server(lora_llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
+                            feedback_rate=0.5, feedback_burst=12, witness_log=str(tmp_path / "w.sqlite3"))
+
+
+def _complete(server: RunningServer, key: str) -> tuple[str, list[int], list]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    return out.id, choice.logprobs.tokens, choice.logprobs.token_logprobs
+
+
+def _feedback(server: RunningServer, key: str, **body: object) -> httpx.Response:
+    return httpx.post(server.url + "/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_feedback_teaches_its_tenant_only(server: RunningServer) -> None:
+    other_before = _complete(server, "key-b")[1:]
+    rid, tokens, _ = _complete(server, "key-a")
+    for _ in range(10):
+        r = _feedback(server, "key-a", id=rid, score=1.0, correction="t7 t7 t7 t7")
+        assert r.status_code == 200, r.text
+    assert r.json()["adapter"] == "learned:acme:v10" and r.json()["update_ms"] > 0
+    taught = _complete(server, "key-a")[1]
+    assert taught[:4] == ["t7"] * 4 and tokens[:4] != taught[:4]
+    assert _complete(server, "key-b")[1:] == other_before  # bitwise: tokens and logprobs
+
+    assert _feedback(server, "key-b", id=rid, score=1.0).status_code == 404  # acme's, not globex's
+    assert _feedback(server, "key-a", id="cmpl-nope", score=1.0).status_code == 404
+    bad = _feedback(server, "key-a", id=rid, score=3.0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "score"
+    assert _feedback(server, "key-a", id=rid).status_code == 400  # no score at all
+    codes = [_feedback(server, "key-a", id=rid, score=1.0).status_code for _ in range(3)]
+    assert 429 in codes  # 12 events of burst spent, at 0.5 a second
+    assert _feedback(server, "key-b", id=_complete(server, "key-b")[0], score=1.0).status_code == 200  # its own bucket
+
+    server.app.state.ruvllm.witness.flush()
+    path = Path(server.cfg.witness_log)
+    assert verify(path).ok
+    kinds = [e.kind for e in find(path, rid)]
+    assert kinds.count("completion") == 1 and kinds.count("feedback") >= 10
+
+
+def test_without_learning_feedback_is_refused(lora_llm: LLM) -> None:
+    for running in start_server(lora_llm):
+        r = httpx.post(running.url + "/v1/feedback", json={"id": "x", "score": 1}, timeout=30)
+        assert r.status_code == 400 and "--learn" in r.json()["error"]["message"]
