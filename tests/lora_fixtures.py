@@ -46,3 +46,30 @@ def make_xlora(base: Path | None, out: Path, adapters: list[Path], seed: int, mo
             p.mul_(8.0)
     xlora.save_pretrained(out)
     return xlora.eval()
+
+
+def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """peft's logits after the prompt and after each continuation token: [1 + len(continuation), V]."""
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + continuation])).logits[0].float()
+    return full[len(prompt) - 1:]
+
+
+# A chat exchange on the embedded default model, as token ids: a prompt and a continuation to force.
+DEFAULT_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+DEFAULT_CONTINUATION = [504, 3458, 314, 1930, 28, 253]
+
+
+def assert_default_model_follows(llm, adapter: str, ref: torch.nn.Module, base_logits: torch.Tensor,
+                                 atol: float) -> None:
+    """Our logits through `adapter` on the default exchange are peft's (`ref`) within atol, whole and
+    prefilled in chunks of 7, with the same argmax; the adapter moves peft's logits (base_logits: without it)."""
+    from tests.reference import teacher_forced_logits
+
+    expected = peft_logits(ref, DEFAULT_PROMPT, DEFAULT_CONTINUATION)
+    assert (expected - base_logits).abs().max() > 0.1, "the adapter must change the logits for the test to mean anything"
+    for chunk in (None, 7):
+        ours = teacher_forced_logits(llm.core.kv, llm.core.executor.runner, DEFAULT_PROMPT, DEFAULT_CONTINUATION,
+                                     chunk, adapter)
+        assert (ours - expected).abs().max().item() < atol
+        assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -18,7 +18,8 @@ from ruvllm import LLM, SamplingParams
 from ruvllm.errors import AdapterError, AdapterNotFoundError
 from ruvllm.messages import CoreRequest
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
-from tests.lora_fixtures import ALL, hf_model, make_adapter
+from tests.lora_fixtures import (ALL, DEFAULT_CONTINUATION, DEFAULT_PROMPT, assert_default_model_follows, hf_model,
+                                 make_adapter, peft_logits)
 from tests.reference import teacher_forced_logits
 
 ATOL = 2e-4
@@ -36,12 +37,6 @@ def engine(base: Path, **kw: object) -> LLM:
 
 def our_logits(llm: LLM, adapter: str | None, prompt: list[int], continuation: list[int], chunk: int | None) -> torch.Tensor:
     return teacher_forced_logits(llm.core.kv, llm.core.executor.runner, prompt, continuation, chunk, adapter)
-
-
-def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        full = model(torch.tensor([prompt + continuation])).logits[0].float()
-    return full[len(prompt) - 1:]
 
 
 def random_case(ref: torch.nn.Module, prompt_len: int, continuation_len: int, seed: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
@@ -239,15 +234,9 @@ def test_default_model_fp32_logits_match_peft(default_adapter: tuple[Path, torch
     folder, ref = default_adapter
     llm = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, quantization="none", num_blocks=64)
     llm.load_lora("a", folder)
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 19712, 8182, 2, 198]
-    continuation = [504, 3458, 314, 1930, 28, 253]
-    expected = peft_logits(ref, prompt, continuation)
     with torch.no_grad(), ref.disable_adapter():
-        assert (expected - peft_logits(ref, prompt, continuation)).abs().max() > 0.1
-    for chunk in (None, 7):
-        ours = our_logits(llm, "a", prompt, continuation, chunk)
-        assert (ours - expected).abs().max().item() < ATOL
-        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+        base_logits = peft_logits(ref, DEFAULT_PROMPT, DEFAULT_CONTINUATION)
+    assert_default_model_follows(llm, "a", ref, base_logits, ATOL)
 
 
 def test_default_precision_mixed_batch_equals_alone(default_adapter: tuple[Path, torch.nn.Module]) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from ruvllm import LLM, SamplingParams
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
-from tests.lora_fixtures import make_adapter, make_xlora
+from tests.lora_fixtures import (DEFAULT_CONTINUATION, DEFAULT_PROMPT, assert_default_model_follows, make_adapter,
+                                 make_xlora, peft_logits)
 from tests.reference import teacher_forced_logits
 
 ATOL = 2e-4
@@ -34,12 +35,6 @@ def experts(base: Path) -> list[Path]:
 def engine(base: Path, **kw: object) -> LLM:
     kw = {"num_blocks": 64, "max_loras": 4, **kw}
     return LLM(str(base), enable_lora=True, max_lora_rank=16, **kw)
-
-
-def peft_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        full = model(torch.tensor([prompt + continuation])).logits[0].float()
-    return full[len(prompt) - 1:]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -223,15 +218,8 @@ def test_default_model_fp32_logits_match_peft(default_xlora: tuple[Path, torch.n
     folder, ref = default_xlora
     llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, quantization="none", num_blocks=64)
     llm.load_lora("x", folder)
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2114, 28, 7018, 411, 407, 19712, 8182, 2, 198]
-    continuation = [504, 3458, 314, 1930, 28, 253]
-    expected = peft_logits(ref, prompt, continuation)
-    runner = llm.core.executor.runner
-    assert (expected - teacher_forced_logits(llm.core.kv, runner, prompt, continuation)).abs().max() > 0.1
-    for chunk in (None, 7):
-        ours = teacher_forced_logits(llm.core.kv, runner, prompt, continuation, chunk, "x")
-        assert (ours - expected).abs().max().item() < ATOL
-        assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    base_logits = teacher_forced_logits(llm.core.kv, llm.core.executor.runner, DEFAULT_PROMPT, DEFAULT_CONTINUATION)
+    assert_default_model_follows(llm, "x", ref, base_logits, ATOL)
 
 
 def test_default_precision_mixed_batch_equals_alone(default_xlora: tuple[Path, torch.nn.Module]) -> None:
