@@ -121,3 +121,39 @@ def test_bad_feedback_is_refused_by_name(base: Path, tmp_path: Path) -> None:
             llm.feedback(rid, score, correction, tenant=tenant)
         assert err.value.status == status
     assert llm.loras() == []
+
+
+def test_learned_adapters_survive_a_restart_and_roll_back(base: Path, tmp_path: Path, wide_terminal: None) -> None:
+    """A second engine over the same learned folder serves the tenant what the first learned; the
+    CLI's rollback and reset reach a running learner at its next request; status and versions list it."""
+    from typer.testing import CliRunner
+
+    from ruvllm.cli import main as cli_main
+
+    if not any(g.name == "learn" for g in cli_main.app.registered_groups):
+        cli_main._register()
+    first = learning_llm(base, tmp_path)
+    base_out = _result(first.generate([PROMPT], GREEDY, tenant="acme")[0])
+    asked = first.generate([PROMPT], GREEDY, tenant="acme")[0]
+    outs = {}
+    for i in range(1, 6):
+        first.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+        outs[i] = _result(first.generate([PROMPT], GREEDY, tenant="acme")[0])
+    again = learning_llm(base, tmp_path)  # a restart: the same folder
+    assert again.learner.adapter_for("acme") == "learned:acme:v5"
+    assert _result(again.generate([PROMPT], GREEDY, tenant="acme")[0]) == outs[5]
+    assert _result(again.generate([PROMPT], GREEDY, tenant="globex")[0]) == base_out
+
+    runner = CliRunner()
+    folder = ["--dir", str(tmp_path / "learned")]
+    rolled = runner.invoke(cli_main.app, ["learn", "rollback", "acme", "2", *folder])
+    assert rolled.exit_code == 0 and "served v2" in rolled.output
+    assert _result(again.generate([PROMPT], GREEDY, tenant="acme")[0]) == outs[2]
+    listed = runner.invoke(cli_main.app, ["learn", "versions", "acme", *folder])
+    assert listed.exit_code == 0 and "* v2" in listed.output and listed.output.count("instant") == 5
+    status = runner.invoke(cli_main.app, ["learn", "status", *folder])
+    assert status.exit_code == 0 and "acme" in status.output and "rollback v2" in status.output
+    assert runner.invoke(cli_main.app, ["learn", "reset", "acme", *folder]).exit_code == 0
+    assert _result(again.generate([PROMPT], GREEDY, tenant="acme")[0]) == base_out
+    bad = runner.invoke(cli_main.app, ["learn", "rollback", "acme", "9", *folder])
+    assert bad.exit_code == 1 and "has no version 9" in bad.output

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
+from ruvllm.learning.policy import PolicyStore
 from ruvllm.learning.store import Completion, CompletionStore
 
 
@@ -64,10 +65,14 @@ class Learner:
         self.instant = InstantLearner(self.layers, self.config.instant)
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
         self.root = Path(self.config.root or _default_root()).expanduser()
+        self.policy = PolicyStore(self.root / "policy.sqlite3")
         self._tenants: dict[str, TenantState] = {}
-        self._versions: dict[str, int] = {}
+        self._versions: dict[str, int] = {}  # the version serving each tenant
+        self._loaded: dict[str, list[int]] = {}  # versions loaded in the engine, per tenant, oldest first
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
         self._lock = threading.Lock()  # one update at a time; serving never waits on it
+        with self._lock:
+            self._sync()  # what served each tenant before a restart serves it again
 
     # --- serving side ------------------------------------------------------------------------------
     def remember(self, completion_id: str, tenant: str, prompt_ids: list[int], output_ids: list[int],
@@ -75,9 +80,54 @@ class Learner:
         self.store.add(completion_id, Completion(tenant, list(prompt_ids), list(output_ids), adapter, time.time()))
 
     def adapter_for(self, tenant: str) -> str | None:
-        """The tenant's newest learned adapter, or None before its first feedback."""
+        """The adapter serving the tenant (its newest learned version, or what the policy store was
+        told since), or None: the base model."""
+        if self.policy.changed_elsewhere():  # `ruvllm learn rollback / reset` on a running server
+            with self._lock:
+                self._sync()
         n = self._versions.get(tenant)
         return None if n is None else _name(tenant, n)
+
+    def _sync(self) -> None:
+        """Serve what the policy store says serves each tenant."""
+        serving = self.policy.serving()
+        for tenant in set(serving) | set(self._versions):
+            want = serving.get(tenant)
+            if want != self._versions.get(tenant):
+                self._switch(tenant, want)
+
+    def _switch(self, tenant: str, version: int | None) -> None:
+        """Serve `version` (None: the base model) to the tenant; its learning continues from it."""
+        from safetensors.torch import load_file
+
+        self._tenants.pop(tenant, None)
+        if version is None:
+            self._versions.pop(tenant, None)
+            self._trim(tenant, keep=0)
+            return
+        row = self.policy.version(tenant, version)
+        if row is None:
+            return
+        loaded = self._loaded.setdefault(tenant, [])
+        if version not in loaded:
+            self.host.load_lora(_name(tenant, version), row.path)
+            loaded.append(version)
+        self._versions[tenant] = version
+        state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
+        state.lora.load_peft_tensors(load_file(str(Path(row.path) / "adapter_model.safetensors")))
+        self._trim(tenant, keep=2)
+
+    def _trim(self, tenant: str, keep: int) -> None:
+        """Unload all but the tenant's `keep` most recently loaded versions (the serving one stays):
+        a request routed to the one before still finds it; running requests finish on theirs."""
+        loaded = self._loaded.get(tenant, [])
+        serving = self._versions.get(tenant)
+        while len(loaded) > keep:
+            victim = next((v for v in loaded if v != serving), None)
+            if victim is None:
+                break
+            loaded.remove(victim)
+            self.host.unload_lora(_name(tenant, victim))
 
     # --- feedback ----------------------------------------------------------------------------------
     def feedback(self, completion_id: str, tenant: str, score: float, correction: str | None = None) -> FeedbackResult:
@@ -121,7 +171,7 @@ class Learner:
         """Write the tenant's next version and serve it; unload the one it replaces."""
         from safetensors.torch import save_file
 
-        n = self._versions.get(tenant, 0) + 1
+        n = max(self.policy.last_version(tenant), *self._loaded.get(tenant, [0])) + 1
         folder = self.root / _safe(tenant) / f"v{n}"
         folder.mkdir(parents=True, exist_ok=True)
         lora = state.lora
@@ -133,11 +183,11 @@ class Learner:
             "base_model_name_or_path": None}))
         name = _name(tenant, n)
         self.host.load_lora(name, folder)
+        self._loaded.setdefault(tenant, []).append(n)
+        self.policy.publish(tenant, n, folder, "instant", {"loss": state.timings[-1].loss if state.timings else None,
+                                                           "steps": state.steps})
         self._versions[tenant] = n
-        # The version before the previous one goes: a request routed to the previous one just before
-        # this publish still finds it loaded.
-        if n > 2:
-            self.host.unload_lora(_name(tenant, n - 2))
+        self._trim(tenant, keep=2)
         return name
 
 

@@ -87,6 +87,16 @@ class MicroLora:
         a, b = pair
         return (x @ a.t()) @ b.t() * self.scaling
 
+    def load_peft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the weights of a version written by peft_tensors (learning continues from them)."""
+        sub = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+        with torch.no_grad():
+            for (layer, t), (a, b) in self.weights.items():
+                prefix = f"base_model.model.model.layers.{layer}.{sub[t]}.{t}"
+                a.copy_(tensors[f"{prefix}.lora_A.weight"])
+                b.copy_(tensors[f"{prefix}.lora_B.weight"])
+
     def peft_tensors(self) -> dict[str, torch.Tensor]:
         """PEFT's tensor names (lora_A / lora_B, the scaling left to the config's alpha)."""
         sub = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
