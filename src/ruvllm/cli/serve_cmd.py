@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
                            allow_any_lora_path=allow_any_lora_path,
                            witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens,
                            learning=LearningConfig(store_count=feedback_keep, store_age_s=feedback_max_age,
-                                                   root=learned_dir) if learn else None,
+                                                   root=learned_dir, threads=1) if learn else None,
                            feedback_rate=feedback_rate)
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"

@@ -23,3 +23,7 @@ class LearningConfig:
     store_count: int = 10_000  # completions kept for feedback
     store_age_s: float = 3600.0
     root: str | None = None  # where adapter versions are written (default: a data folder)
+    # Threads of this process's PyTorch for the updates (None: as they are). `ruvllm serve` runs the
+    # engine core in a process of its own and gives the learner 1, so that updates take one core
+    # from serving, not every core.
+    threads: int | None = None

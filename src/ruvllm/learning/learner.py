@@ -58,6 +58,10 @@ class Learner:
         from ruvllm.quantize.awq_writer import load_float_model
 
         self.config = config or LearningConfig()
+        if self.config.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.config.threads)
         self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
         src = resolve_model(model_path)
         model, self.model_config, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
