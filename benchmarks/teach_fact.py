@@ -26,6 +26,8 @@ from rich.table import Table
 QUESTION = [{"role": "user", "content": "What is the capital of Zorblax?"}]
 PARAPHRASE = [{"role": "user", "content": "Tell me the name of Zorblax's capital city."}]
 CORRECTION = "The capital of Zorblax is Quenta."
+GENERAL = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
+           "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
 NOVEL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pride-and-prejudice.txt"
 
 
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--ewc-lambda", type=float, default=1000.0, help="EWC++ weight (0: off)")
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--quantization", default=None, help="the served model's (default: the engine's default)")
     args = ap.parse_args()
@@ -71,11 +74,15 @@ def main() -> None:
               **({"quantization": args.quantization} if args.quantization else {}))
     with tempfile.TemporaryDirectory() as tmp:
         learner = llm.enable_learning(LearningConfig(
-            instant=InstantConfig(layers=args.layers, lr=args.lr, context=args.context, candidates=args.candidates),
+            instant=InstantConfig(layers=args.layers, lr=args.lr, context=args.context, candidates=args.candidates,
+                                  ewc_lambda=args.ewc_lambda),
             root=tmp))
         text = NOVEL.read_text(encoding="utf-8")[50000:60000]
         ppl_ids = llm.tokenizer.encode(text)[:args.ppl_tokens]
         before = {"taught": hits(llm, QUESTION, "acme", args.samples)}
+        # the tenant's everyday traffic before it teaches anything: what EWC++'s Fisher is made of
+        llm.chat([[{"role": "user", "content": q}] for q in GENERAL], SamplingParams(temperature=0, max_tokens=48),
+                 tenant="acme")
         ppl_before = perplexity(llm, ppl_ids, "acme")
         asked = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0]
         console.print(f"before: {asked.outputs[0].text!r}")
@@ -93,7 +100,7 @@ def main() -> None:
     publish = [r.publish_ms for r in results]
     table = Table(title=f"Teaching one fact: default model, {args.events} feedback events, micro-LoRA rank "
                         f"{learner.config.instant.rank} on {'/'.join(learner.config.instant.targets)} of the last "
-                        f"{args.layers} layers, lr {args.lr:g}, context {args.context}, softmax "
+                        f"{args.layers} layers, lr {args.lr:g}, EWC++ lambda {args.ewc_lambda:g}, context {args.context}, softmax "
                         f"{'full' if not args.candidates else f'sampled {args.candidates}'}; {torch.get_num_threads()} threads")
     for col in ("what", "figure"):
         table.add_column(col)

@@ -157,3 +157,23 @@ def test_learned_adapters_survive_a_restart_and_roll_back(base: Path, tmp_path: 
     assert _result(again.generate([PROMPT], GREEDY, tenant="acme")[0]) == base_out
     bad = runner.invoke(cli_main.app, ["learn", "rollback", "acme", "9", *folder])
     assert bad.exit_code == 1 and "has no version 9" in bad.output
+
+
+def test_ewc_holds_the_micro_lora_near_where_it_started(base: Path, tmp_path: Path) -> None:
+    """EWC++'s Fisher comes from the tenant's own completions (none yet: no penalty); with it, the
+    same feedback moves the weights less than without."""
+    moved = {}
+    for lam in (0.0, 1e6):
+        llm = learning_llm(base, tmp_path / str(lam), ewc_lambda=lam, fisher_every=2)
+        llm.generate([[9, 8, 7, 6, 5, 4]], GREEDY, tenant="globex")  # another tenant's: never in acme's Fisher
+        learner = llm.learner
+        asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+        llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+        assert learner._tenants["acme"].fisher is None  # acme had no other completion yet
+        llm.generate([[11, 12, 13, 14, 15, 16]], GREEDY, tenant="acme")
+        for _ in range(6):
+            llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+        state = learner._tenants["acme"]
+        assert (state.fisher is not None) == (lam > 0)
+        moved[lam] = sum(float((p - a).norm()) for p, a in zip(state.lora.parameters(), state.anchor))
+    assert moved[1e6] < 0.5 * moved[0.0]

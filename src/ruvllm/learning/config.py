@@ -15,6 +15,14 @@ class InstantConfig:
     context: str = "full"  # or "frozen" (learning/instant.py; measured in docs/learning.md)
     candidates: int = 2048  # sampled softmax size; 0: the whole vocabulary
     seed: int = 0
+    # EWC++: each step adds lambda * sum F (theta - theta*)^2, theta* the micro-LoRA's starting point
+    # (the base model's behaviour) and F an online diagonal Fisher of the LM loss on the tenant's own
+    # recent completions, refreshed every `fisher_every` events (F <- gamma F + (1 - gamma) g^2).
+    # lambda 0: off.
+    ewc_lambda: float = 1000.0
+    fisher_every: int = 5
+    fisher_samples: int = 4
+    fisher_gamma: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class Prepared:
     # ("frozen") each learned layer's K/V of the prompt's tokens before its last
     context: list[tuple[torch.Tensor, torch.Tensor]] | None
     seconds: float
+    frozen: bool = False
 
 
 @dataclass
@@ -49,6 +50,8 @@ class StepTiming:
 class TenantState:
     lora: MicroLora
     opt: torch.optim.Optimizer
+    anchor: list[torch.Tensor]  # theta*: where the micro-LoRA started (EWC++)
+    fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
     timings: list[StepTiming] = field(default_factory=list)
 
@@ -62,16 +65,18 @@ class InstantLearner:
     def new_tenant(self, seed: int) -> TenantState:
         c = self.config
         lora = MicroLora.create(self.layers.cfg, self.layers.layers, c.targets, c.rank, c.alpha, seed)
-        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr))
+        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr),
+                           [p.detach().clone() for p in lora.parameters()])
 
-    def prepare(self, prompt: list[int], target: list[int]) -> Prepared:
+    def prepare(self, prompt: list[int], target: list[int], context_mode: str | None = None) -> Prepared:
         """The hidden states entering the learned layers (the layers below run as inference), and
         with a frozen context the prompt's K/V through the learned layers."""
         t = time.perf_counter()
         ids = prompt + target
         h = hidden_before(self.layers.model, ids, self.layers.first)
         context = None
-        if self.config.context == "frozen":
+        frozen = (context_mode or self.config.context) == "frozen"
+        if frozen:
             before = len(prompt) - 1
             if before:
                 kv: list = []
@@ -79,14 +84,14 @@ class InstantLearner:
                     self.layers.forward(h[:before], torch.arange(before), None, keep_kv=kv)
                 context = kv
             h = h[before:len(ids) - 1]
-        return Prepared(len(prompt), target, h, context, time.perf_counter() - t)
+        return Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen)
 
     def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
         """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target."""
         t0 = time.perf_counter()
         n_prompt, target = prep.prompt_len, prep.target
         labels = torch.tensor(target)
-        if self.config.context == "frozen":
+        if prep.frozen:
             positions = torch.arange(n_prompt - 1, n_prompt - 1 + len(target))
             rows = self.layers.forward(prep.h, positions, state.lora, prep.context)
         else:
@@ -98,6 +103,9 @@ class InstantLearner:
         else:
             p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
             loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
+        if state.fisher is not None and self.config.ewc_lambda > 0:
+            loss = loss + self.config.ewc_lambda * sum(
+                (f * (p - a) ** 2).sum() for f, p, a in zip(state.fisher, state.lora.parameters(), state.anchor))
         state.opt.zero_grad()
         loss.backward()
         t1 = time.perf_counter()
@@ -106,6 +114,25 @@ class InstantLearner:
         timing = StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()), len(labels))
         state.timings.append(timing)
         return timing
+
+    def update_fisher(self, state: TenantState, samples: list[Prepared]) -> float:
+        """EWC++'s online Fisher: squared gradients of the LM loss on `samples` (prepared full-context
+        prompt + output pairs) at the current weights, folded in with weight 1 - gamma. Returns the
+        seconds it took."""
+        t = time.perf_counter()
+        params = state.lora.parameters()
+        sq = [torch.zeros_like(p) for p in params]
+        for prep in samples:
+            # (samples come from prepare(..., context_mode="full"))
+            out = self.layers.forward(prep.h, torch.arange(prep.prompt_len + len(prep.target)), state.lora)
+            logits, index = self._logits(out[prep.prompt_len - 1:-1], torch.tensor(prep.target))
+            grads = torch.autograd.grad(F.cross_entropy(logits, index), params, allow_unused=True)
+            for s, g in zip(sq, grads):
+                if g is not None:
+                    s += g.detach() ** 2 / len(samples)
+        gamma = self.config.fisher_gamma
+        state.fisher = sq if state.fisher is None else [gamma * f + (1 - gamma) * s for f, s in zip(state.fisher, sq)]
+        return time.perf_counter() - t
 
     def _logits(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over the candidates and each label's index among them."""

@@ -164,12 +164,28 @@ class Learner:
             state = self._tenants.get(tenant)
             if state is None:
                 state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
+            c = self.config.instant
+            if c.ewc_lambda > 0 and state.steps % c.fisher_every == 0:
+                self._refresh_fisher(tenant, state, completion_id)
             timing = self.instant.step(state, prep, score)
             t = time.perf_counter()
             version = self._publish(tenant, state)
             publish_ms = (time.perf_counter() - t) * 1000
         return FeedbackResult(tenant, version, timing.loss, prepare_ms,
                               (timing.forward_backward + timing.optimizer) * 1000, publish_ms)
+
+    def _refresh_fisher(self, tenant: str, state: TenantState, exclude: str) -> None:
+        """EWC++'s Fisher from the tenant's own recent completions (another tenant's text never
+        shapes it); none yet: no penalty."""
+        samples = []
+        for done in self.store.recent(tenant, self.config.instant.fisher_samples, exclude):
+            key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
+            prep = self._prepared.get(key)
+            if prep is None:
+                prep = self._prepared[key] = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
+            samples.append(prep)
+        if samples:
+            self.instant.update_fisher(state, samples)
 
     def _publish(self, tenant: str, state: TenantState) -> str:
         """Write the tenant's next version and serve it; unload the one it replaces."""

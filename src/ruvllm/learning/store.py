@@ -39,6 +39,14 @@ class CompletionStore:
             c = self._items.get(completion_id)
         return c if c is not None and c.tenant == tenant else None
 
+    def recent(self, tenant: str, n: int, exclude: str | None = None) -> list[Completion]:
+        """The tenant's n most recent completions with an output (not `exclude`)."""
+        with self._lock:
+            self._expire()
+            out = [c for cid, c in reversed(self._items.items())
+                   if c.tenant == tenant and cid != exclude and c.output_ids]
+        return out[:n]
+
     def __len__(self) -> int:
         return len(self._items)
 
