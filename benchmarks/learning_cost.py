@@ -24,28 +24,14 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from witness_load import free_port  # noqa: E402
+from witness_load import start_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def start(tmp: str, keys: Path) -> tuple[object, str]:
-    import subprocess
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port), "--learn",
-                             "--api-keys", str(keys), "--feedback-rate", "100", "--learned-dir", f"{tmp}/learned",
-                             "--witness-log", f"{tmp}/w.sqlite3"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not start")
+    return start_server(Path(tmp) / "w.sqlite3", "--learn", "--api-keys", str(keys), "--feedback-rate", "100",
+                        "--learned-dir", f"{tmp}/learned")
 
 
 async def streams(url: str, n: int, gen_len: int) -> tuple[int, float]:

@@ -52,9 +52,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`ruvllm serve` (the embedded default model) in a session of its own, once /health answers."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port), "--witness-log", str(log)],
+    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port), "--witness-log",
+                             str(log), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
