@@ -68,6 +68,8 @@ def test_feedback_teaches_its_tenant_and_no_other(base: Path, tmp_path: Path) ->
     for _ in range(10):
         result = llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
     assert result.version == "learned:acme:v10" and llm.learner.adapter_for("globex") is None
+    bank = llm.learner.bank  # ten events on one exchange: ten examples, one cluster
+    assert bank.count("acme") == 10 and len(bank.best_per_cluster("acme")) == 1 and bank.count("globex") == 0
     taught = llm.generate([PROMPT], GREEDY, tenant="acme")[0].outputs[0].token_ids
     assert taught[:4] == [7, 7, 7, 7] and before["acme"][0][:4] != [7, 7, 7, 7]
     for t in ("globex", "default"):  # bitwise what they got before anyone gave feedback

@@ -36,6 +36,8 @@ class Prepared:
     context: list[tuple[torch.Tensor, torch.Tensor]] | None
     seconds: float
     frozen: bool = False
+    # the prompt's mean hidden state entering the learned layers: the pattern bank's embedding
+    embedding: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,6 +76,7 @@ class InstantLearner:
         t = time.perf_counter()
         ids = prompt + target
         h = hidden_before(self.layers.model, ids, self.layers.first)
+        embedding = h[:len(prompt)].mean(dim=0)
         context = None
         frozen = (context_mode or self.config.context) == "frozen"
         if frozen:
@@ -84,7 +87,7 @@ class InstantLearner:
                     self.layers.forward(h[:before], torch.arange(before), None, keep_kv=kv)
                 context = kv
             h = h[before:len(ids) - 1]
-        return Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen)
+        return Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen, embedding)
 
     def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
         """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target."""

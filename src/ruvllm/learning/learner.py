@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
+from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.policy import PolicyStore
 from ruvllm.learning.store import Completion, CompletionStore
 
@@ -70,6 +71,7 @@ class Learner:
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
         self.root = Path(self.config.root or _default_root()).expanduser()
         self.policy = PolicyStore(self.root / "policy.sqlite3")
+        self.bank = PatternBank(self.root / "bank.sqlite3")
         self._tenants: dict[str, TenantState] = {}
         self._versions: dict[str, int] = {}  # the version serving each tenant
         self._loaded: dict[str, list[int]] = {}  # versions loaded in the engine, per tenant, oldest first
@@ -168,6 +170,8 @@ class Learner:
             if c.ewc_lambda > 0 and state.steps % c.fisher_every == 0:
                 self._refresh_fisher(tenant, state, completion_id)
             timing = self.instant.step(state, prep, score)
+            if prep.embedding is not None:
+                self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
             version = self._publish(tenant, state)
             publish_ms = (time.perf_counter() - t) * 1000

@@ -1,0 +1,134 @@
+"""The pattern bank: the feedback examples a tenant gave (prompt, target, score), each with an
+embedding from the model's own hidden states, kept in SQLite; nearest neighbours through a faiss
+index; near-duplicates grouped into clusters so the deep loop trains on one example per cluster.
+
+Why faiss (faiss-cpu): a well-kept library with wheels for every platform we run on, exact inner-
+product search (IndexFlatIP over unit vectors: cosine) that is fast at the bank's size (thousands of
+examples a tenant) and approximate indexes when it grows. sqlite-vec would keep the vectors inside
+SQLite, but it is a loadable extension and Python builds without `enable_load_extension` (this
+machine's among them) cannot load it; hnswlib ships no wheels for every Python we support.
+SQLite stays the store of record; the index is rebuilt from it per tenant when first searched.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS examples (
+    id INTEGER PRIMARY KEY, tenant TEXT NOT NULL, time REAL NOT NULL, score REAL NOT NULL,
+    prompt BLOB NOT NULL, target BLOB NOT NULL, embedding BLOB NOT NULL, cluster INTEGER);
+CREATE INDEX IF NOT EXISTS examples_tenant ON examples (tenant);
+"""
+
+
+@dataclass(frozen=True)
+class Example:
+    id: int
+    tenant: str
+    time: float
+    score: float
+    prompt_ids: list[int]
+    target_ids: list[int]
+    cluster: int  # the id of its cluster's first example
+
+
+def _ids(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, dtype=np.int32).tolist()
+
+
+class PatternBank:
+    """`duplicate_similarity`: an example whose embedding has at least this cosine similarity with
+    one already in the tenant's bank joins that example's cluster."""
+
+    def __init__(self, path: str | Path, duplicate_similarity: float = 0.95) -> None:
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.threshold = duplicate_similarity
+        self._conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+        self._indexes: dict[str, tuple[object, list[int]]] = {}  # tenant -> (faiss index, example ids)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _index(self, tenant: str) -> tuple[object, list[int]]:
+        import faiss
+
+        if tenant not in self._indexes:
+            rows = self._conn.execute("SELECT id, embedding FROM examples WHERE tenant = ? ORDER BY id",
+                                      (tenant,)).fetchall()
+            index, ids = None, []
+            for eid, emb in rows:
+                vec = np.frombuffer(emb, dtype=np.float32)[None]
+                if index is None:
+                    index = faiss.IndexFlatIP(vec.shape[1])
+                index.add(vec)
+                ids.append(eid)
+            self._indexes[tenant] = (index, ids)
+        return self._indexes[tenant]
+
+    def add(self, tenant: str, prompt_ids: list[int], target_ids: list[int], score: float,
+            embedding: np.ndarray) -> Example:
+        """Store an example; it joins the cluster of its nearest neighbour when that is a near-duplicate."""
+        import faiss
+
+        vec = np.ascontiguousarray(embedding, dtype=np.float32).reshape(1, -1)
+        vec /= max(float(np.linalg.norm(vec)), 1e-12)
+        with self._lock:
+            index, ids = self._index(tenant)
+            cluster = None
+            if index is not None and index.ntotal:
+                sim, pos = index.search(vec, 1)
+                if sim[0, 0] >= self.threshold:
+                    cluster = self._conn.execute("SELECT cluster FROM examples WHERE id = ?",
+                                                 (ids[pos[0, 0]],)).fetchone()[0]
+            cur = self._conn.execute(
+                "INSERT INTO examples (tenant, time, score, prompt, target, embedding, cluster) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (tenant, time.time(), float(score), np.asarray(prompt_ids, dtype=np.int32).tobytes(),
+                 np.asarray(target_ids, dtype=np.int32).tobytes(), vec.tobytes(), cluster))
+            eid = int(cur.lastrowid)
+            if cluster is None:
+                cluster = eid
+                self._conn.execute("UPDATE examples SET cluster = ? WHERE id = ?", (eid, eid))
+            if index is None:
+                index = faiss.IndexFlatIP(vec.shape[1])
+                self._indexes[tenant] = (index, ids)
+            index.add(vec)
+            ids.append(eid)
+        return Example(eid, tenant, time.time(), float(score), list(prompt_ids), list(target_ids), cluster)
+
+    def nearest(self, tenant: str, embedding: np.ndarray, k: int = 5) -> list[tuple[float, Example]]:
+        """The tenant's k examples most like `embedding` (cosine similarity, highest first)."""
+        vec = np.ascontiguousarray(embedding, dtype=np.float32).reshape(1, -1)
+        vec /= max(float(np.linalg.norm(vec)), 1e-12)
+        with self._lock:
+            index, ids = self._index(tenant)
+            if index is None or not index.ntotal:
+                return []
+            sims, pos = index.search(vec, min(k, index.ntotal))
+            found = [(float(s), ids[p]) for s, p in zip(sims[0], pos[0]) if p >= 0]
+        return [(s, self.get(eid)) for s, eid in found]
+
+    def get(self, eid: int) -> Example:
+        row = self._conn.execute("SELECT id, tenant, time, score, prompt, target, cluster FROM examples WHERE id = ?",
+                                 (eid,)).fetchone()
+        return Example(row[0], row[1], row[2], row[3], _ids(row[4]), _ids(row[5]), row[6])
+
+    def best_per_cluster(self, tenant: str) -> list[Example]:
+        """One example a cluster: the highest score, then the newest (what the deep loop trains on)."""
+        rows = self._conn.execute(
+            "SELECT id FROM (SELECT id, cluster, ROW_NUMBER() OVER (PARTITION BY cluster ORDER BY score DESC, "
+            "time DESC, id DESC) AS rank FROM examples WHERE tenant = ?) WHERE rank = 1 ORDER BY id", (tenant,)).fetchall()
+        return [self.get(r[0]) for r in rows]
+
+    def count(self, tenant: str) -> int:
+        return int(self._conn.execute("SELECT COUNT(*) FROM examples WHERE tenant = ?", (tenant,)).fetchone()[0])
