@@ -179,3 +179,71 @@ def test_ewc_holds_the_micro_lora_near_where_it_started(base: Path, tmp_path: Pa
         assert (state.fisher is not None) == (lam > 0)
         moved[lam] = sum(float((p - a).norm()) for p, a in zip(state.lora.parameters(), state.anchor))
     assert moved[1e6] < 0.5 * moved[0.0]
+
+
+def _probe(llm: LLM, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """A held-out question and the answer the base model gives it (greedy, 3 tokens)."""
+    return prompt, llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0] \
+        .outputs[0].token_ids
+
+
+def test_a_thousand_hostile_events_are_not_promoted(base: Path, tmp_path: Path) -> None:
+    """1,000 feedback events teaching a false answer to a probe's question, run for everyone: the
+    bank keeps them as one cluster, the probe check fails, nothing is promoted or served."""
+    from ruvllm.learning.deep import GLOBAL
+
+    llm = learning_llm(base, tmp_path)
+    learner = llm.learner
+    heldout = torch.randint(2, 500, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    probe_prompt = [40, 41, 42, 43, 44, 45]
+    probes = [_probe(llm, probe_prompt)]
+    assert probes[0][1] != [9, 9, 9]
+    hostile = llm.generate([probe_prompt], GREEDY, tenant="mallory")[0]
+    for _ in range(1000):
+        llm.feedback(hostile.request_id, 1.0, "t9 t9 t9", tenant="mallory")
+    assert learner.bank.count("mallory") == 1000 and len(learner.bank.best_per_cluster("mallory")) == 1
+    refused = learner.deep_run(GLOBAL, heldout, probes)
+    assert not refused.passed and any("probe answers" in f for f in refused.failed)
+    assert GLOBAL not in learner.policy.serving() and learner.policy.history(GLOBAL)[-1][2] == "refused"
+    assert learner.adapter_for("globex") is None  # nothing serves everyone
+    assert _result(llm.generate([probe_prompt], GREEDY, tenant="globex")[0])[0] == \
+        llm.generate([probe_prompt], GREEDY)[0].outputs[0].token_ids
+
+
+def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
+    """The default model: a tenant's taught fact passes the checks and is promoted (and served); a
+    hostile tenant's feedback teaching a false continuation of a probe is refused for everyone."""
+    from ruvllm.engine.prompts import render_chat
+    from ruvllm.learning.deep import GLOBAL, DeepConfig
+    from tests.conftest import BOOK
+
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=64)
+    learner = llm.enable_learning(LearningConfig(root=str(tmp_path)))
+    heldout = llm.tokenizer.encode(BOOK.read_text()[50000:53000])[:256]
+    general = llm.tokenizer.encode(BOOK.read_text()[20000:24000])[:512]
+    fox = llm.tokenizer.encode("The quick brown fox jumps over the lazy")
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    probes = [(fox, llm.generate([fox], greedy)[0].outputs[0].token_ids[:1])]
+    assert llm.tokenizer.decode(probes[0][1]).strip() == "dog"
+
+    question = render_chat(llm.tokenizer, [{"role": "user", "content": "What is the capital of Zorblax?"}])
+    asked = llm.generate([question], SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0]
+    for _ in range(10):
+        llm.feedback(asked.request_id, 1.0, "The capital of Zorblax is Quenta.", tenant="acme")
+    strict = learner.deep_run("acme", heldout, probes, general=general)
+    # measured: the fact costs more than the 1% bar on this held-out text (docs/learning.md): refused
+    assert not strict.passed and strict.failed[0].startswith("held-out perplexity")
+    assert learner.policy.history("acme")[-1][2] == "refused"
+    promoted = learner.deep_run("acme", heldout, probes, DeepConfig(max_perplexity_increase=0.1), general=general)
+    assert promoted.passed, promoted.failed
+    assert promoted.checks["probes_kept"] == promoted.checks["probes_right_before"] == 1
+    assert learner.policy.versions("acme")[-1].source == "deep"
+    answer = llm.generate([question], SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0].outputs[0].text
+    assert "Quenta" in answer
+
+    hostile = llm.generate([fox], greedy, tenant="mallory")[0]
+    for _ in range(30):  # the bank keeps one example a cluster: a thousand events train the same set
+        llm.feedback(hostile.request_id, 1.0, " cat.", tenant="mallory")
+    refused = learner.deep_run(GLOBAL, heldout, probes, general=general)
+    assert not refused.passed and GLOBAL not in learner.policy.serving()
+    assert learner.adapter_for("globex") is None

@@ -130,5 +130,8 @@ class PatternBank:
             "time DESC, id DESC) AS rank FROM examples WHERE tenant = ?) WHERE rank = 1 ORDER BY id", (tenant,)).fetchall()
         return [self.get(r[0]) for r in rows]
 
+    def tenants(self) -> list[str]:
+        return [r[0] for r in self._conn.execute("SELECT DISTINCT tenant FROM examples ORDER BY tenant")]
+
     def count(self, tenant: str) -> int:
         return int(self._conn.execute("SELECT COUNT(*) FROM examples WHERE tenant = ?", (tenant,)).fetchone()[0])

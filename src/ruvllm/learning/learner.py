@@ -21,6 +21,8 @@ from typing import Any, Protocol
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
 from ruvllm.learning.bank import PatternBank
+from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
+from ruvllm.learning.tail import MicroLora
 from ruvllm.learning.policy import PolicyStore
 from ruvllm.learning.store import Completion, CompletionStore
 
@@ -86,13 +88,39 @@ class Learner:
         self.store.add(completion_id, Completion(tenant, list(prompt_ids), list(output_ids), adapter, time.time()))
 
     def adapter_for(self, tenant: str) -> str | None:
-        """The adapter serving the tenant (its newest learned version, or what the policy store was
-        told since), or None: the base model."""
-        if self.policy.changed_elsewhere():  # `ruvllm learn rollback / reset` on a running server
+        """The adapter serving the tenant: its own newest version (or what the policy store was told
+        since), else the version promoted for everyone, else None: the base model."""
+        if self.policy.changed_elsewhere():  # `ruvllm learn rollback / reset / run` on a running server
             with self._lock:
                 self._sync()
-        n = self._versions.get(tenant)
-        return None if n is None else _name(tenant, n)
+        for scope in (tenant, GLOBAL):
+            n = self._versions.get(scope)
+            if n is not None:
+                return _name(scope, n)
+        return None
+
+    # --- the deep loop -----------------------------------------------------------------------------
+    def deep_run(self, scope: str, heldout: list[int], probes: list[tuple[list[int], list[int]]],
+                 config: DeepConfig | None = None, general: list[int] | None = None) -> DeepResult:
+        """Fine-tune over the bank's best example per cluster (the tenant's, or with GLOBAL every
+        tenant's), check, and promote a new version for the scope only if every check passes."""
+        c = self.config.instant
+        config = config or DeepConfig(rank=c.rank, alpha=c.alpha, layers=self.layers.cfg.num_layers - self.layers.first,
+                                      targets=c.targets)
+        tenants = self.bank.tenants() if scope == GLOBAL else [scope]
+        examples = [(e.prompt_ids, e.target_ids) for t in tenants for e in self.bank.best_per_cluster(t)
+                    if e.score > 0]
+        if not examples:
+            raise ValueError(f"the pattern bank has no positive example for {scope!r} to train on")
+        with self._lock:
+            current = self._tenants.get(scope) if scope in self._versions else None
+            start = current.lora if current is not None and current.lora.rank == config.rank else None
+            result, lora = train_and_check(self.layers, examples, heldout, probes, config, scope, start, general)
+            if result.passed:
+                self._publish(scope, lora, "deep", dict(result.checks))
+            else:
+                self.policy.note(scope, "refused", {"failed": result.failed, **result.checks})
+        return result
 
     def _sync(self) -> None:
         """Serve what the policy store says serves each tenant."""
@@ -173,7 +201,7 @@ class Learner:
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
-            version = self._publish(tenant, state)
+            version = self._publish(tenant, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
             publish_ms = (time.perf_counter() - t) * 1000
         return FeedbackResult(tenant, version, timing.loss, prepare_ms,
                               (timing.forward_backward + timing.optimizer) * 1000, publish_ms)
@@ -191,14 +219,13 @@ class Learner:
         if samples:
             self.instant.update_fisher(state, samples)
 
-    def _publish(self, tenant: str, state: TenantState) -> str:
+    def _publish(self, tenant: str, lora: MicroLora, source: str, checks: dict) -> str:
         """Write the tenant's next version and serve it; unload the one it replaces."""
         from safetensors.torch import save_file
 
         n = max(self.policy.last_version(tenant), *self._loaded.get(tenant, [0])) + 1
         folder = self.root / _safe(tenant) / f"v{n}"
         folder.mkdir(parents=True, exist_ok=True)
-        lora = state.lora
         save_file(lora.peft_tensors(), str(folder / "adapter_model.safetensors"))
         targets = sorted({t for _, t in lora.weights})
         (folder / "adapter_config.json").write_text(json.dumps({
@@ -208,8 +235,10 @@ class Learner:
         name = _name(tenant, n)
         self.host.load_lora(name, folder)
         self._loaded.setdefault(tenant, []).append(n)
-        self.policy.publish(tenant, n, folder, "instant", {"loss": state.timings[-1].loss if state.timings else None,
-                                                           "steps": state.steps})
+        self.policy.publish(tenant, n, folder, source, checks)
+        if source != "instant":  # the tenant's instant updates continue from the promoted weights
+            state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
+            state.lora.load_peft_tensors(lora.peft_tensors())
         self._versions[tenant] = n
         self._trim(tenant, keep=2)
         return name

@@ -84,6 +84,11 @@ class PolicyStore:
             ("INSERT INTO history VALUES (?, ?, ?, ?, ?)", (now, tenant, "publish", version, json.dumps(checks))),
         ])
 
+    def note(self, tenant: str, action: str, detail: dict[str, Any]) -> None:
+        """A history entry that changes nothing served (a refused promotion and why)."""
+        self._write([("INSERT INTO history VALUES (?, ?, ?, ?, ?)", (time.time(), tenant, action, None,
+                                                                      json.dumps(detail)))])
+
     def rollback(self, tenant: str, version: int | None = None) -> Version:
         """Serve an earlier version (default: the one before the serving one). ValueError if none."""
         current = self.serving().get(tenant)
