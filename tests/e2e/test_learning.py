@@ -247,3 +247,30 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     refused = learner.deep_run(GLOBAL, heldout, probes, general=general)
     assert not refused.passed and GLOBAL not in learner.policy.serving()
     assert learner.adapter_for("globex") is None
+
+
+def test_learn_run_cli_refuses_and_names_why(base: Path, tmp_path: Path, wide_terminal: None) -> None:
+    """`ruvllm learn run` in its own process's stead: with no bank, a one-line error; with the
+    hostile bank of the tiny model, `not promoted` and the failed check."""
+    from typer.testing import CliRunner
+
+    from ruvllm.cli import main as cli_main
+
+    if not any(g.name == "learn" for g in cli_main.app.registered_groups):
+        cli_main._register()
+    runner = CliRunner()
+    text = tmp_path / "heldout.txt"
+    text.write_text(" ".join(f"t{i % 400 + 5}" for i in range(300)))
+    args = ["learn", "run", "*", "--heldout", str(text), "--model", str(base), "--dir", str(tmp_path / "learned")]
+    empty = runner.invoke(cli_main.app, args)
+    assert empty.exit_code == 1 and "no pattern bank there" in empty.output
+    llm = learning_llm(base, tmp_path)
+    hostile = llm.generate([[40, 41, 42, 43, 44, 45]], GREEDY, tenant="mallory")[0]
+    for _ in range(5):
+        llm.feedback(hostile.request_id, 1.0, "t9 t9 t9", tenant="mallory")
+    probes = tmp_path / "probes.jsonl"
+    answer = " ".join(f"t{t}" for t in _probe(llm, [40, 41, 42, 43, 44, 45])[1])
+    probes.write_text('{"prompt": "t40 t41 t42 t43 t44 t45", "answer": "%s"}\n' % answer)
+    out = runner.invoke(cli_main.app, [*args, "--probes", str(probes)])
+    lines = [line for line in out.output.splitlines() if line.strip()]
+    assert out.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: not promoted:"), out.output

@@ -82,6 +82,80 @@ def reset_cmd(tenant: str = typer.Argument(...), folder: Optional[Path] = typer.
     typer.echo(f"tenant {tenant!r} is served the base model")
 
 
+class _NoEngine:
+    """`learn run` serves nothing: a running server loads what it promotes (the policy store's change)."""
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        pass
+
+    def unload_lora(self, name: str) -> None:
+        pass
+
+
+def _tokens(tokenizer, path: Path, what: str) -> list[int]:  # noqa: ANN001
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file ({what})")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    if len(ids) < 130:
+        raise ValueError(f"{path}: {len(ids)} tokens; {what} needs at least 130")
+    return ids
+
+
+@learn_app.command("run")
+@clean_errors
+def run_cmd(
+    scope: str = typer.Argument(..., help="A tenant, or `*` for a version served to every tenant without its own."),
+    heldout: Path = typer.Option(..., "--heldout", metavar="FILE", help="Held-out text: perplexity may rise at most "
+                                                                        "--max-perplexity-increase."),
+    general: Optional[Path] = typer.Option(None, "--general", metavar="FILE",
+                                           help="Everyday text for EWC++ and rehearsal (not the held-out text)."),
+    probes: Optional[Path] = typer.Option(None, "--probes", metavar="FILE.jsonl",
+                                          help='{"prompt": ..., "answer": ...} lines: answers the base model gets right '
+                                               "must stay right."),
+    max_perplexity_increase: float = typer.Option(0.01, "--max-perplexity-increase"),
+    model: str = typer.Option("default", "--model", "-m", help="The served model (folder, GGUF, alias, `default`)."),
+    folder: Optional[Path] = typer.Option(None, "--dir", help=_DIR_HELP),
+) -> None:
+    """The deep loop: fine-tune over the pattern bank, check, and promote only if every check passes
+    (at low priority; a running server serves a promoted version at its next request)."""
+    import json
+    import os
+
+    from ruvllm.learning.config import LearningConfig
+    from ruvllm.learning.deep import DeepConfig
+    from ruvllm.learning.learner import Learner, _default_root
+    from ruvllm.loader import load_tokenizer, model_cache, resolve_model
+
+    os.nice(10)
+    root = folder.expanduser() if folder is not None else _default_root()
+    if not (root / "bank.sqlite3").is_file():
+        raise fail(f"{root}: no pattern bank there (no feedback learned yet)")
+    path = model_cache.resolve_cli_model(None if model == "default" else model)
+    tokenizer = load_tokenizer(resolve_model(path))
+    held = _tokens(tokenizer, heldout.expanduser(), "--heldout")
+    everyday = _tokens(tokenizer, general.expanduser(), "--general") if general else None
+    probe_pairs = []
+    if probes is not None:
+        for n, line in enumerate(probes.expanduser().read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                row = json.loads(line)
+                if not isinstance(row, dict) or not row.get("prompt") or not row.get("answer"):
+                    raise ValueError(f"{probes}:{n}: each line needs a \"prompt\" and an \"answer\"")
+                probe_pairs.append((tokenizer.encode(row["prompt"]),
+                                    tokenizer.encode(row["answer"], add_special_tokens=False)))
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    learner = Learner(path, _NoEngine(), tokenizer, eos, LearningConfig(root=str(root)))
+    c = learner.config.instant
+    config = DeepConfig(rank=c.rank, alpha=c.alpha, targets=c.targets, max_perplexity_increase=max_perplexity_increase,
+                        layers=learner.layers.cfg.num_layers - learner.layers.first)
+    result = learner.deep_run(scope, held, probe_pairs, config, everyday)
+    checks = ", ".join(f"{k} {v:.4g}" for k, v in result.checks.items())
+    if not result.passed:
+        raise fail(f"not promoted: {'; '.join(result.failed)} ({checks})")
+    typer.echo(f"promoted {scope!r} v{learner.policy.serving()[scope]} ({result.examples} examples, {result.steps} "
+               f"steps, {result.seconds:.0f} s; {checks})")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(learn_app, name="learn")
 

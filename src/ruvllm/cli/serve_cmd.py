@@ -90,7 +90,12 @@ def register(app: typer.Typer) -> None:
         keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
         path = resolve_cli_model(model, cache_dir)
         adapters = [parse_lora_flag(spec) for spec in lora]
-        overrides = {"enable_lora": True} if adapters or learn else {}
+        overrides: dict = {"enable_lora": True} if adapters or learn else {}
+        if learn:  # every learning tenant keeps two small versions loaded; they need no rank-64 slots
+            if engine.get("max_cpu_loras") is None:
+                overrides["max_cpu_loras"] = 1024
+            if engine.get("max_lora_rank") is None and not adapters:
+                overrides["max_lora_rank"] = 8
         with console.status("loading model"):
             async_engine = AsyncEngine(engine.to_config(path, **overrides))
         try:

@@ -148,7 +148,11 @@ class Learner:
             loaded.append(version)
         self._versions[tenant] = version
         state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
-        state.lora.load_peft_tensors(load_file(str(Path(row.path) / "adapter_model.safetensors")))
+        try:
+            state.lora.load_peft_tensors(load_file(str(Path(row.path) / "adapter_model.safetensors")))
+        except (KeyError, RuntimeError, OSError):
+            # made with other learned layers, targets or rank: served as it is, learning starts afresh
+            self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
         self._trim(tenant, keep=2)
 
     def _trim(self, tenant: str, keep: int) -> None:

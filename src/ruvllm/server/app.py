@@ -152,6 +152,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         except FeedbackError as exc:
             raise APIError(exc.status, str(exc), exc.param, "not_found" if exc.status == 404 else "invalid_value") \
                 from None
+        except AdapterError as exc:  # the engine keeps no more adapters (--max-cpu-loras)
+            raise APIError(503, f"the update could not be served: {exc}", None, "learning_capacity") from None
         if st.witness is not None:
             correction = engine.tokenizer.encode(body.correction, add_special_tokens=False) if body.correction else None
             st.witness.append(body.id, "feedback", who, {
