@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--ewc-lambda", type=float, default=1000.0, help="EWC++ weight (0: off)")
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--quantization", default=None, help="the served model's (default: the engine's default)")
+    ap.add_argument("--deep", type=float, default=None, metavar="MAX_PPL_INCREASE",
+                    help="then run the deep loop for the tenant with this perplexity bar (0.01: the issue's) and, "
+                         "if it promotes, measure again")
     args = ap.parse_args()
 
     from ruvllm import LLM, SamplingParams
@@ -95,6 +98,30 @@ def main() -> None:
         ppl_after = perplexity(llm, ppl_ids, "acme")
         ppl_other = perplexity(llm, ppl_ids, "globex")
         console.print(f"after: {after!r}")
+        deep_rows = []
+        if args.deep is not None:
+            from ruvllm.learning.deep import DeepConfig
+
+            novel = NOVEL.read_text(encoding="utf-8")
+            heldout = llm.tokenizer.encode(novel[70000:73000])[:256]
+            general = llm.tokenizer.encode(novel[20000:24000])[:512]
+            fox = llm.tokenizer.encode("The quick brown fox jumps over the lazy")
+            probes = [(fox, llm.generate([fox], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids)]
+            c = learner.config.instant
+            result = learner.deep_run("acme", heldout, probes, DeepConfig(
+                rank=c.rank, alpha=c.alpha, targets=c.targets, layers=args.layers,
+                max_perplexity_increase=args.deep), general)
+            checks = ", ".join(f"{k} {v:.4g}" for k, v in result.checks.items())
+            deep_rows.append((f"deep loop (bar +{100 * args.deep:g}%): {result.steps} steps in {result.seconds:.0f} s",
+                              "promoted" if result.passed else "refused: " + "; ".join(result.failed)))
+            deep_rows.append(("deep loop checks", checks))
+            if result.passed:
+                deep_rows += [
+                    ("after promotion: question / paraphrase (taught tenant)",
+                     f"{hits(llm, QUESTION, 'acme', args.samples)}/{args.samples} / "
+                     f"{hits(llm, PARAPHRASE, 'acme', args.samples)}/{args.samples}"),
+                    ("after promotion: another tenant", f"{hits(llm, QUESTION, 'globex', args.samples)}/{args.samples}"),
+                    ("after promotion: perplexity, taught tenant", f"{perplexity(llm, ppl_ids, 'acme'):.3f}")]
 
     steps = [r.step_ms for r in results]
     publish = [r.publish_ms for r in results]
@@ -117,7 +144,7 @@ def main() -> None:
         ("preparation, first event only (layers below)", f"{results[0].prepare_ms:.1f} ms"),
         ("publishing p50 (write PEFT folder, load, unload previous)", f"{statistics.median(publish):.1f} ms"),
     ]
-    for r in rows:
+    for r in rows + deep_rows:
         table.add_row(*r)
     console.print(table)
 

@@ -44,6 +44,7 @@ class DeepConfig:
     max_perplexity_increase: float = 0.01
     min_taught: float = 0.9
     rehearsal: int = 4  # chunks of everyday text trained on beside the examples
+    candidates: int = 0  # the whole vocabulary (a sampled 2048 was measured worse: docs/learning.md)
     seed: int = 0
 
 
@@ -90,7 +91,8 @@ def train_and_check(layers: LearnedLayers, examples: list[tuple[list[int], list[
     t0 = time.perf_counter()
     instant = InstantLearner(layers, InstantConfig(layers=config.layers, rank=config.rank, alpha=config.alpha,
                                                    targets=config.targets, lr=config.lr, context="full",
-                                                   candidates=0, ewc_lambda=config.ewc_lambda, seed=config.seed))
+                                                   candidates=config.candidates, ewc_lambda=config.ewc_lambda,
+                                                   seed=config.seed))
     state: TenantState = instant.new_tenant(seed=config.seed)
     if start is not None:
         state.lora.load_peft_tensors(start.peft_tensors())
