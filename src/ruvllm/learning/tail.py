@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ruvllm.config import ModelConfig
 from ruvllm.layers.rotary import _rotate
+from ruvllm.lora.peft_adapter import SUBLAYER
 from ruvllm.models.llama import LlamaForCausalLM
 
 # Targets a micro-LoRA may adapt inside the learned layers.
@@ -89,21 +90,17 @@ class MicroLora:
 
     def load_peft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the weights of a version written by peft_tensors (learning continues from them)."""
-        sub = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
         with torch.no_grad():
             for (layer, t), (a, b) in self.weights.items():
-                prefix = f"base_model.model.model.layers.{layer}.{sub[t]}.{t}"
+                prefix = f"base_model.model.model.layers.{layer}.{SUBLAYER[t]}.{t}"
                 a.copy_(tensors[f"{prefix}.lora_A.weight"])
                 b.copy_(tensors[f"{prefix}.lora_B.weight"])
 
     def peft_tensors(self) -> dict[str, torch.Tensor]:
         """PEFT's tensor names (lora_A / lora_B, the scaling left to the config's alpha)."""
-        sub = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
         out = {}
         for (layer, t), (a, b) in self.weights.items():
-            prefix = f"base_model.model.model.layers.{layer}.{sub[t]}.{t}"
+            prefix = f"base_model.model.model.layers.{layer}.{SUBLAYER[t]}.{t}"
             out[f"{prefix}.lora_A.weight"] = a.detach().clone().contiguous()
             out[f"{prefix}.lora_B.weight"] = b.detach().clone().contiguous()
         return out

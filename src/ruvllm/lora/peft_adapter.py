@@ -22,7 +22,7 @@ from ruvllm.errors import AdapterError
 
 # Hugging Face module names of the projections an adapter may target, by their decoder sublayer.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_SUBLAYER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+SUBLAYER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -142,7 +142,7 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], config: dict, cfg: Mo
             raise AdapterError(f"{weights_path}: tensor {key} is not supported"
                                + (f" (LoRA on {what})" if what else " (only lora_A/lora_B of the decoder's projections)"))
         layer, sublayer, target, which = int(m[1]), m[2], m[3], m[4]
-        if target not in TARGETS or _SUBLAYER[target] != sublayer:
+        if target not in TARGETS or SUBLAYER[target] != sublayer:
             raise AdapterError(f"{weights_path}: target module {sublayer}.{target} does not exist in this model")
         if layer >= cfg.num_layers:
             raise AdapterError(f"{weights_path}: {key} is for layer {layer}, and the model has {cfg.num_layers} "
@@ -157,7 +157,7 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], config: dict, cfg: Mo
     alphas = config.get("alpha_pattern") or {}
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, target), ab in sorted(pairs.items()):
-        module = f"model.layers.{layer}.{_SUBLAYER[target]}.{target}"
+        module = f"model.layers.{layer}.{SUBLAYER[target]}.{target}"
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{weights_path}: {module} has lora_{'A' if 'A' in ab else 'B'} without "
                                f"lora_{'B' if 'A' in ab else 'A'}")
