@@ -19,10 +19,6 @@ from ruvllm.layers.rotary import _rotate
 from ruvllm.lora.peft_adapter import SUBLAYER
 from ruvllm.models.llama import LlamaForCausalLM
 
-# Targets a micro-LoRA may adapt inside the learned layers.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: tuple | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of positions after `context` (k, v of earlier positions, or
     None): each query sees the context and the positions up to its own. Returns [T, Hq, D]."""
