@@ -261,7 +261,8 @@ def test_learn_run_cli_refuses_and_names_why(base: Path, tmp_path: Path, wide_te
     runner = CliRunner()
     text = tmp_path / "heldout.txt"
     text.write_text(" ".join(f"t{i % 400 + 5}" for i in range(300)))
-    args = ["learn", "run", "*", "--heldout", str(text), "--model", str(base), "--dir", str(tmp_path / "learned")]
+    args = ["learn", "run", "*", "--heldout", str(text), "--model", str(base), "--dir", str(tmp_path / "learned"),
+            "--witness-log", str(tmp_path / "w.sqlite3")]
     empty = runner.invoke(cli_main.app, args)
     assert empty.exit_code == 1 and "no pattern bank there" in empty.output
     llm = learning_llm(base, tmp_path)
@@ -274,3 +275,8 @@ def test_learn_run_cli_refuses_and_names_why(base: Path, tmp_path: Path, wide_te
     out = runner.invoke(cli_main.app, [*args, "--probes", str(probes)])
     lines = [line for line in out.output.splitlines() if line.strip()]
     assert out.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: not promoted:"), out.output
+    from ruvllm.witness.log import find, verify
+
+    (entry,) = find(tmp_path / "w.sqlite3", "deep:*")
+    assert entry.kind == "promotion" and entry.body["promoted"] is False and entry.body["failed"]
+    assert verify(tmp_path / "w.sqlite3").ok

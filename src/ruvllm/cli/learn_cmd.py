@@ -113,6 +113,9 @@ def run_cmd(
                                           help='{"prompt": ..., "answer": ...} lines: answers the base model gets right '
                                                "must stay right."),
     max_perplexity_increase: float = typer.Option(0.01, "--max-perplexity-increase"),
+    witness_log: Optional[str] = typer.Option(None, "--witness-log", metavar="PATH",
+                                              help="Witness the promotion or refusal there (default: the server's "
+                                                   "default log; `off`: nowhere)."),
     model: str = typer.Option("default", "--model", "-m", help="The served model (folder, GGUF, alias, `default`)."),
     folder: Optional[Path] = typer.Option(None, "--dir", help=_DIR_HELP),
 ) -> None:
@@ -144,11 +147,19 @@ def run_cmd(
                 probe_pairs.append((tokenizer.encode(row["prompt"]),
                                     tokenizer.encode(row["answer"], add_special_tokens=False)))
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    learner = Learner(path, _NoEngine(), tokenizer, eos, LearningConfig(root=str(root)))
+    from ruvllm.witness.log import WitnessLog, default_witness_path
+
+    witness = None if witness_log == "off" else WitnessLog(Path(witness_log).expanduser() if witness_log
+                                                           else default_witness_path())
+    learner = Learner(path, _NoEngine(), tokenizer, eos, LearningConfig(root=str(root)), witness)
     c = learner.config.instant
     config = DeepConfig(rank=c.rank, alpha=c.alpha, targets=c.targets, max_perplexity_increase=max_perplexity_increase,
                         layers=learner.layers.cfg.num_layers - learner.layers.first)
-    result = learner.deep_run(scope, held, probe_pairs, config, everyday)
+    try:
+        result = learner.deep_run(scope, held, probe_pairs, config, everyday)
+    finally:
+        if witness is not None:
+            witness.close()
     checks = ", ".join(f"{k} {v:.4g}" for k, v in result.checks.items())
     if not result.passed:
         raise fail(f"not promoted: {'; '.join(result.failed)} ({checks})")

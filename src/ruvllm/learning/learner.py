@@ -16,13 +16,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
 from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
 from ruvllm.learning.tail import MicroLora
+
+if TYPE_CHECKING:
+    from ruvllm.witness.log import WitnessLog
 from ruvllm.learning.policy import PolicyStore
 from ruvllm.learning.store import Completion, CompletionStore
 
@@ -55,7 +58,7 @@ class FeedbackError(ValueError):
 
 class Learner:
     def __init__(self, model_path: str | None, host: AdapterHost, tokenizer: Any, eos_token_id: int,
-                 config: LearningConfig | None = None) -> None:
+                 config: LearningConfig | None = None, witness: WitnessLog | None = None) -> None:
         from ruvllm.learning.tail import LearnedLayers
         from ruvllm.loader import load_model_config, resolve_model
         from ruvllm.quantize.awq_writer import load_float_model
@@ -66,6 +69,7 @@ class Learner:
 
             torch.set_num_threads(self.config.threads)
         self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
+        self.witness = witness  # promotions and refusals are witnessed there too
         src = resolve_model(model_path)
         model, self.model_config, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
         self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers))
@@ -116,10 +120,15 @@ class Learner:
             current = self._tenants.get(scope) if scope in self._versions else None
             start = current.lora if current is not None and current.lora.rank == config.rank else None
             result, lora = train_and_check(self.layers, examples, heldout, probes, config, scope, start, general)
+            version = None
             if result.passed:
-                self._publish(scope, lora, "deep", dict(result.checks))
+                version = self._publish(scope, lora, "deep", dict(result.checks))
             else:
                 self.policy.note(scope, "refused", {"failed": result.failed, **result.checks})
+        if self.witness is not None:
+            self.witness.append(f"deep:{scope}", "promotion", scope, {
+                "promoted": result.passed, "adapter_version": version, "examples": result.examples,
+                "checks": result.checks, "failed": result.failed})
         return result
 
     def _sync(self) -> None:
