@@ -77,3 +77,26 @@ def test_without_learning_feedback_is_refused(lora_llm: LLM) -> None:
     for running in start_server(lora_llm):
         r = httpx.post(running.url + "/v1/feedback", json={"id": "x", "score": 1}, timeout=30)
         assert r.status_code == 400 and "--learn" in r.json()["error"]["message"]
+
+
+def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path) -> None:
+    """--deep-every 3: the third event of a tenant starts `ruvllm learn run` in a process of its
+    own; its verdict lands in the policy store's history and the witness log."""
+    (tmp_path / "keys").write_text("key-a acme\n")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(" ".join(f"t{i % 400 + 5}" for i in range(300)))
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0), root=str(tmp_path / "learned"))
+    for running in start_server(lora_llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
+                                witness_log=str(tmp_path / "w.sqlite3"), deep_every=3, deep_heldout=str(heldout)):
+        rid = _complete(running, "key-a")[0]
+        for i in range(3):
+            assert _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7").status_code == 200
+            assert len(running.app.state.ruvllm.deep.runs) == (1 if i == 2 else 0)
+        (tenant, proc), = running.app.state.ruvllm.deep.runs
+        assert tenant == "acme" and proc.wait(timeout=300) in (0, 1)  # promoted, or refused by a check
+        learner = running.app.state.ruvllm.learner
+        actions = [h[2] for h in learner.policy.history("acme")]
+        assert "refused" in actions or any(v.source == "deep" for v in learner.policy.versions("acme"))
+        running.app.state.ruvllm.witness.flush()
+        (entry,) = find(tmp_path / "w.sqlite3", "deep:acme")
+        assert entry.kind == "promotion" and verify(tmp_path / "w.sqlite3").ok  # two writers, one chain

@@ -69,6 +69,12 @@ def register(app: typer.Typer) -> None:
                                                help="With --learn: seconds a completion takes feedback."),
         learned_dir: str = typer.Option(None, "--learned-dir", metavar="DIR",
                                         help="With --learn: where adapter versions are written (PEFT folders)."),
+        deep_every: int = typer.Option(0, "--deep-every", min=0, metavar="N",
+                                       help="With --learn: run the deep loop (ruvllm learn run) for a tenant after "
+                                            "every N of its feedback events (0: never)."),
+        deep_heldout: str = typer.Option(None, "--deep-heldout", metavar="FILE", help="The deep loop's held-out text."),
+        deep_general: str = typer.Option(None, "--deep-general", metavar="FILE", help="The deep loop's everyday text."),
+        deep_probes: str = typer.Option(None, "--deep-probes", metavar="FILE", help="The deep loop's probes (JSON lines)."),
         engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
@@ -88,6 +94,12 @@ def register(app: typer.Typer) -> None:
         check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
         keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
+        if deep_every and not (learn and deep_heldout):
+            raise fail("--deep-every needs --learn and --deep-heldout FILE")
+        for flag, value in (("--deep-heldout", deep_heldout), ("--deep-general", deep_general),
+                            ("--deep-probes", deep_probes)):
+            if value and not Path(value).is_file():
+                raise fail(f"{flag} {value}: no such file")
         path = resolve_cli_model(model, cache_dir)
         adapters = [parse_lora_flag(spec) for spec in lora]
         overrides: dict = {"enable_lora": True} if adapters or learn else {}
@@ -116,7 +128,8 @@ def register(app: typer.Typer) -> None:
                            witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens,
                            learning=LearningConfig(store_count=feedback_keep, store_age_s=feedback_max_age,
                                                    root=learned_dir, threads=1) if learn else None,
-                           feedback_rate=feedback_rate)
+                           feedback_rate=feedback_rate, deep_every=deep_every, deep_heldout=deep_heldout,
+                           deep_general=deep_general, deep_probes=deep_probes)
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
                  if info.num_cold_blocks else "")

@@ -27,7 +27,7 @@ from ruvllm.server import responses as R
 from ruvllm.learning.config import LearningConfig
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
-from ruvllm.server.feedback import FeedbackRequest, RateLimiter
+from ruvllm.server.feedback import DeepTrigger, FeedbackRequest, RateLimiter
 from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Recorder, api_error, check_context,
                                       follow)
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
@@ -56,6 +56,7 @@ class _State:
     witness: WitnessLog | None = None
     learner: Learner | None = None
     feedback_limiter: RateLimiter | None = None
+    deep: DeepTrigger | None = None
 
     @property
     def max_len(self) -> int:
@@ -79,6 +80,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     if cfg.learning is not None:
         st.learner = _learner(engine, cfg.learning)
         st.feedback_limiter = RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
+        if cfg.deep_every:
+            st.deep = DeepTrigger(cfg, engine.info.model, st.learner.root)
     app.state.ruvllm = st
     install_error_handlers(app)
 
@@ -159,6 +162,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
             st.witness.append(body.id, "feedback", who, {
                 "score": body.score, "correction_hash": None if correction is None else token_hash(correction),
                 "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)})
+        if st.deep is not None:
+            st.deep.feedback(who)
         return {"id": body.id, "object": "feedback", "status": "learned", "adapter": result.version,
                 "loss": result.loss, "update_ms": round(result.step_ms, 3), "prepare_ms": round(result.prepare_ms, 3),
                 "publish_ms": round(result.publish_ms, 3)}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from ruvllm.server.config import ServerConfig
 
 
 class FeedbackRequest(BaseModel):
@@ -35,3 +40,38 @@ class RateLimiter:
                 return False
             self._buckets[tenant] = (tokens - 1, now)
             return True
+
+
+class DeepTrigger:
+    """Starts `ruvllm learn run TENANT` (the deep loop, at low priority, in a process of its own)
+    once a tenant has given `deep_every` feedback events since its last run; one run at a time (a
+    tenant that reaches the count meanwhile waits for its next event). The server serves what it
+    promotes at its next request (the policy store's change)."""
+
+    def __init__(self, cfg: ServerConfig, model: str, learned_dir: Path) -> None:
+        if not cfg.deep_heldout:
+            raise ValueError("the deep loop's trigger needs held-out text (--deep-heldout FILE)")
+        self.cfg, self.model, self.dir = cfg, model, learned_dir
+        self.counts: dict[str, int] = {}
+        self.running: subprocess.Popen | None = None
+        self.runs: list[tuple[str, subprocess.Popen]] = []
+        self._lock = threading.Lock()
+
+    def feedback(self, tenant: str) -> None:
+        with self._lock:
+            self.counts[tenant] = self.counts.get(tenant, 0) + 1
+            if self.running is not None and self.running.poll() is None:
+                return
+            if self.counts[tenant] < self.cfg.deep_every:
+                return
+            self.counts[tenant] = 0
+            cfg = self.cfg
+            args = [sys.executable, "-m", "ruvllm.cli.main", "learn", "run", tenant, "--heldout", str(cfg.deep_heldout),
+                    "--model", self.model, "--dir", str(self.dir),
+                    "--witness-log", cfg.witness_log or "off"]
+            if cfg.deep_general:
+                args += ["--general", cfg.deep_general]
+            if cfg.deep_probes:
+                args += ["--probes", cfg.deep_probes]
+            self.running = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.runs.append((tenant, self.running))
