@@ -13,6 +13,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Servers the tests start (in this process or as `ruvllm serve`) keep their witness log and learned
+# adapters in a folder of the test run's, never in the user's data folder.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "RUVLLM_DATA_DIR" not in os.environ:  # set once, by the first process (test workers inherit it)
+    os.environ["RUVLLM_DATA_DIR"] = tempfile.mkdtemp(prefix="ruvllm-test-data-")
+    atexit.register(shutil.rmtree, os.environ["RUVLLM_DATA_DIR"], True)
+
 from pathlib import Path
 
 import pytest
