@@ -17,10 +17,10 @@ _DIR_HELP = "The learned adapters' folder (ruvllm serve --learned-dir; default: 
 
 
 def _store(folder: Optional[Path]):  # noqa: ANN202
-    from ruvllm.learning.learner import _default_root
+    from ruvllm.learning.learner import default_learned_dir
     from ruvllm.learning.policy import PolicyStore
 
-    root = folder.expanduser() if folder is not None else _default_root()
+    root = folder.expanduser() if folder is not None else default_learned_dir()
     path = root / "policy.sqlite3"
     if not path.is_file():
         raise fail(f"{path}: no policy store there (nothing learned yet)")
@@ -126,11 +126,11 @@ def run_cmd(
 
     from ruvllm.learning.config import LearningConfig
     from ruvllm.learning.deep import DeepConfig
-    from ruvllm.learning.learner import Learner, _default_root
+    from ruvllm.learning.learner import Learner, default_learned_dir
     from ruvllm.loader import load_tokenizer, model_cache, resolve_model
 
     os.nice(10)
-    root = folder.expanduser() if folder is not None else _default_root()
+    root = folder.expanduser() if folder is not None else default_learned_dir()
     if not (root / "bank.sqlite3").is_file():
         raise fail(f"{root}: no pattern bank there (no feedback learned yet)")
     path = model_cache.resolve_cli_model(None if model == "default" else model)
@@ -146,7 +146,13 @@ def run_cmd(
                     raise ValueError(f"{probes}:{n}: each line needs a \"prompt\" and an \"answer\"")
                 probe_pairs.append((tokenizer.encode(row["prompt"]),
                                     tokenizer.encode(row["answer"], add_special_tokens=False)))
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    from ruvllm.loader import load_model_config
+
+    eos_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else \
+        load_model_config(resolve_model(path)).eos_token_ids
+    if not eos_ids:
+        raise ValueError(f"{path or 'the default model'}: names no end-of-sequence token to end corrections with")
+    eos = eos_ids[0]
     from ruvllm.witness.log import WitnessLog, default_witness_path
 
     witness = None if witness_log == "off" else WitnessLog(Path(witness_log).expanduser() if witness_log

@@ -62,22 +62,17 @@ class DeepResult:
         return not self.failed
 
 
-def _teacher_forced(layers: LearnedLayers, lora: MicroLora | None, prompt: list[int], target: list[int]) -> torch.Tensor:
-    """Logits over the vocabulary of the rows predicting `target` after `prompt`: [len(target), V]."""
-    ids = prompt + target
+def _predicted(layers: LearnedLayers, lora: MicroLora | None, h: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits over the vocabulary of the rows after the prompt's last, from the hidden states h
+    entering the learned layers of the whole sequence (hidden_before: the same with or without the
+    LoRA, so computed once for both): [len(ids) - prompt_len, V]."""
     with torch.no_grad():
-        h = hidden_before(layers.model, ids, layers.first)
-        out = layers.forward(h, torch.arange(len(ids)), lora)
-        return out[len(prompt) - 1:-1] @ layers.head.t()
+        out = layers.forward(h, torch.arange(h.shape[0]), lora)
+        return out[prompt_len - 1:-1] @ layers.head.t()
 
 
-def perplexity(layers: LearnedLayers, lora: MicroLora | None, ids: list[int]) -> float:
-    logits = _teacher_forced(layers, lora, ids[:1], ids[1:])
-    return float(F.cross_entropy(logits, torch.tensor(ids[1:])).exp())
-
-
-def answered(layers: LearnedLayers, lora: MicroLora | None, prompt: list[int], answer: list[int]) -> bool:
-    return bool((_teacher_forced(layers, lora, prompt, answer).argmax(-1) == torch.tensor(answer)).all())
+def _right(logits: torch.Tensor, target: list[int]) -> torch.Tensor:
+    return logits.argmax(-1) == torch.tensor(target)
 
 
 def train_and_check(layers: LearnedLayers, examples: list[tuple[list[int], list[int]]], heldout: list[int],
@@ -113,24 +108,29 @@ def train_and_check(layers: LearnedLayers, examples: list[tuple[list[int], list[
             steps += 1
     result = DeepResult(scope, len(examples), steps, 0.0)
     lora = state.lora
-    before, after = perplexity(layers, None, heldout), perplexity(layers, lora, heldout)
+    h = hidden_before(layers.model, heldout, layers.first)
+    labels = torch.tensor(heldout[1:])
+    before, after = (float(F.cross_entropy(_predicted(layers, x, h, 1), labels).exp()) for x in (None, lora))
     result.checks["heldout_perplexity_before"] = before
     result.checks["heldout_perplexity_after"] = after
     if after > before * (1 + config.max_perplexity_increase):
         result.failed.append(f"held-out perplexity {before:.3f} -> {after:.3f} (at most "
                              f"+{100 * config.max_perplexity_increase:g}%)")
-    right_before = [p for p in probes if answered(layers, None, *p)]
-    kept = sum(answered(layers, lora, *p) for p in right_before)
-    result.checks["probes_right_before"] = len(right_before)
+    right_before = kept = 0
+    for prompt, answer in probes:
+        h = hidden_before(layers.model, prompt + answer, layers.first)
+        if _right(_predicted(layers, None, h, len(prompt)), answer).all():
+            right_before += 1
+            kept += int(_right(_predicted(layers, lora, h, len(prompt)), answer).all())
+    result.checks["probes_right_before"] = right_before
     result.checks["probes_kept"] = kept
-    if kept < len(right_before):
-        result.failed.append(f"{len(right_before) - kept} of the {len(right_before)} probe answers the base model "
-                             "gets right are lost")
+    if kept < right_before:
+        result.failed.append(f"{right_before - kept} of the {right_before} probe answers the base model gets right "
+                             "are lost")
     hits = total = 0
-    for p, t in examples:  # (the rehearsal chunks are not what was taught)
-        pred = _teacher_forced(layers, lora, p, t).argmax(-1)
-        hits += int((pred == torch.tensor(t)).sum())
-        total += len(t)
+    for prep in prepared[:len(examples)]:  # their hidden states from training; the rehearsal chunks were not taught
+        hits += int(_right(_predicted(layers, lora, prep.h, prep.prompt_len), prep.target).sum())
+        total += len(prep.target)
     result.checks["taught_accuracy"] = hits / max(total, 1)
     if hits / max(total, 1) < config.min_taught:
         result.failed.append(f"taught examples {100 * hits / max(total, 1):.0f}% right (at least "

@@ -14,7 +14,7 @@ docs/learning.md:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,6 @@ class StepTiming:
     forward_backward: float
     optimizer: float
     loss: float
-    tokens: int
 
 
 @dataclass
@@ -55,7 +54,6 @@ class TenantState:
     anchor: list[torch.Tensor]  # theta*: where the micro-LoRA started (EWC++)
     fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
-    timings: list[StepTiming] = field(default_factory=list)
 
 
 class InstantLearner:
@@ -114,9 +112,7 @@ class InstantLearner:
         t1 = time.perf_counter()
         state.opt.step()
         state.steps += 1
-        timing = StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()), len(labels))
-        state.timings.append(timing)
-        return timing
+        return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()))
 
     def update_fisher(self, state: TenantState, samples: list[Prepared]) -> float:
         """EWC++'s online Fisher: squared gradients of the LM loss on `samples` (prepared full-context

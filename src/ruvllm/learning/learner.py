@@ -75,7 +75,7 @@ class Learner:
         self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers))
         self.instant = InstantLearner(self.layers, self.config.instant)
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
-        self.root = Path(self.config.root or _default_root()).expanduser()
+        self.root = Path(self.config.root or default_learned_dir()).expanduser()
         self.policy = PolicyStore(self.root / "policy.sqlite3")
         self.bank = PatternBank(self.root / "bank.sqlite3")
         self._tenants: dict[str, TenantState] = {}
@@ -195,7 +195,7 @@ class Learner:
             if score == 0:
                 raise FeedbackError(400, "a score of 0 without a correction teaches nothing", "score")
         with self._lock:
-            key = (tuple(done.prompt_ids), tuple(target))
+            key = (self.config.instant.context, tuple(done.prompt_ids), tuple(target))
             prep = self._prepared.get(key)
             prepare_ms = 0.0
             if prep is None:
@@ -271,7 +271,7 @@ def _seed(tenant: str) -> int:
     return int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:4], "little")
 
 
-def _default_root() -> Path:
+def default_learned_dir() -> Path:
     from ruvllm.witness.log import default_witness_path
 
     return default_witness_path().parent / "learned"
