@@ -83,17 +83,13 @@ def train_cmd(
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    if out.exists() and force:
-        import shutil
-
-        shutil.rmtree(out)
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("training the X-LoRA classifier", total=None, loss="-")
 
         def step(done: int, total: int, loss: float) -> None:
             progress.update(task, completed=done, total=total, loss=f"{loss:.3f}")
 
-        result = train_xlora(base, tokenizer, folders, examples, out, config, on_step=step)
+        result = train_xlora(base, tokenizer, folders, examples, out, config, on_step=step, replace=force)
     routing = "" if result.routing_accuracy is None else (
         f"; routing on {result.held_out} held-out texts: {100 * result.routing_accuracy:.1f}% to their adapter")
     typer.echo(f"wrote {out} (X-LoRA over {len(folders)} adapters, {result.steps} steps, loss "

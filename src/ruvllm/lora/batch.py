@@ -71,15 +71,14 @@ def _kernel_takes(x: torch.Tensor, y: torch.Tensor) -> bool:
 class XLoraBatch:
     """The real pass of X-LoRA rows: each row mixes its model's adapters by its own scalings.
 
-    member_slots[k][t] is the slot of row t's k-th adapter (-1 when its model has fewer); weights
-    [layers, fused projections, k, T, 3] holds each row's scaling of its k-th adapter in each
-    sub-projection (global_scaling_weight folded in). A row's deltas are added adapter by adapter in
+    member_slots[k][t] is the slot of row t's k-th adapter (-1 when its model has fewer);
+    weights[(layer, fused projection)] [k, T, n_sub] holds each row's scaling of its k-th adapter in
+    each sub-projection (global_scaling_weight folded in). A row's deltas are added adapter by adapter in
     its model's order, whatever else the batch holds."""
 
     slots: LoraSlots
     member_slots: list[list[int]]
-    weights: torch.Tensor
-    fused_names: list[str]
+    weights: dict[tuple[int, str], torch.Tensor]
     kernel: Callable[..., None] | None = None
 
     in_layer_loop = False  # the C++ loop takes one adapter per row: the Python loop runs these steps
@@ -89,11 +88,10 @@ class XLoraBatch:
 
     def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         p = self.slots.layers[layer][fused]
-        n_sub = len(p.bounds) - 1
-        w = self.weights[layer, self.fused_names.index(fused), :, :, :n_sub]
+        w = self.weights[(layer, fused)]
         for k, (rows, row_slot) in enumerate(zip(self.rows, self.member_slots)):
             if self.kernel is not None and _kernel_takes(x, y):
-                self.kernel(y, x, p.A, p.B, p.ranks, rows, list(p.bounds), w[k].contiguous())
+                self.kernel(y, x, p.A, p.B, p.ranks, rows, list(p.bounds), w[k])
             else:
                 lora_add_torch(y, x, p, row_slot, w[k])
         return y

@@ -109,8 +109,8 @@ class LoraManager:
         served = [self._loaded[seq.adapter] for seq in seqs]
         width = max(len(m.adapters) for m in served)
         T = hidden.shape[0]
+        hidden = hidden.float().cpu()  # the classifiers are float32 on the CPU
         member_slots = [[-1] * T for _ in range(width)]
-        fused_names = list(FUSED)
         weights = torch.zeros(self.cfg.num_layers, len(FUSED), width, T, 3)
         start = 0
         for seq, model in zip(seqs, served):
@@ -125,4 +125,8 @@ class LoraManager:
             mixed = padded[:, gather.flatten(), :].view(n, *gather.shape, -1)  # [n, L, F, 3, A]
             weights[:, :, :len(model.adapters), start:start + n, :] = mixed.permute(1, 2, 4, 0, 3)
             start += n
-        return XLoraBatch(self.slots, member_slots, weights, fused_names, self.kernel)
+        # one contiguous [k, T, n_sub] per (layer, projection), on the slots' device: the kernel takes w[k] as it is
+        device = self.slots.layers[0]["o"].A.device
+        per_projection = {(layer, fused): weights[layer, f, :, :, :len(subs)].contiguous().to(device)
+                          for layer in range(self.cfg.num_layers) for f, (fused, subs) in enumerate(FUSED.items())}
+        return XLoraBatch(self.slots, member_slots, per_projection, self.kernel)

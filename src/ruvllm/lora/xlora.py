@@ -120,14 +120,6 @@ class XLoraAdapter:
     def num_slots(self) -> int:
         return len(self.adapters)
 
-    @property
-    def rank(self) -> int:
-        return max(a.rank for a in self.adapters)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.adapters) + sum(w.numel() * 4 + b.numel() * 4 for w, b in self.classifier.linears)
-
 
 def gather_index(modules: list[tuple[int, str]], num_layers: int) -> torch.Tensor:
     """[layers, fused projections (slots.FUSED's order), 3]: the module index of each sub-projection

@@ -108,7 +108,8 @@ def transformers_model(src: Any) -> torch.nn.Module:
 
 
 def train_xlora(model: torch.nn.Module, tokenizer: Any, adapters: list[Path], examples: list[Example], out: Path,
-                config: XLoraTrainConfig, on_step: Callable[[int, int, float], None] | None = None) -> TrainResult:
+                config: XLoraTrainConfig, on_step: Callable[[int, int, float], None] | None = None,
+                replace: bool = False) -> TrainResult:
     """Train the classifier over `adapters` (PEFT LoRA folders) on `examples`; write the checkpoint to `out`."""
     from peft import XLoraConfig, get_peft_model
 
@@ -165,7 +166,7 @@ def train_xlora(model: torch.nn.Module, tokenizer: Any, adapters: list[Path], ex
     xlora.eval()
     if held:
         _measure_routing(xlora, tokenizer, held, config, result)
-    _write_checkpoint(xlora, out, len(adapters))
+    _write_checkpoint(xlora, out, len(adapters), replace)
     return result
 
 
@@ -205,13 +206,17 @@ def _measure_routing(xlora: torch.nn.Module, tokenizer: Any, held: list[Example]
     result.routing_accuracy = right / len(held)
 
 
-def _write_checkpoint(xlora: torch.nn.Module, out: Path, n_adapters: int) -> None:
+def _write_checkpoint(xlora: torch.nn.Module, out: Path, n_adapters: int, replace: bool) -> None:
+    """Written beside `out` and renamed onto it once whole: a failed write leaves `out` as it was."""
     from safetensors.torch import save_file
 
-    xlora.save_pretrained(out)
-    classifier = xlora.base_model.internal_xlora_classifier
-    tensors = {f"base_model.internal_xlora_classifier.layers.{k}": v.detach().contiguous()
-               for k, v in classifier.layers.state_dict().items()}
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    for i in range(n_adapters):
-        shutil.rmtree(out / str(i), ignore_errors=True)
+    from ruvllm.loader.hf_writer import folder_in_place
+
+    with folder_in_place(out, replace=replace) as tmp:
+        xlora.save_pretrained(tmp)
+        classifier = xlora.base_model.internal_xlora_classifier
+        tensors = {f"base_model.internal_xlora_classifier.layers.{k}": v.detach().contiguous()
+                   for k, v in classifier.layers.state_dict().items()}
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        for i in range(n_adapters):
+            shutil.rmtree(tmp / str(i), ignore_errors=True)
