@@ -93,10 +93,12 @@ def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path)
             assert _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7").status_code == 200
             assert len(running.app.state.ruvllm.deep.runs) == (1 if i == 2 else 0)
         (tenant, proc), = running.app.state.ruvllm.deep.runs
-        assert tenant == "acme" and proc.wait(timeout=300) in (0, 1)  # promoted, or refused by a check
+        code = proc.wait(timeout=300)
         learner = running.app.state.ruvllm.learner
         actions = [h[2] for h in learner.policy.history("acme")]
-        assert "refused" in actions or any(v.source == "deep" for v in learner.policy.versions("acme"))
+        promoted = any(v.source == "deep" for v in learner.policy.versions("acme"))
+        # exit 0 with a deep version, or 1 with a recorded refusal (a crash records neither)
+        assert tenant == "acme" and (code, promoted, "refused" in actions) in ((0, True, False), (1, False, True))
         running.app.state.ruvllm.witness.flush()
         (entry,) = find(tmp_path / "w.sqlite3", "deep:acme")
         assert entry.kind == "promotion" and verify(tmp_path / "w.sqlite3").ok  # two writers, one chain

@@ -1,5 +1,5 @@
 """The server records every completion in the witness log (the real `openai` client; streamed,
-n > 1, several prompts, and a client that leaves mid-stream), and the chain verifies."""
+n > 1, several prompts), and the chain verifies."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ class CompletionStore:
         with self._lock:
             self._expire()
             c = self._items.get(completion_id)
-        return c if c is not None and c.tenant == tenant else None
+        fresh = c is not None and c.time >= time.time() - self.max_age_s  # whatever order entries came in
+        return c if fresh and c.tenant == tenant else None
 
     def recent(self, tenant: str, n: int, exclude: str | None = None) -> list[Completion]:
         """The tenant's n most recent completions with an output (not `exclude`)."""
@@ -46,9 +47,6 @@ class CompletionStore:
             out = [c for cid, c in reversed(self._items.items())
                    if c.tenant == tenant and cid != exclude and c.output_ids]
         return out[:n]
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     def _expire(self) -> None:
         cutoff = time.time() - self.max_age_s

@@ -124,7 +124,7 @@ async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[
         try:
             async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
                                              OutputKind.DELTA, lora, cache_salt):
-                for c in out.outputs:
+                for c in out.outputs if record is not None else ():
                     tokens.setdefault(c.index, []).extend(c.token_ids)
                     if c.finish_reason is not None:
                         reasons[c.index] = c.finish_reason.value

@@ -86,7 +86,9 @@ def canonical(body: dict[str, Any]) -> str:
 
 def token_hash(token_ids: list[int]) -> str:
     """SHA-256 of token ids as little-endian uint32s."""
-    return hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in token_ids)).hexdigest()
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -110,7 +112,6 @@ class WitnessLog:
         self._conn = _connect(self.path)
         self._conn.executescript(_SCHEMA)
         self._queue: queue.Queue[tuple[str, str, str, dict[str, Any], float] | None] = queue.Queue()
-        self._errors = 0
         self._thread = threading.Thread(target=self._write_loop, name="witness-writer", daemon=True)
         self._thread.start()
 
@@ -135,7 +136,6 @@ class WitnessLog:
                     return
                 self._write(*item)
             except sqlite3.Error:
-                self._errors += 1
                 log.exception("witness log: an entry could not be written")
             finally:
                 self._queue.task_done()
