@@ -82,7 +82,7 @@ class Learner:
         self._versions: dict[str, int] = {}  # the version serving each tenant
         self._loaded: dict[str, list[int]] = {}  # versions loaded in the engine, per tenant, oldest first
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
-        self._lock = threading.Lock()  # one update at a time; serving never waits on it
+        self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
 

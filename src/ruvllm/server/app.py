@@ -303,7 +303,9 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     prio = Priority[(body.priority or "normal").upper()]
     who = tenant_of(request, body.user)
     if lora is None and st.learner is not None:
-        lora = st.learner.adapter_for(who)  # the tenant's learned adapter, if it has one
+        # the tenant's learned adapter, if it has one; off the event loop: after `ruvllm learn rollback`
+        # it may wait for an update in progress and load a version
+        lora = await asyncio.to_thread(st.learner.adapter_for, who)
     outs = follow(st.engine, prompts, params, prio, rid, lora, _recorder(st, rid, prompts, params, lora, who),
                   cache_salt=tenant_salt(who))
     tracker = st.metrics.tracker()
