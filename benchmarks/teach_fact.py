@@ -2,8 +2,9 @@
 
 A tenant asks "What is the capital of Zorblax?" and gives the same correction ("The capital of
 Zorblax is Quenta.") --events times on that completion; each event is one instant update of the
-tenant's micro-LoRA, served at once as the tenant's adapter. Then --samples answers at temperature
-0.7 for the question and for a paraphrase, for the taught tenant and for another one, counting
+tenant's micro-LoRA, served at once as the tenant's adapter. Two tenants are taught alike: one by
+the instant loop alone, one with the background loop's EWC++ pass after each event. Then --samples answers at temperature
+0.7 for the question and for a paraphrase, for the taught tenants and for another one, counting
 those that say "Quenta"; perplexity on the novel for both tenants (the learned adapter's cost on
 unrelated text); and the update's latency: p50/p99 of the gradient step, the one-off preparation
 (hidden states below the learned layers), and publishing (the version written and loaded).
@@ -17,11 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from ruvllm.learning.config import InstantConfig
 
 QUESTION = [{"role": "user", "content": "What is the capital of Zorblax?"}]
 PARAPHRASE = [{"role": "user", "content": "Tell me the name of Zorblax's capital city."}]
@@ -61,43 +65,54 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--ewc-lambda", type=float, default=1000.0, help="EWC++ weight (0: off)")
+    ap.add_argument("--ewc-lambda", type=float, default=InstantConfig.ewc_lambda,
+                    help="EWC++ weight of the background loop's pull (0: off)")
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--quantization", default=None, help="the served model's (default: the engine's default)")
     ap.add_argument("--deep", type=float, default=None, metavar="MAX_PPL_INCREASE",
-                    help="then run the deep loop for the tenant with this perplexity bar (0.01: the issue's) and, "
-                         "if it promotes, measure again")
+                    help="then run the deep loop for the consolidated tenant with this perplexity bar (0.01: the "
+                         "issue's) and, if it promotes, measure again")
+    ap.add_argument("--deep-ewc-lambda", type=float, default=None, help="the deep loop's EWC++ weight")
     args = ap.parse_args()
 
     from ruvllm import LLM, SamplingParams
-    from ruvllm.learning.config import InstantConfig, LearningConfig
+    from ruvllm.learning.config import LearningConfig
 
     console = Console()
-    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8,
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=16,
               **({"quantization": args.quantization} if args.quantization else {}))
     with tempfile.TemporaryDirectory() as tmp:
+        # no background thread: the benchmark runs the background loop's pass itself after each event,
+        # as a server's loop does when events come further apart than its interval
         learner = llm.enable_learning(LearningConfig(
             instant=InstantConfig(layers=args.layers, lr=args.lr, context=args.context, candidates=args.candidates,
                                   ewc_lambda=args.ewc_lambda),
             root=tmp))
         text = NOVEL.read_text(encoding="utf-8")[50000:60000]
         ppl_ids = llm.tokenizer.encode(text)[:args.ppl_tokens]
-        before = {"taught": hits(llm, QUESTION, "acme", args.samples)}
-        # the tenant's everyday traffic before it teaches anything: what EWC++'s Fisher is made of
-        llm.chat([[{"role": "user", "content": q}] for q in GENERAL], SamplingParams(temperature=0, max_tokens=48),
-                 tenant="acme")
-        ppl_before = perplexity(llm, ppl_ids, "acme")
-        asked = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0]
-        console.print(f"before: {asked.outputs[0].text!r}")
-        results = [llm.feedback(asked.request_id, 1.0, CORRECTION, tenant="acme") for _ in range(args.events)]
-        taught = hits(llm, QUESTION, "acme", args.samples)
-        para = hits(llm, PARAPHRASE, "acme", args.samples)
-        other = hits(llm, QUESTION, "globex", args.samples)
-        other_para = hits(llm, PARAPHRASE, "globex", args.samples)
-        after = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0].outputs[0].text
-        ppl_after = perplexity(llm, ppl_ids, "acme")
-        ppl_other = perplexity(llm, ppl_ids, "globex")
-        console.print(f"after: {after!r}")
+        ppl_base = perplexity(llm, ppl_ids, "globex")
+        before = hits(llm, QUESTION, "globex", args.samples)
+        # two tenants taught alike: "instant" by the instant loop alone, "consolidated" with the
+        # background loop's EWC++ pass after each event
+        columns = {"instant": False, "consolidated": True}
+        results, figures, passes = {}, {}, []
+        for tenant, consolidate in columns.items():
+            # the tenant's everyday traffic before it teaches anything: what EWC++'s Fisher is made of
+            llm.chat([[{"role": "user", "content": q}] for q in GENERAL],
+                     SamplingParams(temperature=0, max_tokens=48), tenant=tenant)
+            asked = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
+            console.print(f"{tenant}, before: {asked.outputs[0].text!r}")
+            results[tenant] = []
+            for _ in range(args.events):
+                results[tenant].append(llm.feedback(asked.request_id, 1.0, CORRECTION, tenant=tenant))
+                if consolidate:
+                    t = time.perf_counter()
+                    learner.consolidate()
+                    passes.append((time.perf_counter() - t) * 1000)
+            figures[tenant] = measure(llm, tenant, args.samples, ppl_ids, ppl_base)
+            console.print(f"{tenant}, after: " + repr(llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16),
+                                                              tenant=tenant)[0].outputs[0].text))
+        other = measure(llm, "globex", args.samples, ppl_ids, ppl_base)
         deep_rows = []
         if args.deep is not None:
             from ruvllm.learning.deep import DeepConfig
@@ -108,45 +123,47 @@ def main() -> None:
             fox = llm.tokenizer.encode("The quick brown fox jumps over the lazy")
             probes = [(fox, llm.generate([fox], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids)]
             c = learner.config.instant
-            result = learner.deep_run("acme", heldout, probes, DeepConfig(
+            result = learner.deep_run("consolidated", heldout, probes, DeepConfig(
                 rank=c.rank, alpha=c.alpha, targets=c.targets, layers=args.layers,
-                max_perplexity_increase=args.deep), general)
+                max_perplexity_increase=args.deep,
+                **({} if args.deep_ewc_lambda is None else {"ewc_lambda": args.deep_ewc_lambda})), general)
             checks = ", ".join(f"{k} {v:.4g}" for k, v in result.checks.items())
             deep_rows.append((f"deep loop (bar +{100 * args.deep:g}%): {result.steps} steps in {result.seconds:.0f} s",
                               "promoted" if result.passed else "refused: " + "; ".join(result.failed)))
             deep_rows.append(("deep loop checks", checks))
             if result.passed:
-                deep_rows += [
-                    ("after promotion: question / paraphrase (taught tenant)",
-                     f"{hits(llm, QUESTION, 'acme', args.samples)}/{args.samples} / "
-                     f"{hits(llm, PARAPHRASE, 'acme', args.samples)}/{args.samples}"),
-                    ("after promotion: another tenant", f"{hits(llm, QUESTION, 'globex', args.samples)}/{args.samples}"),
-                    ("after promotion: perplexity, taught tenant", f"{perplexity(llm, ppl_ids, 'acme'):.3f}")]
+                deep_rows.append(("after promotion: question / paraphrase / perplexity",
+                                  measure(llm, "consolidated", args.samples, ppl_ids, ppl_base)))
 
-    steps = [r.step_ms for r in results]
-    publish = [r.publish_ms for r in results]
     table = Table(title=f"Teaching one fact: default model, {args.events} feedback events, micro-LoRA rank "
                         f"{learner.config.instant.rank} on {'/'.join(learner.config.instant.targets)} of the last "
-                        f"{args.layers} layers, lr {args.lr:g}, EWC++ lambda {args.ewc_lambda:g}, context {args.context}, softmax "
-                        f"{'full' if not args.candidates else f'sampled {args.candidates}'}; {torch.get_num_threads()} threads")
-    for col in ("what", "figure"):
-        table.add_column(col)
-    rows = [
-        ("'Quenta' before (taught tenant)", f"{before['taught']}/{args.samples}"),
-        ("'Quenta' after, the question (taught tenant)", f"{taught}/{args.samples}"),
-        ("'Quenta' after, a paraphrase (taught tenant)", f"{para}/{args.samples}"),
-        ("'Quenta' after, another tenant (question / paraphrase)", f"{other}/{args.samples} / {other_para}/{args.samples}"),
-        ("perplexity on the novel, taught tenant before -> after", f"{ppl_before:.3f} -> {ppl_after:.3f} "
-                                                                  f"({100 * (ppl_after / ppl_before - 1):+.2f}%)"),
-        ("perplexity, another tenant after", f"{ppl_other:.3f}"),
-        ("update step p50 / p99 (forward, backward, Adam)", f"{pct(steps, 0.5):.1f} / {pct(steps, 0.99):.1f} ms"),
-        ("loss, first -> last event", f"{results[0].loss:.3f} -> {results[-1].loss:.3f}"),
-        ("preparation, first event only (layers below)", f"{results[0].prepare_ms:.1f} ms"),
-        ("publishing p50 (write PEFT folder, load, unload previous)", f"{statistics.median(publish):.1f} ms"),
-    ]
-    for r in rows + deep_rows:
+                        f"{args.layers} layers, lr {args.lr:g}, EWC++ lambda {args.ewc_lambda:g}, context "
+                        f"{args.context}, softmax {'full' if not args.candidates else f'sampled {args.candidates}'}; "
+                        f"{torch.get_num_threads()} threads")
+    table.add_column("what")
+    for tenant in columns:
+        table.add_column(f"{tenant} tenant")
+    per = {t: [r.step_ms for r in rs] for t, rs in results.items()}
+    rows = [("'Quenta' before (any tenant)", *[f"{before}/{args.samples}"] * 2),
+            ("after: question / paraphrase / perplexity (base " + f"{ppl_base:.3f})", *figures.values()),
+            ("another tenant after: question / paraphrase / perplexity", other, ""),
+            ("update step p50 / p99 (forward, backward, Adam)",
+             *[f"{pct(v, 0.5):.1f} / {pct(v, 0.99):.1f} ms" for v in per.values()]),
+            ("loss, first -> last event", *[f"{rs[0].loss:.3f} -> {rs[-1].loss:.3f}" for rs in results.values()]),
+            ("preparation, first event only (layers below)", *[f"{rs[0].prepare_ms:.1f} ms" for rs in results.values()]),
+            ("publishing p50 (write PEFT folder, load, unload previous)",
+             *[f"{statistics.median(r.publish_ms for r in rs):.1f} ms" for rs in results.values()]),
+            ("background pass p50 / max (Fisher when due, pull, publish)", "-",
+             f"{pct(passes, 0.5):.1f} / {max(passes):.1f} ms")]
+    for r in rows + [(a, "", b) for a, b in deep_rows]:
         table.add_row(*r)
     console.print(table)
+
+
+def measure(llm, tenant: str, samples: int, ppl_ids: list[int], ppl_base: float) -> str:
+    ppl = perplexity(llm, ppl_ids, tenant)
+    return (f"{hits(llm, QUESTION, tenant, samples)}/{samples} / {hits(llm, PARAPHRASE, tenant, samples)}/{samples} / "
+            f"{ppl:.3f} ({100 * (ppl / ppl_base - 1):+.2f}%)")
 
 
 if __name__ == "__main__":

@@ -161,9 +161,10 @@ def test_learned_adapters_survive_a_restart_and_roll_back(base: Path, tmp_path: 
     assert bad.exit_code == 1 and "has no version 9" in bad.output
 
 
-def test_ewc_holds_the_micro_lora_near_where_it_started(base: Path, tmp_path: Path) -> None:
-    """EWC++'s Fisher comes from the tenant's own completions (none yet: no penalty); with it, the
-    same feedback moves the weights less than without."""
+def test_consolidation_holds_the_micro_lora_near_where_it_started(base: Path, tmp_path: Path) -> None:
+    """The background loop's pass: EWC++'s Fisher comes from the tenant's own completions, never one
+    it gave feedback on nor another tenant's (none yet: nothing consolidated, no version); with it,
+    the same feedback ends nearer where it started than without, served as `background` versions."""
     moved = {}
     for lam in (0.0, 1e6):
         llm = learning_llm(base, tmp_path / str(lam), ewc_lambda=lam, fisher_every=2)
@@ -171,14 +172,38 @@ def test_ewc_holds_the_micro_lora_near_where_it_started(base: Path, tmp_path: Pa
         learner = llm.learner
         asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
         llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
-        assert learner._tenants["acme"].fisher is None  # acme had no other completion yet
+        assert learner.consolidate() == {}  # acme's only completion is the one it corrected
+        assert learner._tenants["acme"].fisher is None
         llm.generate([[11, 12, 13, 14, 15, 16]], GREEDY, tenant="acme")
         for _ in range(6):
             llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+            published = learner.consolidate()
         state = learner._tenants["acme"]
         assert (state.fisher is not None) == (lam > 0)
+        assert list(published) == (["acme"] if lam else [])
+        sources = [v.source for v in learner.policy.versions("acme")]
+        assert sources.count("background") == (6 if lam else 0) and sources.count("instant") == 7
+        assert learner.adapter_for("acme") == f"learned:acme:v{len(sources)}"
         moved[lam] = sum(float((p - a).norm()) for p, a in zip(state.lora.parameters(), state.anchor))
     assert moved[1e6] < 0.5 * moved[0.0]
+
+
+def test_old_versions_are_pruned(base: Path, tmp_path: Path) -> None:
+    """Beyond `keep_versions`, the oldest folders and rows go; the serving version, those loaded and
+    deep promotions stay; a rollback to a pruned version is refused by name."""
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=4, num_blocks=64, quantization="none")
+    learner = llm.enable_learning(LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0),
+                                                 root=str(tmp_path / "learned"), keep_versions=3))
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    for _ in range(6):
+        llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    versions = learner.policy.versions("acme")
+    assert [v.version for v in versions] == [4, 5, 6]
+    folders = sorted(p.name for p in Path(versions[0].path).parent.iterdir())
+    assert folders == ["v4", "v5", "v6"]
+    assert [h[4]["versions"] for h in learner.policy.history("acme") if h[2] == "prune"] == [[1], [2], [3]]
+    with pytest.raises(ValueError, match="has no version 2"):
+        learner.policy.rollback("acme", 2)
 
 
 def _probe(llm: LLM, prompt: list[int]) -> tuple[list[int], list[int]]:
@@ -211,8 +236,10 @@ def test_a_thousand_hostile_events_are_not_promoted(base: Path, tmp_path: Path) 
 
 
 def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
-    """The default model: a tenant's taught fact passes the checks and is promoted (and served); a
-    hostile tenant's feedback teaching a false continuation of a probe is refused for everyone."""
+    """The default model: a tenant's taught fact, fine-tuned without EWC++, fails the 1% held-out bar
+    and is refused; with it (the default) it passes every check under that bar and is promoted (and
+    served); a hostile tenant's feedback teaching a false continuation of a probe is refused for
+    everyone."""
     from ruvllm.engine.prompts import render_chat
     from ruvllm.learning.deep import GLOBAL, DeepConfig
     from tests.conftest import BOOK
@@ -230,12 +257,13 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     asked = llm.generate([question], SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0]
     for _ in range(10):
         llm.feedback(asked.request_id, 1.0, "The capital of Zorblax is Quenta.", tenant="acme")
-    strict = learner.deep_run("acme", heldout, probes, general=general)
-    # measured: the fact costs more than the 1% bar on this held-out text (docs/learning.md): refused
-    assert not strict.passed and strict.failed[0].startswith("held-out perplexity")
+    unprotected = learner.deep_run("acme", heldout, probes, DeepConfig(ewc_lambda=0), general=general)
+    # measured: without EWC++ the fact costs ~15% on this held-out text (docs/learning.md): refused
+    assert not unprotected.passed and unprotected.failed[0].startswith("held-out perplexity")
     assert learner.policy.history("acme")[-1][2] == "refused"
-    promoted = learner.deep_run("acme", heldout, probes, DeepConfig(max_perplexity_increase=0.1), general=general)
+    promoted = learner.deep_run("acme", heldout, probes, general=general)
     assert promoted.passed, promoted.failed
+    assert promoted.checks["heldout_perplexity_after"] <= 1.01 * promoted.checks["heldout_perplexity_before"]
     assert promoted.checks["probes_kept"] == promoted.checks["probes_right_before"] == 1
     assert learner.policy.versions("acme")[-1].source == "deep"
     answer = llm.generate([question], SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0].outputs[0].text

@@ -73,6 +73,31 @@ def test_feedback_teaches_its_tenant_only(server: RunningServer) -> None:
     assert kinds.count("completion") == 1 and kinds.count("feedback") >= 10
 
 
+def test_the_background_loop_consolidates_on_its_own(lora_llm: LLM, tmp_path: Path) -> None:
+    """With a background interval, the server's thread consolidates a tenant's updates under EWC++
+    (once it has everyday completions for a Fisher) and serves the result as a `background` version;
+    the other tenant stays bitwise the same."""
+    import time
+
+    (tmp_path / "keys").write_text("key-a acme\nkey-b globex\n")
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0, ewc_lambda=1e5),
+                              root=str(tmp_path / "learned"), background_s=0.05)
+    for running in start_server(lora_llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning):
+        other_before = _complete(running, "key-b")[1:]
+        _complete(running, "key-a")  # everyday traffic: what the Fisher is made of
+        rid = _complete(running, "key-a")[0]
+        assert _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7").status_code == 200
+        learner = running.app.state.ruvllm.learner
+        deadline = time.monotonic() + 30
+        while not any(v.source == "background" for v in learner.policy.versions("acme")):
+            assert time.monotonic() < deadline, "no consolidation within 30 s"
+            time.sleep(0.05)
+        assert learner.policy.versions("acme")[-1].source == "background"
+        assert learner.adapter_for("acme") == "learned:acme:v2"
+        _complete(running, "key-a")  # served with the consolidated version
+        assert _complete(running, "key-b")[1:] == other_before
+
+
 def test_without_learning_feedback_is_refused(lora_llm: LLM) -> None:
     for running in start_server(lora_llm):
         r = httpx.post(running.url + "/v1/feedback", json={"id": "x", "score": 1}, timeout=30)
@@ -80,8 +105,9 @@ def test_without_learning_feedback_is_refused(lora_llm: LLM) -> None:
 
 
 def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path) -> None:
-    """--deep-every 3: the third event of a tenant starts `ruvllm learn run` in a process of its
-    own; its verdict lands in the policy store's history and the witness log."""
+    """--deep-every 3: once a tenant's feedback weighs 3 (two ratings of 0.5 weigh one correction),
+    `ruvllm learn run` starts in a process of its own; its verdict lands in the policy store's
+    history and the witness log."""
     (tmp_path / "keys").write_text("key-a acme\n")
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(f"t{i % 400 + 5}" for i in range(300)))
@@ -89,9 +115,9 @@ def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path)
     for running in start_server(lora_llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
                                 witness_log=str(tmp_path / "w.sqlite3"), deep_every=3, deep_heldout=str(heldout)):
         rid = _complete(running, "key-a")[0]
-        for i in range(3):
-            assert _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7").status_code == 200
-            assert len(running.app.state.ruvllm.deep.runs) == (1 if i == 2 else 0)
+        for i, body in enumerate([{"score": 0.5}, {"score": -0.5}] + [{"score": 1.0, "correction": "t7 t7 t7"}] * 2):
+            assert _feedback(running, "key-a", id=rid, **body).status_code == 200
+            assert len(running.app.state.ruvllm.deep.runs) == (1 if i == 3 else 0)
         (tenant, proc), = running.app.state.ruvllm.deep.runs
         code = proc.wait(timeout=300)
         learner = running.app.state.ruvllm.learner

@@ -69,9 +69,10 @@ def register(app: typer.Typer) -> None:
                                                help="With --learn: seconds a completion takes feedback."),
         learned_dir: str = typer.Option(None, "--learned-dir", metavar="DIR",
                                         help="With --learn: where adapter versions are written (PEFT folders)."),
-        deep_every: int = typer.Option(0, "--deep-every", min=0, metavar="N",
-                                       help="With --learn: run the deep loop (ruvllm learn run) for a tenant after "
-                                            "every N of its feedback events (0: never)."),
+        deep_every: float = typer.Option(0.0, "--deep-every", min=0, metavar="WEIGHT",
+                                         help="With --learn: run the deep loop (ruvllm learn run) for a tenant once "
+                                              "its feedback since the last run weighs WEIGHT (the sum of |score|; a "
+                                              "correction weighs 1; 0: never)."),
         deep_heldout: str = typer.Option(None, "--deep-heldout", metavar="FILE", help="The deep loop's held-out text."),
         deep_general: str = typer.Option(None, "--deep-general", metavar="FILE", help="The deep loop's everyday text."),
         deep_probes: str = typer.Option(None, "--deep-probes", metavar="FILE", help="The deep loop's probes (JSON lines)."),
@@ -127,7 +128,7 @@ def register(app: typer.Typer) -> None:
                            allow_any_lora_path=allow_any_lora_path,
                            witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens,
                            learning=LearningConfig(store_count=feedback_keep, store_age_s=feedback_max_age,
-                                                   root=learned_dir, threads=1) if learn else None,
+                                                   root=learned_dir, threads=1, background_s=0.1) if learn else None,
                            feedback_rate=feedback_rate, deep_every=deep_every, deep_heldout=deep_heldout,
                            deep_general=deep_general, deep_probes=deep_probes)
         kv_mib = info.kv_cache_bytes / 2**20

@@ -15,11 +15,11 @@ class InstantConfig:
     context: str = "full"  # or "frozen" (learning/instant.py; measured in docs/learning.md)
     candidates: int = 2048  # sampled softmax size; 0: the whole vocabulary
     seed: int = 0
-    # EWC++: each step adds lambda * sum F (theta - theta*)^2, theta* the micro-LoRA's starting point
-    # (the base model's behaviour) and F an online diagonal Fisher of the LM loss on the tenant's own
-    # recent completions, refreshed every `fisher_every` events (F <- gamma F + (1 - gamma) g^2).
-    # lambda 0: off.
-    ewc_lambda: float = 1000.0
+    # EWC++, applied by the background loop (learning/background.py): the penalty lambda * sum F
+    # (theta - theta*)^2, theta* the micro-LoRA's starting point (the base model's behaviour) and F
+    # an online diagonal Fisher of the LM loss on the tenant's own recent completions, refreshed
+    # after `fisher_every` events (F <- gamma F + (1 - gamma) g^2). lambda 0: off.
+    ewc_lambda: float = 3e6  # the Fisher of a micro-LoRA is tiny (~1e-8 a coordinate): measured in docs/learning.md
     fisher_every: int = 5
     fisher_samples: int = 4
     fisher_gamma: float = 0.5
@@ -35,3 +35,10 @@ class LearningConfig:
     # engine core in a process of its own and gives the learner 1, so that updates take one core
     # from serving, not every core.
     threads: int | None = None
+    # The background loop consolidates each tenant's instant updates under EWC++ at most this often
+    # (seconds) while there are any, on a thread of its own. None: no thread; call
+    # Learner.consolidate() (the offline LLM, which is not thread-safe). `ruvllm serve` uses 0.1.
+    background_s: float | None = None
+    # Version folders kept per tenant (the serving one and every deep-loop promotion are kept too);
+    # older ones are deleted with their policy-store rows. 0: keep all.
+    keep_versions: int = 16

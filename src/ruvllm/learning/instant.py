@@ -14,7 +14,8 @@ docs/learning.md:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +52,12 @@ class StepTiming:
 class TenantState:
     lora: MicroLora
     opt: torch.optim.Optimizer
-    anchor: list[torch.Tensor]  # theta*: where the micro-LoRA started (EWC++)
+    anchor: list[torch.Tensor]  # theta*: the base model's behaviour (MicroLora.base_point; EWC++)
     fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
+    since_fisher: int = 0  # feedback events since the Fisher was last refreshed
+    # completions the tenant gave feedback on: what it taught, not its everyday traffic (kept out of the Fisher)
+    taught: deque[str] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class InstantLearner:
@@ -65,8 +69,7 @@ class InstantLearner:
     def new_tenant(self, seed: int) -> TenantState:
         c = self.config
         lora = MicroLora.create(self.layers.cfg, self.layers.layers, c.targets, c.rank, c.alpha, seed)
-        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr),
-                           [p.detach().clone() for p in lora.parameters()])
+        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr), lora.base_point())
 
     def prepare(self, prompt: list[int], target: list[int], context_mode: str | None = None) -> Prepared:
         """The hidden states entering the learned layers (the layers below run as inference), and
@@ -88,7 +91,8 @@ class InstantLearner:
         return Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen, embedding)
 
     def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
-        """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target."""
+        """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target, on
+        the feedback's loss alone (EWC++ is `consolidate`'s pull, off the feedback's path)."""
         t0 = time.perf_counter()
         n_prompt, target = prep.prompt_len, prep.target
         labels = torch.tensor(target)
@@ -104,15 +108,28 @@ class InstantLearner:
         else:
             p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
             loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
-        if state.fisher is not None and self.config.ewc_lambda > 0:
-            loss = loss + self.config.ewc_lambda * sum(
-                (f * (p - a) ** 2).sum() for f, p, a in zip(state.fisher, state.lora.parameters(), state.anchor))
         state.opt.zero_grad()
         loss.backward()
         t1 = time.perf_counter()
         state.opt.step()
         state.steps += 1
         return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()))
+
+    def consolidate(self, state: TenantState) -> float:
+        """EWC++'s pull toward theta*: the proximal step of the penalty lambda * sum F (theta - theta*)^2
+        at the learning rate, theta <- theta* + (theta - theta*) / (1 + 2 lr lambda F), in closed form
+        (the instant steps descend the feedback loss alone; this splits the penalty off them, as a
+        proximal gradient method does). Returns the mean fraction of the distance from theta* kept."""
+        if state.fisher is None or self.config.ewc_lambda <= 0:
+            return 1.0
+        c = self.config
+        kept = []
+        with torch.no_grad():
+            for f, p, a in zip(state.fisher, state.lora.parameters(), state.anchor):
+                factor = 1.0 / (1.0 + 2.0 * c.lr * c.ewc_lambda * f)
+                p.copy_(a + (p - a) * factor)
+                kept.append(factor.mean())
+        return float(torch.stack(kept).mean())
 
     def update_fisher(self, state: TenantState, samples: list[Prepared]) -> float:
         """EWC++'s online Fisher: squared gradients of the LM loss on `samples` (prepared full-context

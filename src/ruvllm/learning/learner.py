@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
+from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
 from ruvllm.learning.tail import MicroLora
@@ -82,9 +83,19 @@ class Learner:
         self._versions: dict[str, int] = {}  # the version serving each tenant
         self._loaded: dict[str, list[int]] = {}  # versions loaded in the engine, per tenant, oldest first
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
+        self._pending: dict[str, int] = {}  # instant updates since each tenant's last consolidation
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
+        self._background = (BackgroundLoop(self.consolidate, self.config.background_s)
+                            if self.config.background_s is not None else None)
+
+    def close(self) -> None:
+        """Stop the background loop (after the pass in progress) and close the stores."""
+        if self._background is not None:
+            self._background.close()
+        self.policy.close()
+        self.bank.close()
 
     # --- serving side ------------------------------------------------------------------------------
     def remember(self, completion_id: str, tenant: str, prompt_ids: list[int], output_ids: list[int],
@@ -159,6 +170,7 @@ class Learner:
         state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
         try:
             state.lora.load_peft_tensors(load_file(str(Path(row.path) / "adapter_model.safetensors")))
+            state.anchor = state.lora.base_point()
         except (KeyError, RuntimeError, OSError):
             # made with other learned layers, targets or rank: served as it is, learning starts afresh
             self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
@@ -207,30 +219,57 @@ class Learner:
             state = self._tenants.get(tenant)
             if state is None:
                 state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
-            c = self.config.instant
-            if c.ewc_lambda > 0 and state.steps % c.fisher_every == 0:
-                self._refresh_fisher(tenant, state, completion_id)
+            if correction is None or score > 0:
+                state.taught.append(completion_id)
             timing = self.instant.step(state, prep, score)
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
             version = self._publish(tenant, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
             publish_ms = (time.perf_counter() - t) * 1000
+            self._pending[tenant] = self._pending.get(tenant, 0) + 1
+        if self._background is not None:
+            self._background.notify()
         return FeedbackResult(tenant, version, timing.loss, prepare_ms,
                               (timing.forward_backward + timing.optimizer) * 1000, publish_ms)
 
-    def _refresh_fisher(self, tenant: str, state: TenantState, exclude: str) -> None:
-        """EWC++'s Fisher from the tenant's own recent completions (another tenant's text never
-        shapes it); none yet: no penalty."""
+    # --- the background loop ------------------------------------------------------------------------
+    def consolidate(self) -> dict[str, str]:
+        """Consolidate each tenant's instant updates since the last call under EWC++: refresh its
+        Fisher when `fisher_every` events have passed (or it has none yet), pull its micro-LoRA
+        toward where it started, and serve the result as a new version. Returns {tenant: version}
+        for those published (a tenant without completions of its own has no Fisher yet: unchanged)."""
+        c = self.config.instant
+        published = {}
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for tenant, events in pending.items():
+                state = self._tenants.get(tenant)
+                if state is None or c.ewc_lambda <= 0:
+                    continue
+                state.since_fisher += events
+                fisher_s = 0.0
+                if state.fisher is None or state.since_fisher >= c.fisher_every:
+                    fisher_s = self._refresh_fisher(tenant, state)
+                    state.since_fisher = 0
+                if state.fisher is None:
+                    continue
+                kept = self.instant.consolidate(state)
+                published[tenant] = self._publish(tenant, state.lora, "background", {
+                    "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
+        return published
+
+    def _refresh_fisher(self, tenant: str, state: TenantState) -> float:
+        """EWC++'s Fisher from the tenant's own recent completions, none it gave feedback on (another
+        tenant's text never shapes it); none yet: no Fisher. Returns the seconds it took."""
         samples = []
-        for done in self.store.recent(tenant, self.config.instant.fisher_samples, exclude):
+        for done in self.store.recent(tenant, self.config.instant.fisher_samples, state.taught):
             key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
             prep = self._prepared.get(key)
             if prep is None:
                 prep = self._prepared[key] = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
             samples.append(prep)
-        if samples:
-            self.instant.update_fisher(state, samples)
+        return self.instant.update_fisher(state, samples) if samples else 0.0
 
     def _publish(self, tenant: str, lora: MicroLora, source: str, checks: dict) -> str:
         """Write the tenant's next version and serve it; unload the one it replaces."""
@@ -249,12 +288,34 @@ class Learner:
         self.host.load_lora(name, folder)
         self._loaded.setdefault(tenant, []).append(n)
         self.policy.publish(tenant, n, folder, source, checks)
-        if source != "instant":  # the tenant's instant updates continue from the promoted weights
+        if source == "deep":  # the tenant's instant updates continue from the promoted weights
             state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
             state.lora.load_peft_tensors(lora.peft_tensors())
+            state.anchor = state.lora.base_point()
         self._versions[tenant] = n
         self._trim(tenant, keep=2)
+        self._prune(tenant)
         return name
+
+    def _prune(self, tenant: str) -> None:
+        """Delete the tenant's version folders beyond the newest `keep_versions`, but never the
+        serving one, one loaded in the engine, or a deep-loop promotion (a rollback target that took
+        a check to make)."""
+        import shutil
+
+        keep = self.config.keep_versions
+        if not keep:
+            return
+        versions = self.policy.versions(tenant)
+        if len(versions) <= keep:
+            return
+        spare = {self._versions.get(tenant), *self._loaded.get(tenant, [])}
+        old = [v for v in versions[:-keep] if v.version not in spare and v.source != "deep"]
+        for v in old:
+            if Path(v.path).parent.parent == self.root:  # only folders this learner wrote
+                shutil.rmtree(v.path, ignore_errors=True)
+        if old:
+            self.policy.forget(tenant, [v.version for v in old])
 
 
 def _name(tenant: str, n: int) -> str:

@@ -32,7 +32,7 @@ class Version:
     version: int
     path: str
     created: float
-    source: str  # instant | rollback (background and deep when they exist)
+    source: str  # instant | background | deep
     checks: dict[str, Any]
 
 
@@ -83,6 +83,12 @@ class PolicyStore:
             ("INSERT OR REPLACE INTO serving VALUES (?, ?)", (tenant, version)),
             ("INSERT INTO history VALUES (?, ?, ?, ?, ?)", (now, tenant, "publish", version, json.dumps(checks))),
         ])
+
+    def forget(self, tenant: str, versions: list[int]) -> None:
+        """Versions whose folders were deleted: no longer listed or rolled back to (history keeps them)."""
+        self._write([("DELETE FROM versions WHERE tenant = ? AND version = ?", (tenant, v)) for v in versions]
+                    + [("INSERT INTO history VALUES (?, ?, ?, ?, ?)", (time.time(), tenant, "prune", None,
+                                                                        json.dumps({"versions": versions})))])
 
     def note(self, tenant: str, action: str, detail: dict[str, Any]) -> None:
         """A history entry that changes nothing served (a refused promotion and why)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -40,12 +41,12 @@ class CompletionStore:
         fresh = c is not None and c.time >= time.time() - self.max_age_s  # whatever order entries came in
         return c if fresh and c.tenant == tenant else None
 
-    def recent(self, tenant: str, n: int, exclude: str | None = None) -> list[Completion]:
-        """The tenant's n most recent completions with an output (not `exclude`)."""
+    def recent(self, tenant: str, n: int, exclude: Collection[str] = ()) -> list[Completion]:
+        """The tenant's n most recent completions with an output (none of `exclude`)."""
         with self._lock:
             self._expire()
             out = [c for cid, c in reversed(self._items.items())
-                   if c.tenant == tenant and cid != exclude and c.output_ids]
+                   if c.tenant == tenant and cid not in exclude and c.output_ids]
         return out[:n]
 
     def _expire(self) -> None:

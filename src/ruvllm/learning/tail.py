@@ -77,6 +77,11 @@ class MicroLora:
     def parameters(self) -> list[torch.Tensor]:
         return [t for pair in self.weights.values() for t in pair]
 
+    def base_point(self) -> list[torch.Tensor]:
+        """The parameters (in `parameters()` order) nearest these at which the adapter is a no-op, the
+        base model's behaviour: A as it is, B zero. EWC++ anchors here."""
+        return [t.detach().clone() if i % 2 == 0 else torch.zeros_like(t) for i, t in enumerate(self.parameters())]
+
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
         pair = self.weights.get((layer, target))
         if pair is None:

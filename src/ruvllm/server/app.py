@@ -67,6 +67,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        if st.learner is not None:
+            await asyncio.to_thread(st.learner.close)  # its background pass may be loading into the engine
         if owns_engine:
             engine.shutdown()  # aborts what is still in flight, so every block returns
         if st.witness is not None:
@@ -163,7 +165,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
                 "score": body.score, "correction_hash": None if correction is None else token_hash(correction),
                 "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)})
         if st.deep is not None:
-            st.deep.feedback(who)
+            st.deep.feedback(who, 1.0 if body.correction else abs(body.score))
         return {"id": body.id, "object": "feedback", "status": "learned", "adapter": result.version,
                 "loss": result.loss, "update_ms": round(result.step_ms, 3), "prepare_ms": round(result.prepare_ms, 3),
                 "publish_ms": round(result.publish_ms, 3)}

@@ -36,9 +36,10 @@ class ServerConfig:
     learning: LearningConfig | None = None
     feedback_rate: float = 2.0  # events a second per tenant (bursts of feedback_burst); then 429
     feedback_burst: int = 10
-    # The deep loop, triggered: after this many feedback events of a tenant (0: never), `ruvllm learn
-    # run TENANT` in a low-priority process of its own, with these files (held-out text needed).
-    deep_every: int = 0
+    # The deep loop, triggered: once a tenant's feedback since its last run weighs this much (the sum of
+    # |score|, a correction weighing 1; 0: never), `ruvllm learn run TENANT` in a low-priority process
+    # of its own, with these files (held-out text needed).
+    deep_every: float = 0.0
     deep_heldout: str | None = None
     deep_general: str | None = None
     deep_probes: str | None = None

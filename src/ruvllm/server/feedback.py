@@ -44,27 +44,29 @@ class RateLimiter:
 
 class DeepTrigger:
     """Starts `ruvllm learn run TENANT` (the deep loop, at low priority, in a process of its own)
-    once a tenant has given `deep_every` feedback events since its last run; one run at a time (a
-    tenant that reaches the count meanwhile waits for its next event). The server serves what it
-    promotes at its next request (the policy store's change)."""
+    once a tenant's feedback since its last run weighs `deep_every`: each event by how much it says
+    (|score|; a correction, the strongest signal, 1), so a few firm corrections trigger it sooner than
+    many lukewarm ratings. One run at a time (a tenant that reaches the weight meanwhile waits for
+    its next event). The server serves what it promotes at its next request (the policy store's
+    change)."""
 
     def __init__(self, cfg: ServerConfig, model: str, learned_dir: Path) -> None:
         if not cfg.deep_heldout:
             raise ValueError("the deep loop's trigger needs held-out text (--deep-heldout FILE)")
         self.cfg, self.model, self.dir = cfg, model, learned_dir
-        self.counts: dict[str, int] = {}
+        self.weights: dict[str, float] = {}
         self.running: subprocess.Popen | None = None
         self.runs: list[tuple[str, subprocess.Popen]] = []
         self._lock = threading.Lock()
 
-    def feedback(self, tenant: str) -> None:
+    def feedback(self, tenant: str, weight: float) -> None:
         with self._lock:
-            self.counts[tenant] = self.counts.get(tenant, 0) + 1
+            self.weights[tenant] = self.weights.get(tenant, 0.0) + weight
             if self.running is not None and self.running.poll() is None:
                 return
-            if self.counts[tenant] < self.cfg.deep_every:
+            if self.weights[tenant] < self.cfg.deep_every - 1e-9:
                 return
-            self.counts[tenant] = 0
+            self.weights[tenant] = 0.0
             cfg = self.cfg
             args = [sys.executable, "-m", "ruvllm.cli.main", "learn", "run", tenant, "--heldout", str(cfg.deep_heldout),
                     "--model", self.model, "--dir", str(self.dir),

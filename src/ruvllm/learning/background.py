@@ -1,0 +1,48 @@
+"""The background loop: a thread that runs `Learner.consolidate()` while instant updates are
+pending, at most once every `interval_s` (the seed's ~100 ms), so that EWC++'s Fisher refresh and
+pull never lengthen a feedback request."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+_log = logging.getLogger(__name__)
+
+
+class BackgroundLoop:
+    def __init__(self, consolidate: Callable[[], object], interval_s: float) -> None:
+        self._consolidate, self.interval_s = consolidate, interval_s
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self.runs = 0
+        self._thread = threading.Thread(target=self._run, name="ruvllm-learning-background", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """An instant update happened: consolidate within `interval_s`."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            self._wake.wait()
+            if self._stop.is_set():
+                return
+            # updates arriving meanwhile are consolidated together: one pass per interval at most
+            self._stop.wait(max(0.0, last + self.interval_s - time.monotonic()))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            last = time.monotonic()
+            try:
+                self._consolidate()
+                self.runs += 1
+            except Exception:  # noqa: BLE001  # one failed pass must not end learning for everyone
+                _log.exception("background consolidation failed")
