@@ -98,6 +98,15 @@ def test_the_background_loop_consolidates_on_its_own(lora_llm: LLM, tmp_path: Pa
         assert _complete(running, "key-b")[1:] == other_before
 
 
+def test_feedback_is_refused_while_learning_is_behind(lora_llm: LLM, tmp_path: Path) -> None:
+    """With no room for another queued update, feedback is a 429 that says learning is behind."""
+    learning = LearningConfig(instant=InstantConfig(layers=1, candidates=0), root=str(tmp_path / "learned"))
+    for running in start_server(lora_llm, learning=learning, max_waiting_updates=0):
+        rid = _complete(running, "x")[0]
+        r = _feedback(running, "x", id=rid, score=1.0)
+        assert r.status_code == 429 and "learning is behind" in r.json()["error"]["message"]
+
+
 def test_without_learning_feedback_is_refused(lora_llm: LLM) -> None:
     for running in start_server(lora_llm):
         r = httpx.post(running.url + "/v1/feedback", json={"id": "x", "score": 1}, timeout=30)

@@ -67,6 +67,9 @@ def register(app: typer.Typer) -> None:
                                           help="With --learn: completions kept for feedback, at most."),
         feedback_max_age: float = typer.Option(LearningConfig.store_age_s, "--feedback-max-age", min=1,
                                                help="With --learn: seconds a completion takes feedback."),
+        learn_nice: int = typer.Option(10, "--learn-nice", min=0, max=19, metavar="N",
+                                       help="With --learn: the nice value of the threads that learn, so that "
+                                            "updates take what serving leaves of the CPU (0: as serving)."),
         learned_dir: str = typer.Option(None, "--learned-dir", metavar="DIR",
                                         help="With --learn: where adapter versions are written (PEFT folders)."),
         deep_every: float = typer.Option(0.0, "--deep-every", min=0, metavar="WEIGHT",
@@ -128,7 +131,8 @@ def register(app: typer.Typer) -> None:
                            allow_any_lora_path=allow_any_lora_path,
                            witness_log=witness_path(witness_log), witness_store_tokens=witness_store_tokens,
                            learning=LearningConfig(store_count=feedback_keep, store_age_s=feedback_max_age,
-                                                   root=learned_dir, threads=1, background_s=0.1) if learn else None,
+                                                   root=learned_dir, threads=1, background_s=0.1, nice=learn_nice)
+                           if learn else None,
                            feedback_rate=feedback_rate, deep_every=deep_every, deep_heldout=deep_heldout,
                            deep_general=deep_general, deep_probes=deep_probes)
         kv_mib = info.kv_cache_bytes / 2**20

@@ -5,6 +5,7 @@ pull never lengthen a feedback request."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -12,9 +13,22 @@ from typing import Callable
 _log = logging.getLogger(__name__)
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Give the calling thread a lower CPU priority (Linux: a thread's nice value is its own), so
+    that on a machine with few cores learning takes what serving leaves rather than half of it.
+    Elsewhere, or without permission, it stays as it is."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError:
+        pass
+
+
 class BackgroundLoop:
-    def __init__(self, consolidate: Callable[[], object], interval_s: float) -> None:
-        self._consolidate, self.interval_s = consolidate, interval_s
+    def __init__(self, consolidate: Callable[[], object], interval_s: float, nice: int = 0) -> None:
+        self._consolidate, self.interval_s, self.nice = consolidate, interval_s, nice
         self._wake, self._stop = threading.Event(), threading.Event()
         self.runs = 0
         self._thread = threading.Thread(target=self._run, name="ruvllm-learning-background", daemon=True)
@@ -30,6 +44,7 @@ class BackgroundLoop:
         self._thread.join()
 
     def _run(self) -> None:
+        lower_thread_priority(self.nice)
         last = 0.0
         while True:
             self._wake.wait()

@@ -39,6 +39,9 @@ class LearningConfig:
     # (seconds) while there are any, on a thread of its own. None: no thread; call
     # Learner.consolidate() (the offline LLM, which is not thread-safe). `ruvllm serve` uses 0.1.
     background_s: float | None = None
+    # The nice value of the threads that learn (the background loop's; the server's update thread):
+    # on a machine with few cores, updates take what serving leaves. 0: as they are.
+    nice: int = 0
     # Version folders kept per tenant (the serving one and every deep-loop promotion are kept too);
     # older ones are deleted with their policy-store rows. 0: keep all.
     keep_versions: int = 16

@@ -87,7 +87,7 @@ class Learner:
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
-        self._background = (BackgroundLoop(self.consolidate, self.config.background_s)
+        self._background = (BackgroundLoop(self.consolidate, self.config.background_s, self.config.nice)
                             if self.config.background_s is not None else None)
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ Handlers only validate, submit, await and abort: the engine thread owns the mode
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server import responses as R
+from ruvllm.learning.background import lower_thread_priority
 from ruvllm.learning.config import LearningConfig
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
@@ -57,6 +59,8 @@ class _State:
     learner: Learner | None = None
     feedback_limiter: RateLimiter | None = None
     deep: DeepTrigger | None = None
+    updates: ThreadPoolExecutor | None = None  # the learner's update thread (one update at a time)
+    updates_waiting: int = 0  # feedback requests in it or queued for it (the event loop alone counts)
 
     @property
     def max_len(self) -> int:
@@ -69,6 +73,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         yield
         if st.learner is not None:
             await asyncio.to_thread(st.learner.close)  # its background pass may be loading into the engine
+            if st.updates is not None:
+                st.updates.shutdown()
         if owns_engine:
             engine.shutdown()  # aborts what is still in flight, so every block returns
         if st.witness is not None:
@@ -81,6 +87,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         st.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
     if cfg.learning is not None:
         st.learner = _learner(engine, cfg.learning)
+        st.updates = ThreadPoolExecutor(1, "ruvllm-learning", lower_thread_priority, (cfg.learning.nice,))
         st.feedback_limiter = RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
         if cfg.deep_every:
             st.deep = DeepTrigger(cfg, engine.info.model, st.learner.root)
@@ -152,13 +159,20 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         if not st.feedback_limiter.allow(who):
             raise APIError(429, f"too much feedback: at most {st.cfg.feedback_rate:g} events a second per tenant",
                            None, "rate_limit_exceeded")
+        if st.updates_waiting >= st.cfg.max_waiting_updates:  # the update thread is behind: say so, queue nothing
+            raise APIError(429, f"learning is behind: {st.updates_waiting} feedback events wait for their update; "
+                                "try again later", None, "rate_limit_exceeded")
+        st.updates_waiting += 1
         try:
-            result = await asyncio.to_thread(st.learner.feedback, body.id, who, body.score, body.correction)
+            result = await asyncio.get_running_loop().run_in_executor(
+                st.updates, st.learner.feedback, body.id, who, body.score, body.correction)
         except FeedbackError as exc:
             raise APIError(exc.status, str(exc), exc.param, "not_found" if exc.status == 404 else "invalid_value") \
                 from None
         except AdapterError as exc:  # the engine keeps no more adapters (--max-cpu-loras)
             raise APIError(503, f"the update could not be served: {exc}", None, "learning_capacity") from None
+        finally:
+            st.updates_waiting -= 1
         if st.witness is not None:
             correction = engine.tokenizer.encode(body.correction, add_special_tokens=False) if body.correction else None
             st.witness.append(body.id, "feedback", who, {

@@ -36,6 +36,7 @@ class ServerConfig:
     learning: LearningConfig | None = None
     feedback_rate: float = 2.0  # events a second per tenant (bursts of feedback_burst); then 429
     feedback_burst: int = 10
+    max_waiting_updates: int = 32  # feedback events queued for the update thread, all tenants; then 429
     # The deep loop, triggered: once a tenant's feedback since its last run weighs this much (the sum of
     # |score|, a correction weighing 1; 0: never), `ruvllm learn run TENANT` in a low-priority process
     # of its own, with these files (held-out text needed).

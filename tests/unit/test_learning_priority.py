@@ -1,0 +1,37 @@
+"""The learning threads' lower CPU priority: a thread's own nice value on Linux, the rest of the
+process untouched."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from ruvllm.learning.background import BackgroundLoop, lower_thread_priority
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_only_the_calling_thread_is_lowered() -> None:
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+
+    def work() -> None:
+        lower_thread_priority(before + 5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [before + 5] and os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_the_background_loop_runs_after_a_notice_and_stops() -> None:
+    ran = threading.Event()
+    loop = BackgroundLoop(ran.set, interval_s=0.01, nice=3)
+    assert not ran.wait(0.1)  # nothing pending: no pass
+    loop.notify()
+    assert ran.wait(5)
+    loop.close()
+    assert loop.runs == 1
