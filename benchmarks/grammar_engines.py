@@ -123,8 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    from ruvllm.loader import load_model_config, resolve_model
-    from ruvllm.loader.tokenizer import load_tokenizer
+    from ruvllm.loader import load_model_config, load_tokenizer, resolve_model
 
     src = resolve_model(None)
     tok = load_tokenizer(src)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ruvllm.messages import CoreRequest
 from ruvllm.request import FinishReason, Logprob
@@ -35,6 +36,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Sequences scheduled for the first time: the worker sets up their sampling state from these.
     new_requests: list[CoreRequest] = field(default_factory=list)
+    # The compiled grammars of new_requests that have one (structured outputs), by request id.
+    grammars: dict[str, Any] = field(default_factory=dict)
     # Sequences that ended since the last step: the worker drops their state.
     finished_ids: list[str] = field(default_factory=list)
     # (hot block, cold block) pairs to quantize-copy before this step's forward pass.

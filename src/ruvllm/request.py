@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ruvllm.sampling_params import SamplingParams
 
@@ -64,6 +65,9 @@ class Request:
     # (salted as the base model's requests with its own cache salt are), so it shares their blocks.
     scaling_pass: bool = False
     scaling_cache_salt: object = None
+    # Structured outputs: the future of its compiled grammar (the core's GrammarCompiler); the
+    # scheduler admits it once the compile is done.
+    grammar: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ruvllm.structured.spec import StructuredOutputs
+
 # What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -32,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo scoring)
     skip_special_tokens: bool = True
+    # What the output must match (a JSON schema, a regex, a choice, a grammar): docs/structured.md
+    structured: StructuredOutputs | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -86,6 +90,16 @@ class SamplingParams:
         for tid in self.stop_token_ids or []:
             if not isinstance(tid, int) or tid < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {tid!r}")
+        if self.structured is not None:
+            if isinstance(self.structured, dict):
+                self.structured = StructuredOutputs(**self.structured)
+            if not isinstance(self.structured, StructuredOutputs):
+                raise bad("structured", f"must be StructuredOutputs, got {type(self.structured).__name__}")
+            # the grammar ends its output with an end-of-sequence token: these would forbid that token
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be used with structured outputs (the grammar ends on end-of-sequence)")
+            if self.min_tokens:
+                raise bad("min_tokens", "cannot be used with structured outputs (the grammar decides the length)")
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             for k, v in self.logit_bias.items():

@@ -99,6 +99,17 @@ def test_a_stop_string_ends_the_request_and_frees_its_blocks(process_engine: Asy
     assert stats.idle and stats.free_blocks == stats.total_blocks
 
 
+def test_a_grammar_compiles_in_the_core_process_and_equals_in_process(process_engine: AsyncEngine, llm: LLM) -> None:
+    """Structured outputs cross the process boundary: the core compiles the grammar against the
+    tokenizer it loads itself, and the output is the in-process engine's."""
+    from ruvllm.structured.spec import StructuredOutputs
+
+    params = SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutputs(regex=r"[A-Z][a-z]+ [0-9]{2}"))
+    out = asyncio.run(_collect(process_engine, ["The name and age:"], [params]))[0]
+    assert _key(out) == _key(llm.generate(["The name and age:"], params)[0])
+    assert out.outputs[0].finish_reason == "stop"
+
+
 def test_delta_outputs_add_up_to_the_cumulative_ones(process_engine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20, logprobs=1)
 

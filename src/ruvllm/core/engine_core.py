@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
@@ -24,6 +26,9 @@ from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 
 if TYPE_CHECKING:
     from ruvllm.lora.manager import Served  # the worker's; the core only passes it on
+    from ruvllm.structured.compiler import GrammarCompiler
+
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -38,6 +43,8 @@ class Executor(Protocol):
     def install_adapter(self, adapter: Served) -> None: ...
 
     def remove_adapter(self, name: str) -> None: ...
+
+    def load_tokenizer(self) -> Any: ...
 
 
 class EngineCore:
@@ -58,6 +65,8 @@ class EngineCore:
         self._loads = itertools.count()
         # A load joins the adapters from the thread that read it, while the loop may be stepping.
         self._adapter_lock = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
 
     # --- adapters --------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
@@ -123,6 +132,10 @@ class EngineCore:
             req.scaling_cache_salt = _salt(cr, None)
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
+        if cr.params.structured is not None:
+            req.grammar = self._grammar_compiler().submit(cr.params.structured)
+            if not req.grammar.done():
+                self._compiling[cr.request_id] = req
         self._core_requests[cr.request_id] = cr
         self.scheduler.add(req)
 
@@ -132,6 +145,7 @@ class EngineCore:
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
             self._core_requests.pop(rid, None)
+            self._compiling.pop(rid, None)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
         self._drop_unused_adapters()
@@ -142,19 +156,50 @@ class EngineCore:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        failed = self._failed_compiles()
         so = self.scheduler.schedule()
         for seq in so.seqs:
             cr = self._core_requests.pop(seq.request_id, None)
             if cr is not None:
                 so.new_requests.append(cr)
+                req = self.scheduler.requests[seq.request_id]
+                if req.grammar is not None:
+                    so.grammars[seq.request_id] = req.grammar.result()
         if not so.has_work:
-            return []
+            if self._compiling:  # nothing else to do: wait for a compile rather than spin
+                wait([r.grammar for r in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            return failed
         ro = self.executor.execute(so)
         if so.is_empty:
-            return []
+            return failed
         outputs = [self._output(req, ro) for req in self.scheduler.update(so, ro)]
         self._drop_unused_adapters()
-        return outputs
+        return failed + outputs
+
+    # --- structured outputs ----------------------------------------------------------------------
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            from ruvllm.structured.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.executor.load_tokenizer, self.info.vocab_size,
+                                             self.info.eos_token_ids)
+        return self._grammars
+
+    def _failed_compiles(self) -> list[CoreOutput]:
+        """Requests whose grammar compiled: no longer waited for; those whose compile failed (the
+        front checked the syntax, so this is rare): ended as aborted."""
+        failed = []
+        for rid, req in list(self._compiling.items()):
+            if not req.grammar.done():
+                continue
+            del self._compiling[rid]
+            exc = req.grammar.exception()
+            if exc is not None and not req.is_finished:
+                log.warning("request %s: its grammar did not compile: %s", rid, exc)
+                self._core_requests.pop(rid, None)
+                self.scheduler.finish(req, FinishReason.ABORT)
+                failed.append(CoreOutput(rid, finish_reason=FinishReason.ABORT.value))
+        return failed
 
     @staticmethod
     def _output(req: Request, ro: ModelRunnerOutput) -> CoreOutput:

@@ -91,6 +91,8 @@ class Scheduler:
                     break
                 if self._waits_for_sibling(req):
                     continue
+                if req.grammar is not None and not req.grammar.done():  # its compile runs beside the loop
+                    continue
                 # The slots hold adapters running requests use: this one waits for slots.
                 if req.adapter and req.adapter not in adapters \
                         and sum(adapters.values()) + req.adapter_slots > self.max_loras:

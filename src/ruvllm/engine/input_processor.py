@@ -41,6 +41,11 @@ def check_request(ids: list[int], params: SamplingParams, info: EngineInfo) -> N
         for tid in tids:
             if not 0 <= tid < vocab:
                 raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})", field_name)
+    if params.structured is not None:
+        try:  # the syntax, here: the core compiles it against the vocabulary beside its loop
+            params.structured.check()
+        except ValueError as exc:
+            raise RequestError(str(exc), "response_format") from None
 
 
 def child_ids(request_id: str, n: int) -> list[str]:

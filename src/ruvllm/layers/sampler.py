@@ -8,11 +8,13 @@ not depend on what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ruvllm.request import Logprob
 from ruvllm.sampling_params import SamplingParams
+from ruvllm.structured.bitmask import apply_grammar_masks, has_grammar
 
 
 @dataclass(eq=False)
@@ -27,6 +29,8 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # The request's grammar (structured outputs): an xgrammar matcher, advanced by each output token
+    matcher: Any = None
     # Penalties' state, built on first use and kept up to date with the output tokens since, so a
     # step costs one small update per penalized row rather than a recount of its whole output.
     _counts: torch.Tensor | None = field(default=None, repr=False)
@@ -114,11 +118,16 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
     want_lp = [r.params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
-    if any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens or r.params.needs_penalties()
-           for r in reqs):
+    adjusted = any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens or r.params.needs_penalties()
+                   for r in reqs)
+    constrained = has_grammar(reqs)
+    if adjusted or constrained:
         logits = logits.clone()  # the caller's logits stay as the model gave them
+    if adjusted:
         apply_bans_and_bias(logits, reqs)
         apply_penalties(logits, reqs)
+    if constrained:
+        apply_grammar_masks(logits, reqs)
 
     dev = logits.device
     chosen = logits.argmax(dim=-1)

@@ -304,7 +304,7 @@ def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logpr
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos),
             max_tokens=max_tokens, min_tokens=min(body.min_tokens or 0, max_tokens), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured=body.structured(),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None

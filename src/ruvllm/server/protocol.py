@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, and their translation into SamplingParams.
 
 Fields OpenAI defines that change nothing here (metadata, store, ...) are accepted and
-ignored; fields whose meaning we cannot honour (tools, non-text response formats, suffix) are a 400.
+ignored; fields whose meaning we cannot honour (tools, suffix) are a 400.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ruvllm.sampling_params import SEED_MAX, SEED_MIN
+from ruvllm.structured.spec import StructuredOutputs
 from ruvllm.server.errors import APIError
 
 
@@ -82,6 +83,49 @@ class _Sampling(_Body):
     min_tokens: int | None = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     priority: Literal["low", "normal", "high", "critical"] | None = None
+    # Structured outputs (docs/structured.md): OpenAI's response_format, and vLLM's guided_* fields
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's output constraint, if it sets one (at most one); a 400 naming the field
+        when it is malformed."""
+        given: dict[str, Any] = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given["json_object"] = ("response_format", True)
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                    raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON "
+                                        "schema object", "response_format")
+                given["json_schema"] = ("response_format", spec["schema"])
+            elif kind not in (None, "text"):
+                raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                               "response_format")
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                if kind in given:
+                    raise APIError(400, f"{name} and {given[kind][0]} both constrain the output: give one",
+                                   name)
+                given[kind] = (name, value)
+        if not given:
+            return None
+        if len(given) > 1:
+            names = [field for field, _ in given.values()]
+            raise APIError(400, f"{' and '.join(names)} both constrain the output: give one", names[-1])
+        (kind, (field, value)), = given.items()
+        try:
+            return StructuredOutputs(**{kind: value})
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
 
     @field_validator("stop")
     @classmethod
@@ -125,14 +169,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tools are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "only response_format type 'text' is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -20,8 +20,9 @@ import torch
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
 from ruvllm.device import default_num_threads, resolve_device
-from ruvllm.errors import AdapterError
+from ruvllm.errors import AdapterError, RequestError
 from ruvllm.layers.sampler import SamplingState
+from ruvllm.structured.bitmask import new_matcher
 from ruvllm.lora.manager import LoraManager, Served
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         src = resolve_model(config.model)
+        self._source = src
         self._load(config, load_model_config(src), src.path,
                    lambda quant, dtype, device: weight_plan(src, quant, dtype, device),
                    lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed))
@@ -46,6 +48,7 @@ class Worker:
         """A worker over weights that come from code rather than a file (tests and benchmarks on
         random models): `weights(dtype)` yields Hugging Face-named float tensors."""
         worker = object.__new__(cls)
+        worker._source = None
         worker._load(config, model_config, Path(name),
                      lambda quant, dtype, device: float_weight_plan(model_config, quant, dtype, device, name),
                      lambda plan: weights(plan.dtype))
@@ -96,6 +99,14 @@ class Worker:
     def install_adapter(self, adapter: Served) -> None:
         self._lora().install(adapter)
 
+    def load_tokenizer(self) -> Any:
+        """The model's tokenizer: structured outputs compile against its vocabulary."""
+        from ruvllm.loader import load_tokenizer
+
+        if self._source is None:
+            raise RequestError("structured outputs need the model's tokenizer; this model was built in memory")
+        return load_tokenizer(self._source)
+
     def remove_adapter(self, name: str) -> None:
         if self.lora is not None:
             self.lora.remove(name)
@@ -125,7 +136,8 @@ class Worker:
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> Worker:
         """A new worker over the same loaded model, with its own KV pool (sized by the new settings)."""
         clone = object.__new__(Worker)
-        for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes"):
+        for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes",
+                     "_source"):
             setattr(clone, name, getattr(self, name))
         config = dataclasses.replace(self.config, cache=cache or self.config.cache,
                                      scheduler=(scheduler or self.config.scheduler).resolved(self.device.type))
@@ -156,15 +168,20 @@ class Worker:
         for rid in so.finished_ids:
             self._states.pop(rid, None)
         for req in so.new_requests:
+            grammar = so.grammars.get(req.request_id)
             self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
-                                                         tuple(req.eos_token_ids))
+                                                         tuple(req.eos_token_ids),
+                                                         matcher=None if grammar is None else new_matcher(grammar))
         if so.kv_moves:
             self.runner.migrate_blocks(so.kv_moves)
         if so.is_empty:
             return ModelRunnerOutput({}, {}, {})
         out = self.runner.execute(so, self._states)
         for rid, token in out.sampled.items():
-            self._states[rid].output_token_ids.append(token)
+            state = self._states[rid]
+            state.output_token_ids.append(token)
+            if state.matcher is not None and not state.matcher.is_terminated():
+                state.matcher.accept_token(token)  # masked to what it accepts: always true
         return out
 
     @property
