@@ -49,7 +49,7 @@ def test_schema_breaks_are_400(http: httpx.Client) -> None:
     _error(r, 400)
     _error(http.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"99999999": 5}}), 400)
     _error(http.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]}), 400)
-    _error(http.post("/v1/chat/completions", json={**CHAT, "tools": [{"type": "function"}]}), 400, "tools")
+    _error(http.post("/v1/chat/completions", json={**CHAT, "tools": [{"type": "function"}]}), 400, "tools[0]")
 
 
 def test_unknown_model_is_404(http: httpx.Client) -> None:

@@ -44,6 +44,9 @@ def register(app: typer.Typer) -> None:
                                                    min=0.1, help="Seconds a request body may stall; then 408."),
         served_model_name: str = typer.Option(None, help="Model id clients send (default: MODEL as given)."),
         chat_template: str = typer.Option(None, help="Jinja chat template, or a path to one."),
+        tool_parser: str = typer.Option(None, "--tool-parser", metavar="NAME",
+                                        help="How tool calls are read from the model's text: hermes or "
+                                             "llama3_json (default: from the chat template)."),
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
         lora: list[str] = typer.Option([], "--lora", metavar="NAME=PATH",
                                        help="Serve a PEFT LoRA adapter as model NAME (repeatable; enables LoRA)."),
@@ -98,6 +101,8 @@ def register(app: typer.Typer) -> None:
         check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
         keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
+        if tool_parser and tool_parser not in ("hermes", "llama3_json"):
+            raise fail(f"--tool-parser {tool_parser}: one of hermes, llama3_json")
         if deep_every and not (learn and deep_heldout):
             raise fail("--deep-every needs --learn and --deep-heldout FILE")
         for flag, value in (("--deep-heldout", deep_heldout), ("--deep-general", deep_general),
@@ -125,7 +130,7 @@ def register(app: typer.Typer) -> None:
         cfg = ServerConfig(host=host, port=port, api_key=api_key, routes_without_key=tuple(open_routes),
                            api_keys=keys,
                            max_request_bytes=max_request_bytes, request_read_timeout_s=request_read_timeout,
-                           graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template,
+                           graceful_shutdown_s=drain_timeout, max_queue=max_queue, chat_template=template, tool_parser=tool_parser,
                            served_model_name=served_model_name or model or DEFAULT_SERVED_NAME,
                            lora_dirs=tuple(lora_dir), startup_lora_paths=tuple(p for _, p in adapters),
                            allow_any_lora_path=allow_any_lora_path,

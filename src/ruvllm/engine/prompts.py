@@ -27,8 +27,10 @@ def encode_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[list[int], str |
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Apply the model's chat template (or the one given) and tokenize, without adding BOS twice."""
+                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template (or the one given) and tokenize, without adding BOS twice.
+    `tools`: OpenAI-style tools, for a template that renders them."""
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -28,6 +28,9 @@ from ruvllm.server import responses as R
 from ruvllm.learning.background import lower_thread_priority
 from ruvllm.learning.config import LearningConfig
 from ruvllm.server.config import ServerConfig
+from ruvllm.structured.spec import StructuredOutputs
+from ruvllm.tools.format import ToolError, ToolUse, prepare_messages, template_knows_tools
+from ruvllm.tools.parsers import JsonCallParser, ToolCall, ToolReader, parser_for
 from ruvllm.server.errors import APIError, error_body, error_response, install_error_handlers
 from ruvllm.server.feedback import DeepTrigger, FeedbackRequest, RateLimiter
 from ruvllm.server.generation import (Accumulated, Admission, EnginePrompt, Recorder, api_error, check_context,
@@ -208,11 +211,18 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         lora = _check_model(st, body.model)
         body.check_supported()
-        prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template), None)
+        tools = body.tool_use()
+        prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, cfg.chat_template,
+                                              tools), None)
         max_tokens = check_context(prompt, body.token_limit, st.max_len)
         top_n = body.top_logprobs or 0
-        params = _params(body, max_tokens, logprobs=top_n if body.logprobs else None)
-        return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n, lora=lora)
+        params = _params(body, max_tokens, logprobs=top_n if body.logprobs else None,
+                         tool_constraint=None if tools is None else tools.constraint())
+        reader = None
+        if tools is not None and tools.active:
+            reader = JsonCallParser() if tools.constrained else parser_for(_template_source(st), cfg.tool_parser)
+        return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n, lora=lora,
+                            tool_reader=reader)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -283,18 +293,41 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return list(out) if not isinstance(out, str) else out
 
 
+def _template_source(st: _State) -> str | None:
+    return st.cfg.chat_template or getattr(st.engine.tokenizer, "chat_template", None)
+
+
 async def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool,
-                    template: str | None = None) -> list[int]:
-    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+                    template: str | None = None, tools: ToolUse | None = None) -> list[int]:
+    msgs = []
+    for m in messages:
+        msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        extra = m.model_extra or {}
+        for key in ("tool_calls", "tool_call_id"):
+            if extra.get(key):
+                msg[key] = extra[key]
+        msgs.append(msg)
+    native = template_knows_tools(_template_source(st))
     try:
-        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt)
+        msgs = prepare_messages(msgs, tools, native)
+        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
+        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools)
+    except ToolError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from None
     except APIError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
         raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
 
 
-def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+            tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+    structured = body.structured()
+    if tool_constraint is not None:
+        if structured is not None:
+            raise APIError(400, "a required or named tool call and a response format both constrain the output: "
+                                "give one", "tool_choice")
+        structured = tool_constraint
     try:
         return SamplingParams(
             n=body.n or 1, temperature=1.0 if body.temperature is None else body.temperature,
@@ -304,14 +337,15 @@ def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logpr
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos),
             max_tokens=max_tokens, min_tokens=min(body.min_tokens or 0, max_tokens), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, structured=body.structured(),
+            prompt_logprobs=prompt_logprobs, structured=structured,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None
 
 
 async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePrompt],
-                 params: list[SamplingParams], chat: bool, top_n: int, lora: str | None = None) -> Response:
+                 params: list[SamplingParams], chat: bool, top_n: int, lora: str | None = None,
+                 tool_reader: ToolReader | None = None) -> Response:
     n = params[0].n
     seqs = n * len(prompts)
     st.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
@@ -327,8 +361,9 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     tracker = st.metrics.tracker()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream_chat if chat else _stream_completion
-        return _Stream(_with_error_event(gen(st, body, prompts, outs, n, top_n, rid, tracker, include_usage)),
+        chunks = (_stream_chat(st, body, outs, n, top_n, rid, tracker, include_usage, tool_reader) if chat
+                  else _stream_completion(st, body, prompts, outs, n, top_n, rid, tracker, include_usage))
+        return _Stream(_with_error_event(chunks),
                        release=lambda: st.admission.release(seqs))
     try:
         final = await _collect(outs, request, len(prompts), tracker)
@@ -337,7 +372,7 @@ async def _serve(st: _State, request: Request, body: Any, prompts: list[EnginePr
     if final is None:
         return Response(status_code=499)  # client closed the request; nobody reads this
     if chat:
-        return JSONResponse(_chat_body(st, body, final[0], top_n, rid))
+        return JSONResponse(_chat_body(st, body, final[0], top_n, rid, tool_reader))
     return JSONResponse(_completion_body(st, body, prompts, final, top_n, rid))
 
 
@@ -449,12 +484,17 @@ def _usage(results: list[RequestOutput]) -> dict[str, Any]:
                    sum(r.num_cached_tokens for r in results))
 
 
-def _chat_body(st: _State, body: ChatCompletionRequest, out: RequestOutput, top_n: int, rid: str) -> dict[str, Any]:
+def _chat_body(st: _State, body: ChatCompletionRequest, out: RequestOutput, top_n: int, rid: str,
+               reader: ToolReader | None = None) -> dict[str, Any]:
     choices = []
     for c in out.outputs:
         lps = R.chat_logprobs(c.token_ids, c.logprobs or [], top_n, st.text_of) if body.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                        "logprobs": lps, "finish_reason": _reason(c)})
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        reason = _reason(c)
+        calls = _read_calls(reader, c.text, reason)
+        if calls is not None:
+            message["content"], message["tool_calls"], reason = calls[0], [_call_json(k) for k in calls[1]], "tool_calls"
+        choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": R.now(), "model": st.cfg.served_model_name,
             "choices": choices, "usage": _usage([out])}
 
@@ -486,15 +526,33 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream_chat(st: _State, body: ChatCompletionRequest, prompts: list[EnginePrompt],
+def _read_calls(reader: ToolReader | None, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]] | None:
+    """(content, calls) when the text of a completion that ended normally holds tool calls, else None
+    (a completion cut for length may hold half a call: it stays text)."""
+    if reader is None or reason != "stop":
+        return None
+    content, calls = reader.parse(text)
+    return (content, calls) if calls else None
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": R.new_id("call"), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+async def _stream_chat(st: _State, body: ChatCompletionRequest,
                        outs: AsyncIterator[tuple[int, RequestOutput]], n: int, top_n: int, rid: str,
-                       tracker: RequestTracker, include_usage: bool) -> AsyncIterator[str]:
+                       tracker: RequestTracker, include_usage: bool,
+                       reader: ToolReader | None = None) -> AsyncIterator[str]:
+    """With tools, text that may be the start of a call is held back until the completion ends; then
+    its calls go out as `tool_calls` deltas (each whole: id, name and arguments in one) and the
+    finish reason is `tool_calls`, or the held text goes out as content."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": R.now(), "model": st.cfg.served_model_name}
     extra = {"usage": None} if include_usage else {}
     for i in range(n):
         yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
     acc = Accumulated()
+    texts, sent = [""] * n, [0] * n  # with tools: each choice's text so far, and how much of it went out
     async with _closing(outs):
         async for _, out in outs:
             acc.add(out)
@@ -505,9 +563,25 @@ async def _stream_chat(st: _State, body: ChatCompletionRequest, prompts: list[En
                 lps = None
                 if body.logprobs and c.token_ids:
                     lps = R.chat_logprobs(c.token_ids, c.logprobs or [], top_n, st.text_of)
-                delta = {"content": c.text} if c.text else {}
+                reason, piece = _reason(c), c.text
+                calls = None
+                if reader is not None:
+                    i = c.index
+                    texts[i] += c.text
+                    calls = _read_calls(reader, texts[i], reason) if c.finished else None
+                    upto = len(texts[i]) if c.finished and calls is None else reader.hold_from(texts[i])
+                    piece, sent[i] = texts[i][sent[i]:max(upto, sent[i])], max(upto, sent[i])
+                if calls is not None:
+                    if piece:
+                        yield _sse({**base, "choices": [{"index": c.index, "delta": {"content": piece},
+                                                         "logprobs": None, "finish_reason": None}], **extra})
+                    tool_calls = [{"index": k, **_call_json(call)} for k, call in enumerate(calls[1])]
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": {"tool_calls": tool_calls},
+                                                     "logprobs": lps, "finish_reason": None}], **extra})
+                    piece, reason, lps = "", "tool_calls", None
+                delta = {"content": piece} if piece else {}
                 yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lps,
-                                                 "finish_reason": _reason(c)}], **extra})
+                                                 "finish_reason": reason}], **extra})
     if acc.first is not None:
         result = acc.result()
         _finish_metrics(tracker, [result])

@@ -20,6 +20,7 @@ class ServerConfig:
     # Sequences allowed to wait beyond the engine's running cap (EngineInfo.max_num_seqs) before 429.
     max_queue: int = 256
     chat_template: str | None = None  # overrides the model's template
+    tool_parser: str | None = None  # hermes | llama3_json (None: from the chat template; docs/structured.md)
     graceful_shutdown_s: float = 10.0
     max_request_bytes: int = 16 * 2**20  # a larger body gets 413 (a 128k-token prompt is ~1 MB)
     request_read_timeout_s: float = 30.0  # a body that stalls this long between chunks gets 408

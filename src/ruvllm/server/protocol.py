@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, and their translation into SamplingParams.
 
 Fields OpenAI defines that change nothing here (metadata, store, ...) are accepted and
-ignored; fields whose meaning we cannot honour (tools, suffix) are a 400.
+ignored; fields whose meaning we cannot honour (suffix) are a 400.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from ruvllm.sampling_params import SEED_MAX, SEED_MIN
 from ruvllm.structured.spec import StructuredOutputs
+from ruvllm.tools.format import ToolError, ToolUse
 from ruvllm.server.errors import APIError
 
 
@@ -169,11 +170,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
+    def tool_use(self) -> ToolUse | None:
+        try:
+            return ToolUse.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_value") from None
+
     def check_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", "tools")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
 
