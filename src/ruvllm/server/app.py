@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ruvllm.engine.async_engine import AsyncEngine
@@ -104,7 +104,15 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         keys: dict[str, str | None] = dict(cfg.api_keys)
         if cfg.api_key:
             keys[cfg.api_key] = None
-        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", *cfg.routes_without_key))
+        # the chat page holds no data: it asks for the key and sends it with its API calls
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key))
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> Response:
+        """The chat page (docs/chat-page.md): one static file shipped in the package."""
+        from importlib.resources import files
+
+        return HTMLResponse(files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,7 +120,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
             return error_response(503, f"engine is not running: {engine.failure}", None, "engine_failed")
         if not engine.is_alive:
             return error_response(503, "engine is not running")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "learning": st.learner is not None})
 
     @app.get("/metrics")
     async def metrics() -> Response:
