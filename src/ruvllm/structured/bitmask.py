@@ -8,6 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
 
 def has_grammar(reqs: Sequence[Any]) -> bool:
     return any(r.matcher is not None for r in reqs)
@@ -15,18 +17,23 @@ def has_grammar(reqs: Sequence[Any]) -> bool:
 
 def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Any]) -> None:
     """logits [B, V], in place: each constrained row's tokens that its grammar forbids next -> -inf.
-    The mask is xgrammar's bitmask (bit j of word w allows token 32 w + j), one row per batch row,
-    filled for the constrained rows only and applied by xgrammar's kernel to those rows (its C++
-    loop on the CPU: 4.1 ms at 32 rows of 49,152 tokens against 7.8 ms unpacked with torch ops)."""
-    import xgrammar as xgr
-
+    The mask is xgrammar's bitmask (bit j of word w allows token 32 w + j), filled by each row's
+    matcher and unpacked with torch ops, so it applies alike on any device. Measured on this CPU
+    with real JSON masks (docs/structured.md): 3.8 ms at 32 rows of 49,152 tokens, against 8.3 ms
+    for xgrammar's own CPU kernel."""
     rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.matcher.is_terminated()]
     if not rows:
         return
-    words = xgr.allocate_token_bitmask(len(reqs), logits.shape[1])
-    for i in rows:
-        reqs[i].matcher.fill_next_token_bitmask(words, i)
-    xgr.apply_token_bitmask_inplace(logits, words.to(logits.device), vocab_size=logits.shape[1], indices=rows)
+    vocab = logits.shape[1]
+    words = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        reqs[i].matcher.fill_next_token_bitmask(words, j)
+    allowed = ((words.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool().to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def new_matcher(compiled: Any) -> Any:
