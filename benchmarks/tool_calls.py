@@ -63,7 +63,7 @@ def run(client: openai.OpenAI, choice: str) -> dict[str, int]:
         for prompt in prompts:
             counts["prompts"] += 1
             out = client.chat.completions.create(model="SmolLM2-135M-Instruct", tools=TOOLS, tool_choice=choice,
-                                                 messages=[{"role": "user", "content": prompt}], max_tokens=120,
+                                                 messages=[{"role": "user", "content": prompt}], max_tokens=256,
                                                  temperature=0)
             calls = out.choices[0].message.tool_calls or []
             if not calls:

@@ -29,7 +29,9 @@ class StructuredOutputs:
                              f"{', '.join(given) or 'none'}")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str):
-                self.json_schema = json.dumps(self.json_schema, sort_keys=True)
+                # keys keep their order: the grammar generates properties in the schema's order, and
+                # which comes first (a call's name before its arguments) changes what a model writes
+                self.json_schema = json.dumps(self.json_schema)
             try:
                 schema = json.loads(self.json_schema)
             except json.JSONDecodeError as exc:

@@ -25,6 +25,11 @@ To call a function, reply with one <tool_call></tool_call> block per call, each 
 </tool_call>"""
 
 
+# With `required` and parallel calls, at most this many calls a response: enough for the multi-call
+# requests people make, and a small model that repeats a call stops there, not at the token limit.
+MAX_PARALLEL_CALLS = 4
+
+
 class ToolError(ValueError):
     """A malformed `tools` / `tool_choice` / message: `param` names the field."""
 
@@ -83,15 +88,17 @@ class ToolUse:
 
     def constraint(self) -> StructuredOutputs | None:
         """With `required` or a named function, the output is the call itself, as JSON the grammar
-        holds to the function's parameters: {"name", "arguments"}, or a list of them when
-        parallel calls are allowed with `required`."""
+        holds to the function's parameters: {"name", "arguments"} (the name first, so the model
+        picks the function before its arguments), or a list of at most MAX_PARALLEL_CALLS of them
+        when parallel calls are allowed with `required`."""
         if not self.constrained:
             return None
         fns = [f for f in self.functions if self.choice == "required" or f["name"] == self.choice]
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": one, "minItems": 1} if self.parallel and self.choice == "required" else one
+        schema = ({"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+                  if self.parallel and self.choice == "required" else one)
         return StructuredOutputs(json_schema=schema)
 
 
