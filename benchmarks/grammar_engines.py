@@ -63,21 +63,26 @@ def xgrammar_figures(tok, vocab: int, doc: list[int], repeats: int) -> dict[str,
                                     repeats)}
     compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
     mask = xgr.allocate_token_bitmask(1, vocab)
-    fills, advances = [], []
     matcher = xgr.GrammarMatcher(compiled)
+    logits = torch.randn(1, vocab)
+    return out | walk(doc, lambda: matcher.fill_next_token_bitmask(mask, 0), matcher.accept_token,
+                      lambda: xgr.apply_token_bitmask_inplace(logits, mask))
+
+
+def walk(doc: list[int], fill, advance, apply) -> dict[str, float]:
+    """Per token of the document: fill the next-token mask, then advance the matcher by the token."""
+    fills, advances = [], []
     for token in doc:
         t = time.perf_counter()
-        matcher.fill_next_token_bitmask(mask, 0)
+        fill()
         t1 = time.perf_counter()
-        assert matcher.accept_token(token), "xgrammar refused a token of the document"
+        assert advance(token), "the engine refused a token of the document"
         fills.append((t1 - t) * 1e6)
         advances.append((time.perf_counter() - t1) * 1e6)
-    logits = torch.randn(1, vocab)
-    out["mask fill per token p50 (us)"] = statistics.median(fills)
-    out["mask fill per token max (us)"] = max(fills)
-    out["advance per token p50 (us)"] = statistics.median(advances)
-    out["apply mask to logits (us)"] = ms(lambda: xgr.apply_token_bitmask_inplace(logits, mask), 50) * 1000
-    return out
+    return {"mask fill per token p50 (us)": statistics.median(fills),
+            "mask fill per token max (us)": max(fills),
+            "advance per token p50 (us)": statistics.median(advances),
+            "apply mask to logits (us)": ms(apply, 50) * 1000}
 
 
 def llguidance_figures(tok, vocab: int, doc: list[int], repeats: int) -> dict[str, float]:
@@ -103,20 +108,9 @@ def llguidance_figures(tok, vocab: int, doc: list[int], repeats: int) -> dict[st
            "compile: the regex": ms(lambda: first_mask(regex), repeats)}
     matcher = llguidance.LLMatcher(lltok, grammar)
     mask = lt.allocate_token_bitmask(1, vocab)
-    fills, advances = [], []
-    for token in doc:
-        t = time.perf_counter()
-        lt.fill_next_token_bitmask(matcher, mask, 0)
-        t1 = time.perf_counter()
-        assert matcher.consume_token(token), f"llguidance refused a token of the document: {matcher.get_error()}"
-        fills.append((t1 - t) * 1e6)
-        advances.append((time.perf_counter() - t1) * 1e6)
     logits = torch.randn(1, vocab)
-    out["mask fill per token p50 (us)"] = statistics.median(fills)
-    out["mask fill per token max (us)"] = max(fills)
-    out["advance per token p50 (us)"] = statistics.median(advances)
-    out["apply mask to logits (us)"] = ms(lambda: lt.apply_token_bitmask_inplace(logits, mask), 50) * 1000
-    return out
+    return out | walk(doc, lambda: lt.fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token,
+                      lambda: lt.apply_token_bitmask_inplace(logits, mask))
 
 
 def main() -> None:
