@@ -5,6 +5,7 @@ For each engine: the one-off tokenizer set-up; compiling a typical JSON schema, 
 and a regex (cold: a fresh compiler each time); and, walking the tokens of a document that the
 schema accepts, the per-token cost of filling the next-token bitmask and of advancing the matcher.
 
+    .venv/bin/pip install llguidance   # the peer compared with; not a dependency of ruvllm
     .venv/bin/python benchmarks/grammar_engines.py --repeats 5
 """
 
