@@ -31,6 +31,7 @@ _ROOT = Path(__file__).resolve().parent
 # csrc/ops.cpp registers the other sources' functions as operators.
 SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
            _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
+           _ROOT / "layers" / "csrc" / "token_mask.cpp",
            _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
            _ROOT / "lora" / "csrc" / "lora_add.cpp")
 
@@ -92,6 +93,7 @@ _FAKES: dict[str, Any] = {
     "qkv_rope_cache": lambda qkv, cos, sin, hq, hkv, d, *_: qkv.new_empty(qkv.shape[0], hq, d),
     "llama_layers": lambda x, *_: x.new_empty(x.shape),
     "lora_add": lambda *_: None,
+    "apply_token_bitmask": lambda *_: None,
 }
 
 

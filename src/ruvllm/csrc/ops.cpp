@@ -25,6 +25,8 @@ void quantize_kv_blocks(at::Tensor kv_cache, at::Tensor src_slots, at::Tensor co
                         at::Tensor dst_slots, int64_t bits);
 // layers/csrc/dense_matmul.cpp
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
+// layers/csrc/token_mask.cpp
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& words, const at::Tensor& rows);
 // layers/csrc/fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -63,6 +65,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_kv_blocks(Tensor kv_cache, Tensor src_slots, Tensor(a!) codes, Tensor(b!) meta, "
         "Tensor dst_slots, int bits) -> ()");
   m.def("dense_matmul(Tensor x, Tensor w) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words, Tensor rows) -> ()");
   m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -85,6 +88,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("paged_attention_tiered", &ruvllm::paged_attention_tiered);
   m.impl("quantize_kv_blocks", &ruvllm::quantize_kv_blocks);
   m.impl("dense_matmul", &ruvllm::dense_matmul);
+  m.impl("apply_token_bitmask", &ruvllm::apply_token_bitmask);
   m.impl("quant_matmul", &ruvllm::quant_matmul);
   m.impl("rms_norm", &ruvllm::rms_norm);
   m.impl("add_rms_norm", &ruvllm::add_rms_norm);
