@@ -87,3 +87,30 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(default_llm: LLM) -
         with pytest.raises(RequestError, match=words) as err:
             default_llm.generate([ask], SamplingParams(max_tokens=4, structured=spec))
         assert err.value.param == "response_format"
+
+
+def test_a_compiling_grammar_holds_no_other_request(default_llm: LLM) -> None:
+    """A schema that takes xgrammar over a second to compile (200 patterned fields): the core keeps
+    stepping the plain request beside it, which finishes before the constrained one is first
+    scheduled; the constrained one then runs and finishes."""
+    from ruvllm.engine.input_processor import core_requests
+    from ruvllm.request import Priority
+
+    schema = {"type": "object", "required": [f"field_{i}" for i in range(200)], "properties": {
+        f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}-[0-9]{{{i % 5 + 2}}}$"}
+        for i in range(200)}}
+    core, info, eos = default_llm.core, default_llm.info, tuple(default_llm.info.eos_token_ids)
+    ask = _ask(default_llm, "Fill the form.")
+    slow = core_requests("slow", ask, SamplingParams(max_tokens=8, structured=StructuredOutputs(json_schema=schema)),
+                         Priority.NORMAL, info, eos)
+    fast = core_requests("fast", ask, SamplingParams(temperature=0, max_tokens=4), Priority.NORMAL, info, eos)
+    for cr in slow + fast:
+        core.add_request(cr)
+    order: list[str] = []
+    while core.has_unfinished:
+        for out in core.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+            if out.finish_reason is not None:
+                order.append(out.request_id + " done")
+    assert order.index("fast done") < order.index("slow") and order[-1] == "slow done"
