@@ -66,8 +66,9 @@ class Request:
     scaling_pass: bool = False
     scaling_cache_salt: object = None
     # Structured outputs: the future of its compiled grammar (the core's GrammarCompiler); the
-    # scheduler admits it once the compile is done.
+    # scheduler admits it once the core has seen the compile succeed (grammar_ready).
     grammar: Any = None
+    grammar_ready: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -114,3 +114,13 @@ def test_a_compiling_grammar_holds_no_other_request(default_llm: LLM) -> None:
             if out.finish_reason is not None:
                 order.append(out.request_id + " done")
     assert order.index("fast done") < order.index("slow") and order[-1] == "slow done"
+
+
+def test_a_model_without_a_tokenizer_ends_a_constrained_request_and_lives_on(_tiny_llm: LLM) -> None:
+    """A model built in memory has no tokenizer to compile against: the request ends as aborted,
+    the engine goes on serving, every block comes back."""
+    out = _tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, structured=StructuredOutputs(regex="a+")))
+    assert out[0].outputs[0].finish_reason == "abort"
+    assert len(_tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    stats = _tiny_llm.stats()
+    assert stats.idle and stats.free_blocks == stats.total_blocks

@@ -85,6 +85,12 @@ def test_auto_reads_a_call_out_of_the_text(server: RunningServer) -> None:
     assert not "".join(ch.delta.content or "" for c in chunks for ch in c.choices)  # the block is not content
     none = client.chat.completions.create(**{**args, "tool_choice": "none"})
     assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
+    # text after the call is content, streamed or not
+    after = {**args, "extra_body": {"guided_grammar": forced[:-1] + ' Done."'}}
+    out = client.chat.completions.create(**after)
+    assert out.choices[0].message.content == "Done." and len(out.choices[0].message.tool_calls) == 1
+    chunks = list(client.chat.completions.create(**after, stream=True))
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices).strip() == "Done."
 
 
 def test_tool_results_go_back_through_the_conversation(server: RunningServer) -> None:

@@ -23,6 +23,15 @@ def test_exactly_one_constraint() -> None:
     assert StructuredOutputs(json_schema={"b": 1, "a": 2}).json_schema == '{"b": 1, "a": 2}'  # order kept
 
 
+def test_a_choice_beyond_the_bmp_matches_itself() -> None:
+    import xgrammar as xgr
+
+    spec = StructuredOutputs(choice=["\U0001F600 yes"])
+    assert spec.ebnf_or_source() == ("ebnf", 'root ::= "\U0001F600 yes"')
+    grammar = xgr.Grammar.from_ebnf(spec.ebnf_or_source()[1])
+    assert xgr.testing._is_grammar_accept_string(grammar, "\U0001F600 yes")
+
+
 def test_a_choice_compiles_to_a_grammar_of_literals() -> None:
     spec = StructuredOutputs(choice=['say "hi"', "a\\b"])
     assert spec.ebnf_or_source() == ("ebnf", 'root ::= "say \\"hi\\"" | "a\\\\b"')

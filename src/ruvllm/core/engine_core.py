@@ -133,9 +133,9 @@ class EngineCore:
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         if cr.params.structured is not None:
+            # admitted once _failed_compiles has seen its grammar compiled (a failed compile ends it)
             req.grammar = self._grammar_compiler().submit(cr.params.structured)
-            if not req.grammar.done():
-                self._compiling[cr.request_id] = req
+            self._compiling[cr.request_id] = req
         self._core_requests[cr.request_id] = cr
         self.scheduler.add(req)
 
@@ -186,15 +186,18 @@ class EngineCore:
         return self._grammars
 
     def _failed_compiles(self) -> list[CoreOutput]:
-        """Requests whose grammar compiled: no longer waited for; those whose compile failed (the
-        front checked the syntax, so this is rare): ended as aborted."""
+        """Requests whose grammar compiled: ready to be admitted; those whose compile failed (the
+        front checked the syntax, so this is rare; or the model has no tokenizer): ended as
+        aborted. Checked before each schedule, so the scheduler only ever admits a compiled one."""
         failed = []
         for rid, req in list(self._compiling.items()):
             if not req.grammar.done():
                 continue
             del self._compiling[rid]
             exc = req.grammar.exception()
-            if exc is not None and not req.is_finished:
+            if exc is None:
+                req.grammar_ready = True
+            elif not req.is_finished:
                 log.warning("request %s: its grammar did not compile: %s", rid, exc)
                 self._core_requests.pop(rid, None)
                 self.scheduler.finish(req, FinishReason.ABORT)

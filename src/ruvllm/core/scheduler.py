@@ -91,7 +91,7 @@ class Scheduler:
                     break
                 if self._waits_for_sibling(req):
                     continue
-                if req.grammar is not None and not req.grammar.done():  # its compile runs beside the loop
+                if req.grammar is not None and not req.grammar_ready:  # its compile runs beside the loop
                     continue
                 # The slots hold adapters running requests use: this one waits for slots.
                 if req.adapter and req.adapter not in adapters \

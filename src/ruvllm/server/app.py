@@ -75,9 +75,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         if st.learner is not None:
+            if st.updates is not None:  # an update in progress finishes before the stores close
+                await asyncio.to_thread(st.updates.shutdown, True)
             await asyncio.to_thread(st.learner.close)  # its background pass may be loading into the engine
-            if st.updates is not None:
-                st.updates.shutdown()
         if owns_engine:
             engine.shutdown()  # aborts what is still in flight, so every block returns
         if st.witness is not None:
@@ -580,6 +580,9 @@ async def _stream_chat(st: _State, body: ChatCompletionRequest,
                     upto = len(texts[i]) if c.finished and calls is None else reader.hold_from(texts[i])
                     piece, sent[i] = texts[i][sent[i]:max(upto, sent[i])], max(upto, sent[i])
                 if calls is not None:
+                    # what is left of the text outside the calls (between or after them) goes too
+                    rest, _ = reader.parse(texts[i][sent[i]:])
+                    piece = piece + (rest or "") if rest and rest.strip() else piece
                     if piece:
                         yield _sse({**base, "choices": [{"index": c.index, "delta": {"content": piece},
                                                          "logprobs": None, "finish_reason": None}], **extra})

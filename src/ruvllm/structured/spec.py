@@ -74,8 +74,9 @@ class StructuredOutputs:
 
 
 def _ebnf_literal(text: str) -> str:
-    # JSON's string escapes (\" \\ \n \uXXXX) are GBNF's too
-    return json.dumps(text)
+    # JSON's string escapes (\" \\ \n \uXXXX) are GBNF's too; characters beyond the BMP stay
+    # themselves (as \u escapes they would be two surrogate halves, which GBNF reads as two characters)
+    return json.dumps(text, ensure_ascii=False)
 
 
 @functools.lru_cache(maxsize=256)

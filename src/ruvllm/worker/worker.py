@@ -180,8 +180,10 @@ class Worker:
         for rid, token in out.sampled.items():
             state = self._states[rid]
             state.output_token_ids.append(token)
-            if state.matcher is not None and not state.matcher.is_terminated():
-                state.matcher.accept_token(token)  # masked to what it accepts: always true
+            if state.matcher is not None and not state.matcher.is_terminated() \
+                    and not state.matcher.accept_token(token):  # masked to what it accepts: never expected
+                log.warning("request %s: its grammar refused token %d; the rest of it is unconstrained", rid, token)
+                state.matcher = None
         return out
 
     @property
