@@ -100,10 +100,14 @@ def test_tool_results_go_back_through_the_conversation(server: RunningServer) ->
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "clear"}'},
     ]
-    out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=30, temperature=0)
-    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    tokens = httpx.post(server.url + "/tokenize", timeout=30, json={"model": MODEL, "messages": messages})
-    assert tokens.status_code == 200
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1, temperature=0)
+    before = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1, temperature=0)
+    # the call (its arguments) and the result (its content) are in the prompt: more than a dozen tokens more
+    assert out.usage.prompt_tokens >= before.usage.prompt_tokens + 20
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 1, "tools": TOOLS, "messages": ASK + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]})
+    assert bad.status_code == 400 and "arguments is not JSON" in bad.json()["error"]["message"]
 
 
 def test_malformed_tools_are_400_by_name(server: RunningServer) -> None:

@@ -19,7 +19,7 @@ class InstantConfig:
     # (theta - theta*)^2, theta* the micro-LoRA's starting point (the base model's behaviour) and F
     # an online diagonal Fisher of the LM loss on the tenant's own recent completions, refreshed
     # after `fisher_every` events (F <- gamma F + (1 - gamma) g^2). lambda 0: off.
-    ewc_lambda: float = 3e6  # the Fisher of a micro-LoRA is tiny (~1e-8 a coordinate): measured in docs/learning.md
+    ewc_lambda: float = 3e6  # the default model's micro-LoRA Fisher is tiny (median 6e-9 a coordinate; docs/learning.md)
     fisher_every: int = 5
     fisher_samples: int = 4
     fisher_gamma: float = 0.5

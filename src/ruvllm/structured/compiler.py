@@ -42,12 +42,4 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.stop_token_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        kind, text = spec.ebnf_or_source()
-        if kind == "json_schema":
-            return self._compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return self._compiler.compile_regex(text)
-        return self._compiler.compile_grammar(text)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        return self._compiler.compile_grammar(spec.to_grammar())

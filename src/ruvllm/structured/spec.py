@@ -7,6 +7,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -72,6 +73,10 @@ class StructuredOutputs:
         """Parse it as the engine will (without a tokenizer): ValueError naming the problem."""
         _check(*self.ebnf_or_source())
 
+    def to_grammar(self) -> Any:
+        """The xgrammar Grammar (no tokenizer yet): what the front checks and the core compiles."""
+        return _grammar(*self.ebnf_or_source())
+
 
 def _ebnf_literal(text: str) -> str:
     # JSON's string escapes (\" \\ \n \uXXXX) are GBNF's too; characters beyond the BMP stay
@@ -79,17 +84,20 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-@functools.lru_cache(maxsize=256)
-def _check(kind: str, text: str) -> None:
+def _grammar(kind: str, text: str) -> Any:
     import xgrammar as xgr
 
+    if kind == "json_schema":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    return xgr.Grammar.from_ebnf(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _check(kind: str, text: str) -> None:
     try:
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(text, any_whitespace=False)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        else:
-            xgr.Grammar.from_ebnf(text)
+        _grammar(kind, text)
     except Exception as exc:  # noqa: BLE001  # xgrammar raises RuntimeError and its own kinds
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)  # xgrammar's time and C++ source line
