@@ -70,3 +70,10 @@ def test_parsers_read_their_formats_and_leave_the_rest() -> None:
     assert [c.name for c in JsonCallParser().parse('[{"name": "add", "arguments": {"a": 1, "b": 1}}]')[1]] == ["add"]
     assert isinstance(parser_for("{{ '<|python_tag|>' }} ipython"), Llama3JsonParser)
     assert isinstance(parser_for(None), HermesParser) and isinstance(parser_for(None, "llama3_json"), Llama3JsonParser)
+
+
+def test_consecutive_results_are_one_user_message() -> None:
+    two = CONVERSATION + [{"role": "tool", "tool_call_id": "c2", "content": "7"}]
+    msgs = prepare_messages(two, None, native=False)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[-1]["content"] == "<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response>"

@@ -110,7 +110,8 @@ def prepare_messages(messages: list[dict[str, Any]], use: ToolUse | None, native
     """The conversation as the template should see it: with a tool-aware template, calls' arguments
     as objects (what templates serialise); otherwise the tools in the system message and the calls
     and results as text in the documented format."""
-    out = []
+    out: list[dict[str, Any]] = []
+    prev_tool = False  # the last message out is tool results written as a user message
     for m in messages:
         m = dict(m)
         calls = m.get("tool_calls")
@@ -124,15 +125,15 @@ def prepare_messages(messages: list[dict[str, Any]], use: ToolUse | None, native
                 blocks = "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
                                    + "\n</tool_call>" for c in calls)
                 m["content"] = ((m.get("content") or "") + ("\n" if m.get("content") else "") + blocks)
-        if m["role"] == "tool" and not native:
+        is_tool = m["role"] == "tool" and not native
+        if is_tool:
             result = "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+            if prev_tool:
                 out[-1]["content"] += "\n" + result
                 continue
-            m = {"role": "user", "content": result, "_tool_results": True}
+            m = {"role": "user", "content": result}
+        prev_tool = is_tool
         out.append(m)
-    for m in out:
-        m.pop("_tool_results", None)
     if use is not None and use.active and not native:
         block = SYSTEM_TOOLS.format(tools="\n".join(json.dumps(t) for t in use.openai_tools()))
         if out and out[0]["role"] in ("system", "developer"):
