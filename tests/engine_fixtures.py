@@ -32,7 +32,7 @@ def tiny_llm(device: str, dtype: str = "float32", cfg: ModelConfig = TINY_GQA, *
     return LLM.from_core(EngineCore(Worker.from_weights(cfg, weights, config), config), word_tokenizer(cfg.vocab_size))
 
 
-def write_tiny_model(folder: Path, cfg: ModelConfig = TINY_GQA, max_positions: int = 4096) -> Path:
+def write_tiny_model(folder: Path, cfg: ModelConfig = TINY_GQA, max_positions: int = 4096, seed: int = 0) -> Path:
     """The tiny model tiny_llm builds (the same weights) as a Hugging Face folder with the word
     tokenizer: for what runs a model from a path (`ruvllm serve`, `benchmark`, the core process)
     where the real model is not the point. A longer context than TINY_GQA's lets a stream outlast a
@@ -45,7 +45,7 @@ def write_tiny_model(folder: Path, cfg: ModelConfig = TINY_GQA, max_positions: i
     with folder_in_place(folder) as tmp:
         hf_config(cfg, torch.float32).save_pretrained(str(tmp))
         save_tokenizer(word_tokenizer(cfg.vocab_size), cfg, tmp)
-        write_safetensors(random_weights(cfg, torch.float32, "cpu", seed=0, std=0.1), tmp)
+        write_safetensors(random_weights(cfg, torch.float32, "cpu", seed=seed, std=0.1), tmp)
     return folder
 
 

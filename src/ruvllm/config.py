@@ -206,6 +206,53 @@ class LoraConfig:
         return max(self.max_cpu_loras or 0, self.max_loras)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md): a proposer guesses up to K next tokens of a
+    decoding sequence, the target model scores them in one pass as a prompt chunk, and exact
+    rejection sampling keeps a prefix of them plus one token of its own."""
+
+    speculative: str | None = setting(
+        None, "Speculative decoding: ngram (prompt lookup) or draft (a smaller model, --speculative-model; "
+              "giving that flag alone implies it).", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(4, "Tokens a proposer guesses per step (K).", minimum=1, maximum=16)
+    ngram_max: int = setting(4, "Longest n-gram the prompt-lookup proposer matches.", minimum=1)
+    ngram_min: int = setting(1, "Shortest n-gram the prompt-lookup proposer matches.", minimum=1)
+    speculative_model: str | None = setting(None, "The draft model (a path or name; it must share the target's "
+                                                  "tokenizer).")
+    speculative_quantization: str = setting(
+        "auto", "The draft model's weights (as --quantization).",
+        choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))
+
+    @property
+    def method(self) -> str | None:
+        if self.speculative is None and self.speculative_model is not None:
+            return "draft"
+        return self.speculative
+
+    @property
+    def num_lookahead(self) -> int:
+        """Tokens a speculating sequence may propose per step (0: speculation is off)."""
+        return self.num_speculative_tokens if self.method is not None else 0
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative decoding with a draft model needs the model (speculative_model / "
+                             "--speculative-model)")
+        if self.method == "ngram" and self.speculative_model is not None:
+            raise ValueError("ngram speculation takes no draft model; drop --speculative-model or use "
+                             "--speculative draft")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -231,6 +278,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    speculation: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:

@@ -87,10 +87,23 @@ class EngineStats(msgspec.Struct):
     prefix_hits: int = 0
     preemptions: int = 0
     adapters: list[str] = []  # LoRA adapters loaded now (by name)
+    # Speculative decoding: tokens proposed, accepted, and sequence-steps that verified proposals
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verifications: int = 0
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted proposals plus the target's own."""
+        return 1.0 + self.spec_accepted / self.spec_verifications if self.spec_verifications else 0.0
 
     @property
     def idle(self) -> bool:

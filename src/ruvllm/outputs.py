@@ -23,6 +23,9 @@ class ScheduledSeq:
     adapter: str | None = None  # the LoRA adapter the sequence runs with (None: the base model)
     # An X-LoRA sequence's scaling-pass block table (None for every other sequence)
     scaling_block_table: list[int] | None = None
+    # Speculative decoding: a decoding sequence may have up to this many proposed tokens scored
+    # after its token in this step (its blocks have room for them); the worker's proposer fills them.
+    num_lookahead: int = 0
 
 
 @dataclass(slots=True)
@@ -59,9 +62,11 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> next token
-    logprobs: dict[str, dict[int, Logprob]]  # request id -> chosen and top-N logprobs
+    # request id -> its next tokens: one, or with speculation the accepted proposals and one more
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, Logprob]]]  # request id -> per sampled token: chosen and top-N
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    num_proposed: dict[str, int] = field(default_factory=dict)  # request id -> tokens its proposer guessed
 
 
 class OutputKind(enum.Enum):

@@ -71,6 +71,7 @@ class Request:
     grammar_ready: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0  # output tokens the last step added (more than one with speculation)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on admission
     status: RequestStatus = RequestStatus.WAITING

@@ -39,7 +39,7 @@ def default_token(req: Request) -> int:
 
 def step(s: Scheduler, token: Callable[[Request], int] = default_token) -> SchedulerOutput:
     so = s.schedule()
-    sampled = {seq.request_id: token(s.requests[seq.request_id]) for seq in so.seqs if seq.sample}
+    sampled = {seq.request_id: [token(s.requests[seq.request_id])] for seq in so.seqs if seq.sample}
     s.update(so, ModelRunnerOutput(sampled, {}))
     return so
 
@@ -86,7 +86,7 @@ def test_token_budget_respected_and_all_tokens_computed_once() -> None:
             assert seq.token_ids == r.all_token_ids[seq.start_position:seq.start_position + len(seq.token_ids)]
             assert seq.sample == (seq.start_position + len(seq.token_ids) == r.num_tokens)
             computed[r.request_id] += len(seq.token_ids)
-        sampled = {seq.request_id: default_token(s.requests[seq.request_id]) for seq in so.seqs if seq.sample}
+        sampled = {seq.request_id: [default_token(s.requests[seq.request_id])] for seq in so.seqs if seq.sample}
         s.update(so, ModelRunnerOutput(sampled, {}))
         steps += 1
         assert steps < 200

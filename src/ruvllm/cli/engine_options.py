@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import typer
 
-from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 
-_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, QuantConfig, LoraConfig)
+_SECTIONS = (EngineConfig, CacheConfig, SchedulerConfig, QuantConfig, LoraConfig, SpeculativeConfig)
 
 
 @dataclass(frozen=True)

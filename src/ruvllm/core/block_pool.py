@@ -125,11 +125,16 @@ class BlockPool:
                 del self._free_list(block)[block.block_id]
             block.ref_count += 1
 
-    def release(self, blocks: Iterable[KVBlock]) -> None:
+    def release(self, blocks: Iterable[KVBlock], first: bool = False) -> None:
+        """Drop a holder of each block; a block nobody holds joins its free list, at the end
+        (evicted last, its prefix-cache entry kept longest) or with `first` at the front."""
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free_list(block)[block.block_id] = block
+                free = self._free_list(block)
+                free[block.block_id] = block
+                if first:
+                    free.move_to_end(block.block_id, last=False)
 
     def register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
         """Make a full block findable by its hash; a block with the same contents already cached wins."""

@@ -56,7 +56,8 @@ class EngineCore:
                                  self.info.num_cold_blocks, cache.kv_hot_tokens)
         # The worker resolved the device's defaults (the token budget); the scheduler uses the same.
         sched = dataclasses.replace(config.scheduler, max_num_batched_tokens=self.info.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched, self.kv, self.info.max_loras)
+        self.scheduler = Scheduler(sched, self.kv, self.info.max_loras, config.speculation.num_lookahead)
+        self._spec = SpecStats()
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)
@@ -172,6 +173,7 @@ class EngineCore:
         ro = self.executor.execute(so)
         if so.is_empty:
             return failed
+        self._spec.count(ro)
         outputs = [self._output(req, ro) for req in self.scheduler.update(so, ro)]
         self._drop_unused_adapters()
         return failed + outputs
@@ -209,9 +211,10 @@ class EngineCore:
         rid = req.request_id
         out = CoreOutput(rid, num_cached_tokens=req.num_cached_tokens)
         if rid in ro.sampled:
-            out.new_token_ids = [ro.sampled[rid]]
+            n = req.num_new_tokens  # fewer than sampled when a stop ended it among proposals
+            out.new_token_ids = ro.sampled[rid][:n]
             if rid in ro.logprobs:
-                out.new_logprobs = [ro.logprobs[rid]]
+                out.new_logprobs = ro.logprobs[rid][:n]
         if rid in ro.prompt_logprobs:
             out.new_prompt_logprobs = ro.prompt_logprobs[rid]
         if req.is_finished:
@@ -228,10 +231,29 @@ class EngineCore:
                            free_blocks=self.kv.num_free_blocks, total_blocks=self.info.num_blocks,
                            free_cold_blocks=self.kv.pool.num_free_cold, cold_blocks=self.kv.pool.num_cold,
                            prefix_queries=self.kv.stats.queries, prefix_hits=self.kv.stats.hits,
-                           preemptions=self.scheduler.num_preemptions, adapters=self.adapters())
+                           preemptions=self.scheduler.num_preemptions, adapters=self.adapters(),
+                           spec_proposed=self._spec.proposed, spec_accepted=self._spec.accepted,
+                           spec_verifications=self._spec.verifications)
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculative decoding's counters: tokens proposed, of those accepted, and verifications
+    (sequence-steps that scored at least one proposal)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0
+
+    def count(self, ro: ModelRunnerOutput) -> None:
+        for rid, n in ro.num_proposed.items():
+            if n:
+                self.proposed += n
+                self.accepted += len(ro.sampled[rid]) - 1
+                self.verifications += 1
 
 
 def _salt(cr: CoreRequest, adapter_load: int | None) -> object:

@@ -208,6 +208,18 @@ class KVCacheManager:
                     young.add(id(block))
         return young
 
+    def trim(self, req: Request) -> None:
+        """Give back the tail blocks past the request's tokens (speculation: blocks allocated for
+        proposals that were rejected). They never held a computed token, so none is in the prefix
+        cache; the next step allocates again what it needs."""
+        keep = self.num_blocks_needed(req.num_tokens)
+        for key, _ in req.kv_streams:
+            blocks = self._blocks.get(key)
+            if blocks is not None and len(blocks) > keep:
+                tail = blocks[keep:]
+                del blocks[keep:]
+                self.pool.release(tail, first=True)
+
     def free(self, req: Request) -> None:
         """Return every block of the request; tail blocks first so they are evicted before shared heads."""
         for key, _ in req.kv_streams:

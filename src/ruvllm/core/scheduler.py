@@ -18,10 +18,12 @@ from ruvllm.request import FinishReason, Request, RequestStatus, scaling_key
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0,
+                 num_lookahead: int = 0) -> None:
         self.config = config
         self.kv = kv
         self.max_loras = max_loras  # adapter slots the running requests may use at once (the worker's)
+        self.num_lookahead = num_lookahead  # speculative decoding: proposals per decode step (0: off)
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -66,22 +68,26 @@ class Scheduler:
         # Two-tier KV cache: blocks that left every holder's hot window since the last step move
         # cold now, before this step allocates (the worker copies them before its forward pass).
         out.kv_moves = self.kv.migrate_cold(self.running)
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, lookahead)
 
         self.running.sort(key=Request.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
-            while not self.kv.allocate_slots(req, n):
+            # A decode may score proposals too, when its blocks can take them without preempting.
+            k = self._lookahead(req, budget) if n == req.num_tokens - req.num_computed_tokens == 1 else 0
+            if k and not self.kv.allocate_slots(req, n + k):
+                k = 0
+            while not k and not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]  # lowest priority, latest arrival, not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
-                budget -= n
+                scheduled.append((req, n, k))
+                budget -= n + k
                 i += 1
 
         if not out.preempted:
@@ -115,10 +121,10 @@ class Scheduler:
                 self.running.append(req)
                 if req.adapter:
                     adapters[req.adapter] = req.adapter_slots
-                scheduled.append((req, n))
+                scheduled.append((req, n, 0))
                 budget -= n
 
-        for req, n in scheduled:
+        for req, n, k in scheduled:
             start = req.num_computed_tokens
             out.seqs.append(ScheduledSeq(
                 request_id=req.request_id,
@@ -129,8 +135,20 @@ class Scheduler:
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
                 adapter=req.adapter,
                 scaling_block_table=self.kv.block_table(scaling_key(req.request_id)) if req.scaling_pass else None,
+                num_lookahead=k,
             ))
         return out
+
+    def _lookahead(self, req: Request, budget: int) -> int:
+        """Proposals a decoding request may have scored this step: K, or fewer where its max_tokens,
+        the context or the step's budget leave less room (all its new tokens must fit)."""
+        if not self.num_lookahead or req.scaling_pass:
+            return 0
+        p = req.params
+        room = [self.num_lookahead, budget - 1, req.max_total_tokens - req.num_tokens - 1]
+        if p.max_tokens is not None:
+            room.append(p.max_tokens - len(req.output_token_ids) - 1)
+        return max(0, min(room))
 
     @staticmethod
     def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[int, list[int]] | None:
@@ -166,28 +184,44 @@ class Scheduler:
         touched = []
         for seq in so.seqs:
             req = self.requests[seq.request_id]
-            req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_full_blocks(req)
             scored = ro.prompt_logprobs.get(req.request_id)
             if scored:
                 req.num_prompt_logprobs += len(scored)
             if not seq.sample:
+                req.num_computed_tokens += len(seq.token_ids)
+                self.kv.cache_full_blocks(req)
                 if scored:
                     touched.append(req)
                 continue
-            token = ro.sampled[req.request_id]
-            req.output_token_ids.append(token)
+            # One token, or with speculation the accepted proposals and one more: every token but the
+            # last has its K/V computed now (a proposal is accepted only where it equals the token).
+            stop = None
+            req.num_new_tokens = 0
+            for token in ro.sampled[req.request_id]:
+                req.output_token_ids.append(token)
+                req.num_new_tokens += 1
+                stop = self._stop(req, token)
+                if stop is not None:
+                    break
+            req.num_computed_tokens += len(seq.token_ids) + req.num_new_tokens - 1
+            self.kv.cache_full_blocks(req)
             touched.append(req)
-            self._check_stop(req, token)
+            if stop is not None:
+                self.finish(req, *stop)
+            elif seq.num_lookahead:
+                self.kv.trim(req)  # blocks that only held rejected proposals go back to the pool
         return touched
 
-    def _check_stop(self, req: Request, token: int) -> None:
+    @staticmethod
+    def _stop(req: Request, token: int) -> tuple[FinishReason, int | None] | None:
+        """Why the request ends with this output token, if it does."""
         p = req.params
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
-                return self.finish(req, FinishReason.STOP, None)
+                return FinishReason.STOP, None
             if p.stop_token_ids and token in p.stop_token_ids:
-                return self.finish(req, FinishReason.STOP, token)
+                return FinishReason.STOP, token
         if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= req.max_total_tokens:
-            self.finish(req, FinishReason.LENGTH)
+            return FinishReason.LENGTH, None
+        return None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress
 
-from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.input_processor import core_requests, stop_token_set
@@ -33,14 +33,14 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
     `keep_16bit` go to the QuantConfig."""
     quant = kwargs.pop("quantization", None)
     parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}, QuantConfig: {},
-                                         LoraConfig: {}}
+                                         LoraConfig: {}, SpeculativeConfig: {}}
     if isinstance(quant, QuantConfig):
         parts[QuantConfig] = dataclasses.asdict(quant)
     elif quant is not None:
         parts[QuantConfig]["method"] = quant
     for key, value in kwargs.items():
         for cls in parts:
-            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "lora", "method"):
+            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "lora", "speculation", "method"):
                 parts[cls][key] = value
                 break
         else:
@@ -48,6 +48,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
     return EngineConfig(model=model, cache=CacheConfig(**parts[CacheConfig]),
                         scheduler=SchedulerConfig(**parts[SchedulerConfig]),
                         quantization=QuantConfig(**parts[QuantConfig]), lora=LoraConfig(**parts[LoraConfig]),
+                        speculation=SpeculativeConfig(**parts[SpeculativeConfig]),
                         **parts[EngineConfig])
 
 
@@ -84,10 +85,11 @@ class LLM:
         self._ids = itertools.count()
         self.learner: Learner | None = None
 
-    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> LLM:
+    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                      speculation: SpeculativeConfig | None = None) -> LLM:
         """Another LLM over the same loaded model, with its own KV pool and scheduler (tests and
         benchmarks compare settings without loading the model again)."""
-        worker = self.core.executor.with_settings(cache, scheduler)  # type: ignore[attr-defined]
+        worker = self.core.executor.with_settings(cache, scheduler, speculation)  # type: ignore[attr-defined]
         return LLM.from_core(EngineCore(worker, worker.config), self.tokenizer)
 
     def async_engine(self) -> AsyncEngine:

@@ -141,11 +141,15 @@ class OutputProcessor:
     def _apply(comp: _Completion, out: CoreOutput) -> bool:
         """Returns True when a stop string ended a completion the core still runs."""
         stop = None
-        for token in out.new_token_ids:
+        kept = 0
+        for token in out.new_token_ids:  # several with speculative decoding
             comp.token_ids.append(token)
+            kept += 1
             stop = comp.detok.add(token)
+            if stop is not None:  # the tokens after it are dropped, as if decoded one by one
+                break
         if comp.want_logprobs and out.new_logprobs:
-            comp.logprobs.extend(out.new_logprobs)
+            comp.logprobs.extend(out.new_logprobs[:kept])
         if stop is not None:
             comp.finish_reason, comp.stop_reason = FinishReason.STOP, stop
             return out.finish_reason is None

@@ -109,12 +109,19 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Generator | None = None
+def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Generator | None = None,
+           drafts: list[tuple[int, torch.Tensor] | None] | None = None
            ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs.
 
     Rows without a seed draw from `generator` (the engine's, seeded from its config), or torch's
-    global generator when none is given."""
+    global generator when none is given.
+
+    drafts (speculative decoding with a draft model): per row, None or (token, q), a token the
+    draft drew from its distribution q [V]. Such a row keeps the token with probability
+    min(1, p(token) / q(token)), p being the row's own distribution after every setting, and
+    otherwise draws from the residual max(p - q, 0), renormalised (Leviathan et al. 2023;
+    Chen et al. 2023): its token is distributed as p whatever q is."""
     want_lp = [r.params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
@@ -135,17 +142,7 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
     if sampled:
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         sub_reqs = [reqs[i] for i in sampled]
-        temps = torch.tensor([r.params.temperature for r in sub_reqs], dtype=logits.dtype, device=dev)
-        sub = logits[rows] / temps.unsqueeze(1)
-        if any(r.params.needs_truncation() for r in sub_reqs):
-            sub = truncate(
-                sub,
-                # top_k past the vocabulary means off; clamped so it always fits a tensor.
-                torch.tensor([min(r.params.top_k, logits.shape[1]) for r in sub_reqs], device=dev),
-                torch.tensor([r.params.top_p for r in sub_reqs], dtype=logits.dtype, device=dev),
-                torch.tensor([r.params.min_p for r in sub_reqs], dtype=logits.dtype, device=dev),
-            )
-        probs = sub.softmax(dim=-1)
+        probs = target_probs(logits[rows], sub_reqs)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p.
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for j, r in enumerate(sub_reqs):
@@ -154,6 +151,10 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
                 row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator)
                 noise[j] = row.to(dev)
         chosen[rows] = (probs / noise).argmax(dim=-1)
+        if drafts is not None:
+            for j, i in enumerate(sampled):
+                if drafts[i] is not None:
+                    chosen[i] = accept_or_resample(probs[j], *drafts[i], reqs[i].generator or generator)
 
     tokens = chosen.tolist()
     logprobs: list[dict[int, Logprob] | None] = [None] * len(reqs)
@@ -163,6 +164,39 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
         for i, entry in zip(rows, entries):
             logprobs[i] = entry
     return tokens, logprobs
+
+
+def target_probs(logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
+    """The distribution each sampling row draws from: temperature, then top-k / top-p / min-p."""
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype, device=dev)
+    sub = logits / temps.unsqueeze(1)
+    if any(r.params.needs_truncation() for r in reqs):
+        sub = truncate(
+            sub,
+            # top_k past the vocabulary means off; clamped so it always fits a tensor.
+            torch.tensor([min(r.params.top_k, logits.shape[1]) for r in reqs], device=dev),
+            torch.tensor([r.params.top_p for r in reqs], dtype=logits.dtype, device=dev),
+            torch.tensor([r.params.min_p for r in reqs], dtype=logits.dtype, device=dev),
+        )
+    return sub.softmax(dim=-1)
+
+
+def accept_or_resample(p: torch.Tensor, token: int, q: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One step of speculative sampling: `token` was drawn from q; keep it with probability
+    min(1, p/q) at it, else draw from the normalised residual max(p - q, 0). A rejection needs
+    p(token) < q(token), so the residual never holds the token itself."""
+    q = q.to(p.device, p.dtype)
+    gen_dev = torch.device("cpu") if generator is None else generator.device
+    u = torch.rand((), generator=generator, device=gen_dev).item()
+    if u * float(q[token]) <= float(p[token]):
+        return token
+    residual = (p - q).clamp_(min=0)
+    if float(residual.sum()) <= 0:  # p == q up to rounding: p itself is the residual's limit
+        residual = p.clone()
+        residual[token] = 0
+    noise = torch.empty_like(residual, device=gen_dev).exponential_(generator=generator).to(p.device)
+    return int((residual / noise).argmax())
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:

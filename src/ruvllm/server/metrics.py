@@ -31,6 +31,17 @@ class _EngineCollector(Collector):
         (CounterMetricFamily, "ruvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
          "prefix_hits"),
         (CounterMetricFamily, "ruvllm:num_preemptions", "Requests preempted (by recompute) so far.", "preemptions"),
+        (CounterMetricFamily, "ruvllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+         "spec_proposed"),
+        (CounterMetricFamily, "ruvllm:spec_decode_num_accepted_tokens",
+         "Speculative decoding: proposed tokens accepted.", "spec_accepted"),
+        (CounterMetricFamily, "ruvllm:spec_decode_num_verifications",
+         "Speculative decoding: sequence-steps that scored proposals.", "spec_verifications"),
+        (GaugeMetricFamily, "ruvllm:spec_decode_acceptance_rate",
+         "Speculative decoding: accepted / proposed tokens so far (0-1).", "spec_acceptance_rate"),
+        (GaugeMetricFamily, "ruvllm:spec_decode_mean_accepted_length",
+         "Speculative decoding: tokens per verification step (accepted proposals + 1).",
+         "spec_mean_accepted_length"),
     )
 
     def collect(self) -> Iterator[Any]:

@@ -13,9 +13,10 @@ from ruvllm.attention.kv_quant import (KV_BITS, ColdLayer, KVTier, code_dtype, c
                                        meta_width)
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
-from ruvllm.layers.sampler import SamplingState, sample, token_logprobs
+from ruvllm.layers.sampler import SamplingState, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from ruvllm.speculative.verify import Proposal, sample_rows
 
 if TYPE_CHECKING:
     from ruvllm.lora.batch import LoraBatch, XLoraBatch
@@ -232,14 +233,20 @@ class ModelRunner:
         return self.model(ids, pos, self.kv_views, meta, self.attn, lora)
 
     @staticmethod
-    def _last_rows(so: SchedulerOutput) -> tuple[list[int], list[str]]:
-        rows, ids, end = [], [], 0
+    def _last_rows(so: SchedulerOutput, proposals: dict[str, Proposal] | None = None
+                   ) -> tuple[list[int], list[str], list[int]]:
+        """The rows that sample, their request ids, and the rows per id: a sequence's last row, or
+        with proposals its last 1 + len(proposal) rows (its token's and each proposal's)."""
+        rows, ids, counts, end = [], [], [], 0
         for seq in so.seqs:
             end += len(seq.token_ids)
             if seq.sample:
-                rows.append(end - 1)
+                prop = proposals.get(seq.request_id) if proposals else None
+                n = 1 + (len(prop.tokens) if prop is not None else 0)
+                rows.extend(range(end - n, end))
                 ids.append(seq.request_id)
-        return rows, ids
+                counts.append(n)
+        return rows, ids, counts
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) == hidden.shape[0]:  # every row samples (decodes): no gather
@@ -250,29 +257,36 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         """Logits (float32) of the rows that sample, and their request ids."""
-        rows, ids = self._last_rows(so)
+        rows, ids, _ = self._last_rows(so)
         return self._logits(self.forward(so), rows), ids
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, states: dict[str, SamplingState]) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, states: dict[str, SamplingState],
+                proposals: dict[str, Proposal] | None = None) -> ModelRunnerOutput:
+        """Forward and sample. With proposals (speculative decoding), each proposing sequence's
+        token_ids end with its proposal's tokens, and its rows are verified (speculative/verify.py).
+        The sampled tokens are appended to the states."""
+        proposals = proposals or {}
         # A decode-only step runs as one CUDA graph (forward and LM head) where one was captured
-        # (the graphs hold no adapters).
-        use_graphs = self.graphs is not None and not any(seq.adapter for seq in so.seqs)
+        # (the graphs hold no adapters and one row per sequence).
+        use_graphs = self.graphs is not None and not proposals and not any(seq.adapter for seq in so.seqs)
         logits = self.graphs.run(so) if use_graphs else None
         if logits is not None:
             out = ModelRunnerOutput({}, {}, {})
             sample_ids = [seq.request_id for seq in so.seqs]
+            counts = [1] * len(sample_ids)
         else:
             hidden = self.forward(so)
-            rows, sample_ids = self._last_rows(so)
+            rows, sample_ids, counts = self._last_rows(so, proposals)
             out = ModelRunnerOutput({}, {}, self._prompt_logprobs(so, hidden, states))
             if not sample_ids:
                 return out
             logits = self._logits(hidden, rows)
-        reqs = [states[rid] for rid in sample_ids]
-        tokens, logprobs = sample(logits.float(), reqs, self.generator)
-        out.sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
-        out.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
+        tokens, logprobs = sample_rows(logits.float(), counts, [states[rid] for rid in sample_ids],
+                                       [proposals.get(rid) for rid in sample_ids], self.generator)
+        out.sampled = dict(zip(sample_ids, tokens))
+        out.logprobs = {rid: lps for rid, lps in zip(sample_ids, logprobs) if lps[0] is not None}
+        out.num_proposed = {rid: len(p.tokens) for rid, p in proposals.items()}
         return out
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,

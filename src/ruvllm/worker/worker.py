@@ -13,24 +13,29 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
-from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.errors import AdapterError, RequestError
 from ruvllm.layers.sampler import SamplingState
-from ruvllm.structured.bitmask import new_matcher
 from ruvllm.lora.manager import LoraManager, Served
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
 from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
-from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
+from ruvllm.structured.bitmask import new_matcher
+from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from ruvllm.speculative.ngram import NgramIndex
+from ruvllm.speculative.verify import Proposal
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
 from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
+
+if TYPE_CHECKING:
+    from ruvllm.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +91,62 @@ class Worker:
             self.runner.lora = self.lora
             log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", config.lora.max_loras,
                      config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
+        self._ngrams: dict[str, NgramIndex] = {}
+        self.draft: DraftProposer | None = self._load_draft(config) if config.speculation.method == "draft" else None
+
+    # --- speculative decoding --------------------------------------------------------------------
+    def _load_draft(self, config: EngineConfig) -> DraftProposer:
+        """The draft model, on a KV pool of its own with the target's block count (docs/speculative.md)."""
+        from ruvllm.speculative.draft import DraftProposer
+
+        spec = config.speculation
+        if config.cache.quantized_kv:
+            raise ValueError(f"a draft model cannot run beside an {config.cache.kv_cache_dtype} KV cache (its pool "
+                             "has no cold tier); use --speculative ngram, or kv_cache_dtype auto")
+        src = resolve_model(spec.speculative_model)
+        mc = load_model_config(src)
+        if mc.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) is not the target's "
+                             f"({self.model_config.vocab_size}): a draft must share the target's tokenizer")
+        if self._source is not None:
+            from ruvllm.loader import load_tokenizer
+
+            if load_tokenizer(src).get_vocab() != load_tokenizer(self._source).get_vocab():
+                raise ValueError("the draft model's tokenizer is not the target's: a draft must share it")
+        plan = weight_plan(src, QuantConfig(method=spec.speculative_quantization), config.dtype, self.device)
+        model = build_model(mc, iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed), str(src.path),
+                            self.max_model_len, plan.dtype, self.device, plan=plan)
+        runner = ModelRunner(model, mc, config.cache.block_size, self.runner.num_blocks, plan.dtype, self.device,
+                             attention=config.attention)
+        log.info("draft model %s: %d layers, %s, quantization %s, %d proposals a step", src.path, mc.num_layers,
+                 str(plan.dtype).removeprefix("torch."), plan.quant.method, spec.num_speculative_tokens)
+        return DraftProposer(runner, config.scheduler.token_budget, config.seed)
+
+    def _propose(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, Proposal]]:
+        """Proposals for the sequences the scheduler left room for, and the step with their tokens
+        appended to those sequences' chunks."""
+        room = [(seq, self._states[seq.request_id]) for seq in so.seqs if seq.num_lookahead]
+        if not room:
+            return so, {}
+        if self.draft is not None:
+            proposals = self.draft.propose(room)
+        else:
+            spec = self.config.speculation
+            proposals = {}
+            for seq, state in room:
+                index = self._ngrams.get(seq.request_id)
+                if index is None:
+                    index = self._ngrams[seq.request_id] = NgramIndex(spec.ngram_min, spec.ngram_max)
+                index.extend(_tokens_from(state, len(index.tokens)))
+                tokens = index.propose(seq.num_lookahead)
+                if tokens:
+                    proposals[seq.request_id] = Proposal(tokens)
+        proposals = {rid: p for rid, p in proposals.items() if p.tokens}
+        if not proposals:
+            return so, {}
+        seqs = [dataclasses.replace(seq, token_ids=seq.token_ids + proposals[seq.request_id].tokens)
+                if seq.request_id in proposals else seq for seq in so.seqs]
+        return SchedulerOutput(seqs=seqs), proposals
 
     # --- adapters --------------------------------------------------------------------------------
     def _lora(self) -> LoraManager:
@@ -133,14 +194,17 @@ class Worker:
             runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
         return runner
 
-    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> Worker:
-        """A new worker over the same loaded model, with its own KV pool (sized by the new settings)."""
+    def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                      speculation: SpeculativeConfig | None = None) -> Worker:
+        """A new worker over the same loaded model, with its own KV pool (sized by the new settings)
+        and its own speculation (a draft model is loaded anew)."""
         clone = object.__new__(Worker)
         for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes",
                      "_source"):
             setattr(clone, name, getattr(self, name))
         config = dataclasses.replace(self.config, cache=cache or self.config.cache,
-                                     scheduler=(scheduler or self.config.scheduler).resolved(self.device.type))
+                                     scheduler=(scheduler or self.config.scheduler).resolved(self.device.type),
+                                     speculation=speculation or self.config.speculation)
         clone._start(self.runner.model, config)
         return clone
 
@@ -167,6 +231,12 @@ class Worker:
         """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""
         for rid in so.finished_ids:
             self._states.pop(rid, None)
+            self._ngrams.pop(rid, None)
+            if self.draft is not None:
+                self.draft.forget(rid)
+        if self.draft is not None:
+            for rid in so.preempted:  # its blocks, and the draft K/V in them, are gone
+                self.draft.forget(rid)
         for req in so.new_requests:
             grammar = so.grammars.get(req.request_id)
             self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
@@ -176,16 +246,20 @@ class Worker:
             self.runner.migrate_blocks(so.kv_moves)
         if so.is_empty:
             return ModelRunnerOutput({}, {}, {})
-        out = self.runner.execute(so, self._states)
-        for rid, token in out.sampled.items():
-            state = self._states[rid]
-            state.output_token_ids.append(token)
-            if state.matcher is not None and not state.matcher.is_terminated() \
-                    and not state.matcher.accept_token(token):  # masked to what it accepts: never expected
-                log.warning("request %s: its grammar refused token %d; the rest of it is unconstrained", rid, token)
-                state.matcher = None
+        run, proposals = self._propose(so)
+        out = self.runner.execute(run, self._states, proposals)
+        if self.draft is not None:
+            for seq in so.seqs:
+                if seq.request_id in proposals:
+                    self.draft.accepted(seq.request_id, seq.start_position, len(out.sampled[seq.request_id]) - 1)
         return out
 
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
+
+
+def _tokens_from(state: SamplingState, start: int) -> list[int]:
+    """The sequence's tokens from `start` on (prompt and output) without building the whole list."""
+    n = len(state.prompt_token_ids)
+    return state.prompt_token_ids[start:] + state.output_token_ids if start < n else state.output_token_ids[start - n:]
