@@ -149,7 +149,18 @@ def summarize(llm: LLM, s: Settings, dtype: str, source: str, its: list[Iteratio
         "decode_tokens_per_s": round(statistics.fmean(it.decode_tps for it in its), 2),
         "aggregate_tokens_per_s": round(statistics.fmean(it.aggregate_tps for it in its), 2),
         "peak_memory_mib": round(peak_memory_mib(), 1),
+        **speculation_report(llm),
     }
+
+
+def speculation_report(llm: LLM) -> dict[str, Any]:
+    """Speculative decoding's counters over the whole run (warm-up included), when it is on."""
+    stats = llm.stats()
+    if not stats.spec_verifications:
+        return {}
+    return {"spec_proposed_tokens": stats.spec_proposed, "spec_accepted_tokens": stats.spec_accepted,
+            "spec_acceptance_rate": round(stats.spec_acceptance_rate, 4),
+            "spec_mean_accepted_length": round(stats.spec_mean_accepted_length, 3)}
 
 
 _LABELS = {
@@ -159,6 +170,10 @@ _LABELS = {
     "decode_tokens_per_s": ("decode, one stream", "tokens/s"),
     "aggregate_tokens_per_s": ("output, all streams", "tokens/s"),
     "peak_memory_mib": ("peak memory (max RSS)", "MiB"),
+    "spec_proposed_tokens": ("speculation: tokens proposed", "tokens"),
+    "spec_accepted_tokens": ("speculation: tokens accepted", "tokens"),
+    "spec_acceptance_rate": ("speculation: acceptance rate", "ratio"),
+    "spec_mean_accepted_length": ("speculation: tokens per verification", "tokens"),
 }
 
 
@@ -180,7 +195,9 @@ def render(report: dict[str, Any], fmt: str, state: CliState) -> None:
         table.add_column("value", justify="right")
         table.add_column("unit")
         for key, (label, unit) in _LABELS.items():
-            table.add_row(label, f"{report[key]:,.1f}", unit)
+            if key in report:
+                value = report[key]
+                table.add_row(label, f"{value:,.2f}" if isinstance(value, float) and value < 10 else f"{value:,.1f}", unit)
         state.console().print(table)
 
 
@@ -210,7 +227,9 @@ def benchmark(
     block_size = CacheConfig().block_size
     # The KV pool holds exactly the batch phase, so nothing is preempted and peak memory reflects
     # this workload rather than the default 1 GiB pool.
-    blocks = concurrency * math.ceil((prompt_length + gen_length) / block_size)
+    # Speculation's proposals take slots past a sequence's tokens (num_speculative_tokens more at most).
+    lookahead = engine.to_config(None).speculation.num_lookahead
+    blocks = concurrency * math.ceil((prompt_length + gen_length + lookahead) / block_size)
     device = resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
     path = resolve_cli_model(model, cache_dir)
     config = engine.to_config(path, num_blocks=blocks, max_num_seqs=concurrency)
