@@ -260,7 +260,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 class EngineConfig:
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
     device: str = setting("auto", "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or cuda:N.")
-    dtype: str = setting("auto", "auto (bf16 where the CPU has native bf16 or on CUDA, else float32), float32, "
+    dtype: str = setting("auto", "auto (bf16 on CUDA, float32 on the CPU), float32, "
                                  "bfloat16, float16.")
     max_model_len: int | None = setting(None, "Context length cap in tokens (default: the model's).",
                                         flag="--max-context", minimum=2)

@@ -116,9 +116,12 @@ def sixteen_bit_reference(_default_llm: LLM) -> tuple[list[str], list[list[int]]
 
 def test_close_to_the_16bit_cache(kv_default_llm: LLM, sixteen_bit_reference) -> None:
     """Teacher-forced logprobs of the 16-bit cache's greedy continuations of ~200-token prompts stay
-    close (measured with a 32-token hot window, 6 prompts at bf16: int8 mean 0.027 / max 0.27 nats,
-    int4 0.082 / 0.93, where bf16 vs fp32 compute measures 0.014 / 0.067; these 4 prompts at fp32:
-    int8 0.006 / 0.095, int4 0.075 / 1.02), and greedy decoding starts the same way."""
+    close, and greedy decoding starts the same way. Measured on these 4 prompts with a 32-token hot
+    window, mean / max nats. The default's packed weights with 8-bit activations: int8 0.054 / 0.48
+    at bf16, 0.048 / 0.41 at fp32; int4 0.098 / 1.04 and 0.095 / 0.91; bf16 vs fp32 compute itself
+    0.069 / 0.43 (the same with our kernels built for AVX2 only). Dense weights (quantization none):
+    int8 0.025 / 0.17 at bf16, 0.006 / 0.095 at fp32, bf16 vs fp32 0.030 / 0.23: the activations'
+    rounding turns the cache's small errors into larger ones, as it does bf16's."""
     kv_llm = kv_default_llm
     prompts, ref, forced, a = sixteen_bit_reference
     got = _tokens(kv_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
@@ -128,7 +131,7 @@ def test_close_to_the_16bit_cache(kv_default_llm: LLM, sixteen_bit_reference) ->
              for t, x, y in zip(ids[1:], oa.prompt_logprobs[1:], ob.prompt_logprobs[1:])]
     mean, worst = sum(diffs) / len(diffs), max(diffs)
     if _kv(kv_llm) == "int8":
-        assert mean < 0.05 and worst < 0.6, (mean, worst)
+        assert mean < 0.08 and worst < 0.6, (mean, worst)
     else:
         assert mean < 0.15 and worst < 2.0, (mean, worst)
 

@@ -27,8 +27,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("learning") / "base")
 
 
-def learning_llm(base: Path, tmp_path: Path, **instant: object) -> LLM:
-    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=4, num_blocks=64, quantization="none")
+def learning_llm(base: Path, tmp_path: Path, dtype: str = "auto", **instant: object) -> LLM:
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=4, num_blocks=64, dtype=dtype,
+              quantization="none")
     cfg = InstantConfig(**{"layers": 1, "lr": 5e-2, "context": "full", "candidates": 0, **instant})
     llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
     return llm
@@ -98,7 +99,7 @@ def test_published_version_is_a_peft_adapter(base: Path, tmp_path: Path) -> None
     from tests.lora_fixtures import hf_model
     from tests.reference import teacher_forced_logits
 
-    llm = learning_llm(base, tmp_path, layers=2)
+    llm = learning_llm(base, tmp_path, dtype="float32", layers=2)  # peft's fp32 logits within 2e-4
     asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
     for _ in range(3):
         version = llm.feedback(asked.request_id, 1.0, "t7 t9 t11", tenant="acme").version

@@ -53,7 +53,7 @@ def random_case(ref: torch.nn.Module, prompt_len: int, continuation_len: int, se
                          ids=["all-seven", "q-v", "o-down-rslora"])
 def test_logits_match_peft(base: Path, tmp_path: Path, targets: list[str], extra: dict) -> None:
     ref = make_adapter(base, tmp_path / "a", seed=1, targets=targets, **extra)
-    llm = engine(base)
+    llm = engine(base, dtype="float32")  # peft's fp32 logits within ATOL: "auto" is bf16 on CPUs with native bf16
     llm.load_lora("a", tmp_path / "a")
     prompt, continuation, expected, base_logits = random_case(ref, 37, 12, seed=0)
     assert (expected - base_logits).abs().max() > 0.1, "the adapter must change the logits for the test to mean anything"
@@ -232,7 +232,7 @@ def default_adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tor
 
 def test_default_model_fp32_logits_match_peft(default_adapter: tuple[Path, torch.nn.Module]) -> None:
     folder, ref = default_adapter
-    llm = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, quantization="none", num_blocks=64)
+    llm = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32", quantization="none", num_blocks=64)
     llm.load_lora("a", folder)
     with torch.no_grad(), ref.disable_adapter():
         base_logits = peft_logits(ref, DEFAULT_PROMPT, DEFAULT_CONTINUATION)
@@ -301,7 +301,7 @@ def test_cpp_layer_loop_with_adapters_is_the_python_loop(base: Path, tmp_path: P
     Python loop adds them): the generations are bitwise those of the Python loop."""
     from ruvllm.models.cpu_layer_loop import CpuLayerLoop
 
-    llm = engine(base)
+    llm = engine(base, dtype="float32")  # the C++ layer loop runs fp32 models only
     for i in range(2):
         make_adapter(base, tmp_path / f"a{i}", seed=70 + i, r=4 + 4 * i)
         llm.load_lora(f"a{i}", tmp_path / f"a{i}")

@@ -49,7 +49,7 @@ def tokens(n: int, seed: int) -> list[int]:
 ], ids=["layerwise-depth2", "depth1", "depth3-topk"])
 def test_logits_match_peft(base: Path, experts: list[Path], tmp_path: Path, settings: dict) -> None:
     ref = make_xlora(base, tmp_path / "x", experts, seed=5, **settings)
-    llm = engine(base)
+    llm = engine(base, dtype="float32")  # peft's fp32 logits within ATOL: "auto" is bf16 on CPUs with native bf16
     llm.load_lora("x", tmp_path / "x")
     prompt, continuation = tokens(29, 0), tokens(9, 1)
     expected = peft_logits(ref, prompt, continuation)
@@ -81,7 +81,7 @@ def test_greedy_text_is_peft_generate(base: Path, xlora_model: tuple[Path, torch
     prompt = tokens(14, 3)
     with torch.no_grad():
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
-    llm = engine(base)
+    llm = engine(base, dtype="float32")  # peft's fp32 greedy text
     llm.load_lora("x", folder)
     assert llm.generate([prompt], GREEDY, lora="x")[0].outputs[0].token_ids == expected
 
@@ -216,7 +216,7 @@ def default_xlora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
 
 def test_default_model_fp32_logits_match_peft(default_xlora: tuple[Path, torch.nn.Module]) -> None:
     folder, ref = default_xlora
-    llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, quantization="none", num_blocks=64)
+    llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", quantization="none", num_blocks=64)
     llm.load_lora("x", folder)
     base_logits = teacher_forced_logits(llm.core.kv, llm.core.executor.runner, DEFAULT_PROMPT, DEFAULT_CONTINUATION)
     assert_default_model_follows(llm, "x", ref, base_logits, ATOL)

@@ -81,7 +81,7 @@ def test_train_writes_a_checkpoint_peft_and_ruvllm_read_alike(setup: tuple[Path,
     model = hf_model(base)
     model.config.use_cache = False
     ref = PeftModel.from_pretrained(model, out).eval()
-    llm = LLM(str(base), enable_lora=True, max_loras=2, num_blocks=32)
+    llm = LLM(str(base), enable_lora=True, max_loras=2, num_blocks=32, dtype="float32")  # peft's fp32 logits
     llm.load_lora("x", out)
     prompt = [f"t{i}" for i in (33, 480, 57, 101, 260, 99)]
     ids = llm.tokenizer.encode(" ".join(prompt))
