@@ -1,8 +1,11 @@
 """Speculative decoding on the default model, one stream: decode speed with and without it, in one run.
 
 Tasks (greedy, chat template, up to --max-tokens each, one request at a time):
-- grounded: --prompts passages of the novel, each given in the prompt with an instruction to
-  repeat it or to continue it (the input-grounded task prompt lookup is for);
+- grounded: --prompts passages of the novel (120 words each), each given in the prompt with the
+  instruction to rewrite it keeping its words, and the reply begun with the passage's first eight
+  words (as an editor's or a quoting assistant's reply is: most of the output is in the input);
+- free: the same passages, asked to be repeated or continued with nothing of the reply given
+  (the 135M model often paraphrases or comments instead: what prompt lookup gets then);
 - chat: --prompts open questions (where prompt lookup rarely finds anything).
 
 Configurations, each against its own target alone:
@@ -41,17 +44,24 @@ QUESTIONS = [
 ]
 
 
-def grounded_prompts(n: int) -> list[str]:
+def passages(n: int) -> list[list[str]]:
     words = BOOK.read_text(encoding="utf-8").split()[3000:]
-    asks = []
-    for i in range(n):
-        passage = " ".join(words[i * 400:i * 400 + 120])
-        asks.append(f"Repeat this passage from the novel word for word:\n\n{passage}" if i % 2 == 0 else
-                    f"Here is a passage from the novel:\n\n{passage}\n\nContinue it, reusing its sentences.")
-    return asks
+    return [words[i * 400:i * 400 + 120] for i in range(n)]
 
 
-def run(llm, asks: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+def grounded_prompts(n: int) -> list[tuple[str, str]]:
+    """(the user's message, the start of the reply)"""
+    return [(f"Rewrite this passage from the novel, keeping its words:\n\n{' '.join(p)}", " ".join(p[:8]))
+            for p in passages(n)]
+
+
+def free_prompts(n: int) -> list[tuple[str, str]]:
+    return [((f"Repeat this passage from the novel word for word:\n\n{' '.join(p)}" if i % 2 == 0 else
+              f"Here is a passage from the novel:\n\n{' '.join(p)}\n\nContinue it, reusing its sentences."), "")
+            for i, p in enumerate(passages(n))]
+
+
+def run(llm, asks: list[tuple[str, str]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """(decode tokens/s over the requests, their greedy tokens), one request at a time."""
     from ruvllm import SamplingParams
     from ruvllm.engine.prompts import render_chat
@@ -59,9 +69,10 @@ def run(llm, asks: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tokens, decode_s, decoded = [], 0.0, 0
-    for i, ask in enumerate(asks):
-        ids = llm.tokenizer.encode(render_chat(llm.tokenizer, [{"role": "user", "content": ask}]),
-                                   add_special_tokens=False)
+    for i, (ask, reply_start) in enumerate(asks):
+        ids = render_chat(llm.tokenizer, [{"role": "user", "content": ask}])
+        if reply_start:
+            ids = ids + llm.tokenizer.encode(reply_start, add_special_tokens=False)
         core = llm.core
         core.add_request(CoreRequest(f"r{i}-{time.monotonic_ns()}", ids, params, tuple(llm.eos_token_ids)))
         out: list[int] = []
@@ -81,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--ngram-min", type=int, default=None)
     ap.add_argument("--ngram-max", type=int, default=None)
     ap.add_argument("--skip-draft", action="store_true")
@@ -91,7 +102,8 @@ def main() -> None:
     from ruvllm.config import SpeculativeConfig
     from ruvllm.loader.default_model import default_model_path
 
-    tasks = {"grounded": grounded_prompts(args.prompts), "chat": QUESTIONS[:args.prompts]}
+    tasks = {"grounded": grounded_prompts(args.prompts), "free": free_prompts(args.prompts),
+             "chat": [(q, "") for q in QUESTIONS[:args.prompts]]}
     extra = {k: v for k, v in (("ngram_min", args.ngram_min), ("ngram_max", args.ngram_max)) if v is not None}
     ngram = SpeculativeConfig(speculative="ngram", num_speculative_tokens=args.k, **extra)
     draft = SpeculativeConfig(speculative_model=str(default_model_path()), speculative_quantization="auto",

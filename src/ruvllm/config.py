@@ -223,6 +223,9 @@ class SpeculativeConfig:
     ngram_min: int = setting(1, "Shortest n-gram the prompt-lookup proposer matches.", minimum=1)
     speculative_model: str | None = setting(None, "The draft model (a path or name; it must share the target's "
                                                   "tokenizer).")
+    adaptive_speculation: bool = setting(
+        True, "Choose each sequence's proposal count per step from its acceptance so far and the measured "
+              "costs (off: always K).", flag="--adaptive-speculation/--no-adaptive-speculation")
     speculative_quantization: str = setting(
         "auto", "The draft model's weights (as --quantization).",
         choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))

@@ -173,7 +173,8 @@ def small_target_and_draft(tmp_path_factory: pytest.TempPathFactory) -> tuple[LL
     distribution is far from the target's), the target without and with the draft."""
     draft_dir = write_tiny_model(tmp_path_factory.mktemp("draft") / "draft", SMALL, max_positions=64, seed=1)
     plain = tiny_llm("cpu", cfg=SMALL, num_blocks=256)
-    spec = plain.with_settings(speculation=SpeculativeConfig(speculative_model=str(draft_dir), num_speculative_tokens=3))
+    spec = plain.with_settings(speculation=SpeculativeConfig(speculative_model=str(draft_dir), num_speculative_tokens=3,
+                                                             adaptive_speculation=False))
     return plain, spec
 
 

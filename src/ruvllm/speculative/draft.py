@@ -53,10 +53,11 @@ class DraftProposer:
             if take <= 0:
                 continue
             budget -= take
+            proposes = take == todo and seq.num_lookahead > 0  # 0: only catching up this step
             chunks.append(ScheduledSeq(seq.request_id, _tokens(state, done, done + take), done, seq.block_table,
-                                       sample=take == todo))
+                                       sample=proposes))
             self.computed[seq.request_id] = done + take
-            if take == todo:
+            if proposes:
                 ready.append((seq, state))
         if not chunks:
             return {}

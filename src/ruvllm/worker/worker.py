@@ -30,6 +30,7 @@ from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
 from ruvllm.structured.bitmask import new_matcher
 from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from ruvllm.speculative.ngram import NgramIndex
+from ruvllm.speculative.policy import SpeculationPolicy, step_seconds
 from ruvllm.speculative.verify import Proposal
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
 from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
@@ -93,6 +94,9 @@ class Worker:
                      config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
         self._ngrams: dict[str, NgramIndex] = {}
         self.draft: DraftProposer | None = self._load_draft(config) if config.speculation.method == "draft" else None
+        # None with speculation on: every sequence takes all the room it is given (K)
+        self.spec_policy = self._speculation_policy(config) \
+            if config.speculation.method and config.speculation.adaptive_speculation else None
 
     # --- speculative decoding --------------------------------------------------------------------
     def _load_draft(self, config: EngineConfig) -> DraftProposer:
@@ -122,14 +126,32 @@ class Worker:
                  str(plan.dtype).removeprefix("torch."), plan.quant.method, spec.num_speculative_tokens)
         return DraftProposer(runner, config.scheduler.token_budget, config.seed)
 
+    def _speculation_policy(self, config: EngineConfig) -> SpeculationPolicy:
+        """The policy's costs, measured on this device: a target pass over 1 + K rows against one
+        row, and a draft pass against a target pass (speculative/policy.py)."""
+        k = config.speculation.num_speculative_tokens
+        one = step_seconds(self.runner, 1)
+        more = step_seconds(self.runner, 1 + k)
+        row_cost = max(0.0, (more - one) / (k * one))
+        draft_cost = step_seconds(self.draft.runner, 1) / one if self.draft is not None else 0.0
+        log.info("speculation: one more row costs %.3f of a decode step, a draft pass %.3f", row_cost, draft_cost)
+        return SpeculationPolicy(row_cost, draft_cost)
+
     def _propose(self, so: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, Proposal]]:
         """Proposals for the sequences the scheduler left room for, and the step with their tokens
         appended to those sequences' chunks."""
         room = [(seq, self._states[seq.request_id]) for seq in so.seqs if seq.num_lookahead]
         if not room:
             return so, {}
+        policy = self.spec_policy
+
+        def length(rid: str, offered: int) -> int:
+            return offered if policy is None else policy.length(rid, offered)
+
         if self.draft is not None:
-            proposals = self.draft.propose(room)
+            # The draft makes as many as the policy wants (its passes cost); 0 still catches it up.
+            proposals = self.draft.propose([(dataclasses.replace(seq, num_lookahead=length(
+                seq.request_id, seq.num_lookahead)), state) for seq, state in room])
         else:
             spec = self.config.speculation
             proposals = {}
@@ -139,6 +161,7 @@ class Worker:
                     index = self._ngrams[seq.request_id] = NgramIndex(spec.ngram_min, spec.ngram_max)
                 index.extend(_tokens_from(state, len(index.tokens)))
                 tokens = index.propose(seq.num_lookahead)
+                tokens = tokens[:length(seq.request_id, len(tokens))]
                 if tokens:
                     proposals[seq.request_id] = Proposal(tokens)
         proposals = {rid: p for rid, p in proposals.items() if p.tokens}
@@ -232,6 +255,8 @@ class Worker:
         for rid in so.finished_ids:
             self._states.pop(rid, None)
             self._ngrams.pop(rid, None)
+            if self.spec_policy is not None:
+                self.spec_policy.forget(rid)
             if self.draft is not None:
                 self.draft.forget(rid)
         if self.draft is not None:
@@ -248,10 +273,14 @@ class Worker:
             return ModelRunnerOutput({}, {}, {})
         run, proposals = self._propose(so)
         out = self.runner.execute(run, self._states, proposals)
-        if self.draft is not None:
-            for seq in so.seqs:
-                if seq.request_id in proposals:
-                    self.draft.accepted(seq.request_id, seq.start_position, len(out.sampled[seq.request_id]) - 1)
+        for seq in so.seqs:
+            prop = proposals.get(seq.request_id)
+            if prop is not None:
+                accepted = len(out.sampled[seq.request_id]) - 1
+                if self.spec_policy is not None:
+                    self.spec_policy.observe(seq.request_id, len(prop.tokens), accepted)
+                if self.draft is not None:
+                    self.draft.accepted(seq.request_id, seq.start_position, accepted)
         return out
 
     @property

@@ -130,8 +130,14 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 }
 
 // Eight int32 partial sums of sum_i u[i] * s[i] (u unsigned < 128 or a magnitude, s signed).
+// With AVX-512 VNNI one instruction does it; its sums are exact, and so are maddubs' here (a pair
+// of products stays within int16: 2 x 127 x 127 < 32768), so both give the same bits.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 #endif
 
