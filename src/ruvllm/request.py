@@ -40,6 +40,16 @@ class Logprob:
     rank: int
 
 
+def slice_tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without building the whole list."""
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]
+
+
 def scaling_key(request_id: str) -> str:
     """The KV block table of a request's scaling pass (X-LoRA), beside its own."""
     return request_id + "\x00scaling"
@@ -98,12 +108,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (called for every request every step)."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+        return slice_tokens(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_tokens(self) -> int:

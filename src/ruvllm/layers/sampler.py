@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ruvllm.request import Logprob
+from ruvllm.request import Logprob, slice_tokens
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.structured.bitmask import apply_grammar_masks, has_grammar
 
@@ -40,6 +40,11 @@ class SamplingState:
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """The sequence's tokens (prompt, then output) [start, end) without building the whole list."""
+        prompt, out = self.prompt_token_ids, self.output_token_ids
+        return slice_tokens(prompt, out, start, len(prompt) + len(out) if end is None else end)
 
     def token_counts(self, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[vocab]: how often each token is in the output so far."""

@@ -54,7 +54,7 @@ class DraftProposer:
                 continue
             budget -= take
             proposes = take == todo and seq.num_lookahead > 0  # 0: only catching up this step
-            chunks.append(ScheduledSeq(seq.request_id, _tokens(state, done, done + take), done, seq.block_table,
+            chunks.append(ScheduledSeq(seq.request_id, state.token_slice(done, done + take), done, seq.block_table,
                                        sample=proposes))
             self.computed[seq.request_id] = done + take
             if proposes:
@@ -123,13 +123,3 @@ class DraftProposer:
             probs[j] = q
         return tokens, probs
 
-
-def _tokens(state: SamplingState, start: int, end: int) -> list[int]:
-    """The sequence's tokens [start, end) without building the whole list."""
-    prompt, out = state.prompt_token_ids, state.output_token_ids
-    n = len(prompt)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return out[start - n:end - n]
-    return prompt[start:] + out[:end - n]

@@ -159,7 +159,7 @@ class Worker:
                 index = self._ngrams.get(seq.request_id)
                 if index is None:
                     index = self._ngrams[seq.request_id] = NgramIndex(spec.ngram_min, spec.ngram_max)
-                index.extend(_tokens_from(state, len(index.tokens)))
+                index.extend(state.token_slice(len(index.tokens)))
                 tokens = index.propose(seq.num_lookahead)
                 tokens = tokens[:length(seq.request_id, len(tokens))]
                 if tokens:
@@ -287,8 +287,3 @@ class Worker:
     def model(self) -> torch.nn.Module:
         return self.runner.model
 
-
-def _tokens_from(state: SamplingState, start: int) -> list[int]:
-    """The sequence's tokens from `start` on (prompt and output) without building the whole list."""
-    n = len(state.prompt_token_ids)
-    return state.prompt_token_ids[start:] + state.output_token_ids if start < n else state.output_token_ids[start - n:]
