@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from ruvllm import LLM, SamplingParams
-from ruvllm.config import CacheConfig, ModelConfig, SpeculativeConfig
+from ruvllm.config import CacheConfig, SpeculativeConfig
 from ruvllm.layers import sampler
 from ruvllm.loader.default_model import default_model_path
 from ruvllm.structured.spec import StructuredOutputs
-from tests.conftest import BOOK, novel_prompts
+from tests.conftest import novel_prompts
 from tests.engine_fixtures import TINY_GQA, tiny_llm, write_tiny_model
 
 NGRAM = SpeculativeConfig(speculative="ngram", num_speculative_tokens=4, ngram_max=3)
@@ -218,3 +218,9 @@ def test_the_distribution_test_fails_when_acceptance_is_wrong(small_target_and_d
     got = _frequencies(spec, N)
     assert min(_chi2_p(g, w) for g, w in zip(got, want)) < 1e-3
     _idle(spec)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_by_name(_tiny_llm: LLM, tmp_path: Path) -> None:
+    draft_dir = write_tiny_model(tmp_path / "draft", SMALL, max_positions=64)
+    with pytest.raises(ValueError, match="vocabulary .* is not the target's"):
+        _tiny_llm.with_settings(speculation=SpeculativeConfig(speculative_model=str(draft_dir)))

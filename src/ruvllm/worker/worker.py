@@ -28,7 +28,7 @@ from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
 from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
 from ruvllm.structured.bitmask import new_matcher
-from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.speculative.ngram import NgramIndex
 from ruvllm.speculative.policy import SpeculationPolicy, step_seconds
 from ruvllm.speculative.verify import Proposal
