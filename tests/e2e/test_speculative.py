@@ -69,6 +69,10 @@ def _chat_ids(llm: LLM, text: str) -> list[int]:
     return llm.tokenizer.encode(chat, add_special_tokens=False)
 
 
+def _accepted(llm: LLM) -> int:
+    return llm.stats().spec_accepted
+
+
 def _tokens_and_logprobs(outs) -> list[tuple[list[int], list]]:
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []])
             for o in outs]
@@ -109,7 +113,9 @@ def test_seeded_sampling_with_prompt_lookup_is_the_same_sampling(default_llm: LL
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=11 + i, max_tokens=40, logprobs=1,
                              repetition_penalty=1.1 if i % 2 else 1.0, frequency_penalty=0.2 if i % 3 else 0.0,
                              stop=[" Mr."] if i == 0 else None) for i in range(len(prompts))]
+    before = _accepted(ngram_default)
     got = _generate(ngram_default, prompts, params)
+    assert _accepted(ngram_default) > before, "no proposal was accepted: the test would compare two plain runs"
     want = _generate(default_llm, prompts, params)
     assert _tokens_and_logprobs(got) == _tokens_and_logprobs(want)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
@@ -121,7 +127,9 @@ def test_with_a_draft_alone_equals_batched(draft_fp32: LLM) -> None:
     whether a request runs alone or beside others."""
     prompts = _prompts(draft_fp32, 6)
     params = [SamplingParams(temperature=1.0, seed=5 + i, max_tokens=32) for i in range(len(prompts))]
+    before = _accepted(draft_fp32)
     together = [o.outputs[0].token_ids for o in _generate(draft_fp32, prompts, params)]
+    assert _accepted(draft_fp32) > before
     alone = [_generate(draft_fp32, [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
 
@@ -148,7 +156,7 @@ def test_preemption_keeps_the_greedy_text(default_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=40)
     got = [o.outputs[0].token_ids for o in _generate(small, prompts, params)]
     assert got == [o.outputs[0].token_ids for o in _generate(default_llm, prompts, params)]
-    assert small.stats().preemptions > 0
+    assert small.stats().preemptions > 0 and small.stats().spec_accepted > 0
     _idle(small)
 
 
@@ -157,7 +165,9 @@ def test_grammar_masks_apply_to_proposals(default_llm: LLM, ngram_default: LLM) 
               {"type": "string"}}}, "required": ["name", "tags"]}
     ask = _chat_ids(default_llm, 'Give JSON like {"name": "a", "tags": ["a", "a", "a"]} for a cat.')
     params = SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutputs(json_schema=schema))
+    before = ngram_default.stats()
     got = _generate(ngram_default, [ask], params)[0].outputs[0]
+    assert ngram_default.stats().spec_proposed > before.spec_proposed, "no proposal under the grammar"
     assert got.token_ids == _generate(default_llm, [ask], params)[0].outputs[0].token_ids
     if got.finish_reason == "stop":
         json.loads(got.text)

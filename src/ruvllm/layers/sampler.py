@@ -148,14 +148,7 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         sub_reqs = [reqs[i] for i in sampled]
         probs = target_probs(logits[rows], sub_reqs)
-        # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for j, r in enumerate(sub_reqs):
-            if r.generator is not None:
-                # A seeded request's generator lives on the CPU: its draws are the same on any device.
-                row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator)
-                noise[j] = row.to(dev)
-        chosen[rows] = (probs / noise).argmax(dim=-1)
+        chosen[rows] = exponential_race(probs, sub_reqs, generator)
         if drafts is not None:
             for j, i in enumerate(sampled):
                 if drafts[i] is not None:
@@ -169,6 +162,18 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
         for i, entry in zip(rows, entries):
             logprobs[i] = entry
     return tokens, logprobs
+
+
+def exponential_race(probs: torch.Tensor, reqs: list[SamplingState], generator: torch.Generator | None
+                     ) -> torch.Tensor:
+    """One draw per row of probs [B, V]: argmax(p / E), E ~ Exp(1) (Gumbel-max in another form).
+    A seeded request's row draws its noise from its own generator, which lives on the CPU, so its
+    draws are the same on any device and whatever shares the batch."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for j, r in enumerate(reqs):
+        if r.generator is not None:
+            noise[j] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=r.generator).to(probs.device)
+    return (probs / noise).argmax(dim=-1)
 
 
 def target_probs(logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ruvllm.layers.sampler import SamplingState
+from ruvllm.layers.sampler import SamplingState, exponential_race
 from ruvllm.outputs import ScheduledSeq
 from ruvllm.speculative.verify import Proposal
 from ruvllm.structured.bitmask import apply_grammar_masks, has_grammar
@@ -59,67 +59,59 @@ class DraftProposer:
             self.computed[seq.request_id] = done + take
             if proposes:
                 ready.append((seq, state))
-        if not chunks:
-            return {}
-        hidden = self.runner._forward(chunks, None, scaling_tables=False)
         rows, end = [], 0
         for c in chunks:
             end += len(c.token_ids)
             if c.sample:
                 rows.append(end - 1)
+        if not chunks:
+            return {}
+        logits = self.runner.logits_at(chunks, rows)  # the catch-up chunks' pass, whoever proposes
         if not ready:
             return {}
-        logits = self.runner._logits(hidden, rows)
         states = [s for _, s in ready]
-        proposals = {seq.request_id: Proposal([], [] if s.params.temperature != 0 else None) for seq, s in ready}
-        live = list(range(len(ready)))
+        tokens: list[list[int]] = [[] for _ in ready]
+        qs: list[list[torch.Tensor]] = [[] for _ in ready]
         rolled = [0] * len(ready)  # proposals each matcher accepted, to roll back at the end
-        for depth in range(max(seq.num_lookahead for seq, _ in ready)):
-            tokens, probs = self._draw(logits, [states[i] for i in live])
+        live = list(range(len(ready)))
+        while live:
+            drawn, probs = self._draw(logits, [states[i] for i in live])
             for j, i in enumerate(live):
-                prop = proposals[ready[i][0].request_id]
-                prop.tokens.append(tokens[j])
-                if prop.probs is not None:
-                    prop.probs.append(probs[j])
+                tokens[i].append(drawn[j])
+                if probs is not None and states[i].params.temperature != 0:
+                    qs[i].append(probs[j])
                 m = states[i].matcher
-                if m is not None and not m.is_terminated() and m.accept_token(tokens[j]):
+                if m is not None and not m.is_terminated() and m.accept_token(drawn[j]):
                     rolled[i] += 1
-            live = [i for i in live if len(proposals[ready[i][0].request_id].tokens) < ready[i][0].num_lookahead]
-            if not live:
-                break
+            live = [i for i in live if len(tokens[i]) < ready[i][0].num_lookahead]
             step = []
-            for i in live:
+            for i in live:  # each feeds its latest proposal back, at the position after the last
                 seq = ready[i][0]
-                k = len(proposals[seq.request_id].tokens)
-                step.append(ScheduledSeq(seq.request_id, [proposals[seq.request_id].tokens[-1]],
-                                         seq.start_position + k, seq.block_table, sample=True))
-                self.computed[seq.request_id] = seq.start_position + k + 1
-            logits = self.runner._logits(self.runner._forward(step, None, scaling_tables=False), list(range(len(step))))
-        for i, (_, state) in enumerate(ready):
+                position = seq.start_position + len(tokens[i])
+                step.append(ScheduledSeq(seq.request_id, [tokens[i][-1]], position, seq.block_table, sample=True))
+                self.computed[seq.request_id] = position + 1
+            if step:
+                logits = self.runner.logits_at(step, list(range(len(step))))
+        for i, state in enumerate(states):
             if rolled[i] and state.matcher is not None:
                 state.matcher.rollback(rolled[i])
-        for prop in proposals.values():
-            if prop.probs is not None:
-                prop.probs = torch.stack(prop.probs)
-        return proposals
+        return {seq.request_id: Proposal(tokens[i], torch.stack(qs[i]) if qs[i] else None)
+                for i, (seq, _) in enumerate(ready)}
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], torch.Tensor | None]:
         """The draft's next token per row: argmax for greedy requests, else drawn from q, the draft's
-        distribution at the request's temperature (under its grammar's mask, when it has one)."""
+        distribution at the request's temperature (under its grammar's mask, when it has one).
+        Returns the tokens and q for every row (None when no row samples; greedy rows' q unused)."""
         logits = logits.float()
         if has_grammar(states):
             logits = logits.clone()
             apply_grammar_masks(logits, states)
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(states)
-        for j, s in enumerate(states):
-            t = s.params.temperature
-            if t == 0:
-                continue
-            q = (logits[j] / t).softmax(dim=-1)
-            gen = s.generator or self.generator
-            noise = torch.empty(q.shape, dtype=q.dtype, device=gen.device).exponential_(generator=gen).to(q.device)
-            tokens[j] = int((q / noise).argmax())
-            probs[j] = q
-        return tokens, probs
-
+        chosen = logits.argmax(dim=-1)
+        sampled = [j for j, s in enumerate(states) if s.params.temperature != 0]
+        if not sampled:
+            return chosen.tolist(), None
+        temps = torch.tensor([max(s.params.temperature, 1e-6) for s in states], device=logits.device)
+        probs = (logits / temps.unsqueeze(1)).softmax(dim=-1)
+        index = torch.tensor(sampled, device=logits.device)
+        chosen[index] = exponential_race(probs[index], [states[j] for j in sampled], self.generator)
+        return chosen.tolist(), probs

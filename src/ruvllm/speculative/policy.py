@@ -88,8 +88,7 @@ def step_seconds(runner, rows: int, repeats: int = 5) -> float:  # noqa: ANN001 
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
         start = time.perf_counter()
-        with torch.inference_mode():
-            runner._logits(runner.forward(so), list(range(rows)))  # every row's logits, as verification needs
+        runner.logits_at(so.seqs, list(range(rows)))  # every row's logits, as verification needs
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         best = min(best, time.perf_counter() - start)

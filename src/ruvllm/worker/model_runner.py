@@ -248,6 +248,12 @@ class ModelRunner:
                 counts.append(n)
         return rows, ids, counts
 
+    @torch.inference_mode()
+    def logits_at(self, seqs: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:
+        """Float32 logits of the given rows of one plain forward pass over `seqs` (no adapters): the
+        draft model's passes, and the cost measurement of verification rows."""
+        return self._logits(self._forward(seqs, None, scaling_tables=False), rows)
+
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if len(rows) == hidden.shape[0]:  # every row samples (decodes): no gather
             return self.model.compute_logits(hidden).float()
