@@ -13,7 +13,9 @@ Configurations, each against its own target alone:
 - draft: the default model's file dense in fp32 (quantization none) as the target, the same file
   at its packed 4-bit precision as the draft (the best same-tokenizer pair available offline).
 
-Decode speed is tokens after the first over the time after the first token, summed over the task's
+First, what verification costs here: one forward pass with every row's logits over 1 + k rows
+(k proposals), against one row (`speculative.policy.step_seconds`, what the adaptive count measures
+at load). Then: decode speed is tokens after the first over the time after the first token, summed over the task's
 requests; ratios are against the same target without speculation. The greedy texts must be equal
 (counted), and the acceptance rate and tokens per verification are the core's counters.
 
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--ngram-min", type=int, default=None)
     ap.add_argument("--ngram-max", type=int, default=None)
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--costs-only", action="store_true", help="the verification cost table only")
     args = ap.parse_args()
 
     from ruvllm import LLM
@@ -109,6 +112,18 @@ def main() -> None:
     draft = SpeculativeConfig(speculative_model=str(default_model_path()), speculative_quantization="auto",
                               num_speculative_tokens=args.k)
     default = LLM()
+    from ruvllm.speculative.policy import step_seconds
+
+    costs = Table(title="verification cost: one pass with every row's logits (default model, fastest of 5)")
+    for col in ("proposals", "ms", "x one row"):
+        costs.add_column(col, justify="right")
+    one = step_seconds(default.core.executor.runner, 1, repeats=5)
+    for k in (0, 1, 2, 4, 8):
+        t = step_seconds(default.core.executor.runner, 1 + k, repeats=5)
+        costs.add_row(str(k), f"{t * 1000:.1f}", f"{t / one:.2f}")
+    Console().print(costs)
+    if args.costs_only:
+        return
     pairs = [("ngram", default, default.with_settings(speculation=ngram))]
     if not args.skip_draft:
         dense = LLM(quantization="none", dtype="float32")

@@ -46,7 +46,7 @@ def ngram_default(_default_llm: LLM):
 @pytest.fixture(scope="module")
 def draft_fp32(_shared_llm: LLM):
     """The fp32 dense model, drafted for by the same file at its packed 4-bit precision: the best
-    same-tokenizer pair there is offline (docs/speculative.md); about 1 proposal in 15 is rejected."""
+    same-tokenizer pair there is offline (docs/speculative.md); 4-8% of its proposals were rejected in the benchmark (docs/benchmarks.md)."""
     spec = _shared_llm.with_settings(speculation=SpeculativeConfig(
         speculative_model=str(default_model_path()), speculative_quantization="auto", num_speculative_tokens=4))
     yield spec
