@@ -91,8 +91,6 @@ class SamplingParams:
             if not isinstance(tid, int) or tid < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {tid!r}")
         if self.structured is not None:
-            if isinstance(self.structured, dict):
-                self.structured = StructuredOutputs(**self.structured)
             if not isinstance(self.structured, StructuredOutputs):
                 raise bad("structured", f"must be StructuredOutputs, got {type(self.structured).__name__}")
             # the grammar ends its output with an end-of-sequence token: these would forbid that token

@@ -101,8 +101,11 @@ def register(app: typer.Typer) -> None:
         check_device_name(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
         check_port_free(host, port)  # before seconds of loading, not after
         keys = read_api_keys(api_keys) if api_keys else ()  # a bad file fails before the model loads
-        if tool_parser and tool_parser not in ("hermes", "llama3_json"):
-            raise fail(f"--tool-parser {tool_parser}: one of hermes, llama3_json")
+        if tool_parser:
+            from ruvllm.tools.parsers import PARSERS  # the table the server reads
+
+            if tool_parser not in PARSERS:
+                raise fail(f"--tool-parser {tool_parser}: one of {', '.join(PARSERS)}")
         if deep_every and not (learn and deep_heldout):
             raise fail("--deep-every needs --learn and --deep-heldout FILE")
         for flag, value in (("--deep-heldout", deep_heldout), ("--deep-general", deep_general),

@@ -89,10 +89,7 @@ def train_and_check(layers: LearnedLayers, examples: list[tuple[list[int], list[
                                                    targets=config.targets, lr=config.lr, context="full",
                                                    candidates=config.candidates, ewc_lambda=config.ewc_lambda,
                                                    seed=config.seed))
-    state: TenantState = instant.new_tenant(seed=config.seed)
-    if start is not None:
-        state.lora.load_peft_tensors(start.peft_tensors())
-        state.anchor = state.lora.base_point()  # EWC++ against the base, not against where it starts
+    state: TenantState = instant.new_tenant(config.seed, None if start is None else start.peft_tensors())
     prepared = [instant.prepare(p, t, "full") for p, t in examples]
     rehearsal = [instant.prepare(general[i:i + 32], general[i + 32:i + 128], "full")
                  for i in range(0, len(general) - 127, 128)][:config.rehearsal] if general else []

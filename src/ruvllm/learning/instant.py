@@ -66,9 +66,14 @@ class InstantLearner:
         self.config = config
         self._gen = torch.Generator().manual_seed(config.seed)
 
-    def new_tenant(self, seed: int) -> TenantState:
+    def new_tenant(self, seed: int, tensors: dict[str, torch.Tensor] | None = None) -> TenantState:
+        """A tenant's learning state: a fresh micro-LoRA, or one starting from PEFT `tensors` (a
+        served version). Either way EWC++ pulls toward the base point (B = 0), never toward where it
+        starts. Raises KeyError/RuntimeError when the tensors do not fit its layers, targets or rank."""
         c = self.config
         lora = MicroLora.create(self.layers.cfg, self.layers.layers, c.targets, c.rank, c.alpha, seed)
+        if tensors is not None:
+            lora.load_peft_tensors(tensors)
         return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr), lora.base_point())
 
     def prepare(self, prompt: list[int], target: list[int], context_mode: str | None = None) -> Prepared:
@@ -115,18 +120,20 @@ class InstantLearner:
         state.steps += 1
         return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()))
 
-    def consolidate(self, state: TenantState) -> float:
+    def consolidate(self, state: TenantState, steps: int = 1) -> float:
         """EWC++'s pull toward theta*: the proximal step of the penalty lambda * sum F (theta - theta*)^2
         at the learning rate, theta <- theta* + (theta - theta*) / (1 + 2 lr lambda F), in closed form
         (the instant steps descend the feedback loss alone; this splits the penalty off them, as a
-        proximal gradient method does). Returns the mean fraction of the distance from theta* kept."""
+        proximal gradient method does), once for each of the `steps` instant steps it follows, so the
+        pull does not depend on how many arrived between two passes. Returns the mean fraction of the
+        distance from theta* kept."""
         if state.fisher is None or self.config.ewc_lambda <= 0:
             return 1.0
         c = self.config
         kept = []
         with torch.no_grad():
             for f, p, a in zip(state.fisher, state.lora.parameters(), state.anchor):
-                factor = 1.0 / (1.0 + 2.0 * c.lr * c.ewc_lambda * f)
+                factor = (1.0 + 2.0 * c.lr * c.ewc_lambda * f) ** -steps
                 p.copy_(a + (p - a) * factor)
                 kept.append(factor.mean())
         return float(torch.stack(kept).mean())

@@ -167,10 +167,9 @@ class Learner:
             self.host.load_lora(_name(tenant, version), row.path)
             loaded.append(version)
         self._versions[tenant] = version
-        state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
         try:
-            state.lora.load_peft_tensors(load_file(str(Path(row.path) / "adapter_model.safetensors")))
-            state.anchor = state.lora.base_point()
+            self._tenants[tenant] = self.instant.new_tenant(
+                _seed(tenant), load_file(str(Path(row.path) / "adapter_model.safetensors")))
         except (KeyError, RuntimeError, OSError):
             # made with other learned layers, targets or rank: served as it is, learning starts afresh
             self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
@@ -219,8 +218,7 @@ class Learner:
             state = self._tenants.get(tenant)
             if state is None:
                 state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
-            if correction is None or score > 0:
-                state.taught.append(completion_id)
+            state.taught.append(completion_id)
             timing = self.instant.step(state, prep, score)
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
@@ -254,7 +252,7 @@ class Learner:
                     state.since_fisher = 0
                 if state.fisher is None:
                     continue
-                kept = self.instant.consolidate(state)
+                kept = self.instant.consolidate(state, events)
                 published[tenant] = self._publish(tenant, state.lora, "background", {
                     "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
         return published
@@ -263,7 +261,7 @@ class Learner:
         """EWC++'s Fisher from the tenant's own recent completions, none it gave feedback on (another
         tenant's text never shapes it); none yet: no Fisher. Returns the seconds it took."""
         samples = []
-        for done in self.store.recent(tenant, self.config.instant.fisher_samples, state.taught):
+        for done in self.store.recent(tenant, self.config.instant.fisher_samples, set(state.taught)):
             key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
             prep = self._prepared.get(key)
             if prep is None:
@@ -289,9 +287,7 @@ class Learner:
         self._loaded.setdefault(tenant, []).append(n)
         self.policy.publish(tenant, n, folder, source, checks)
         if source == "deep":  # the tenant's instant updates continue from the promoted weights
-            state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
-            state.lora.load_peft_tensors(lora.peft_tensors())
-            state.anchor = state.lora.base_point()
+            self._tenants[tenant] = self.instant.new_tenant(_seed(tenant), lora.peft_tensors())
         self._versions[tenant] = n
         self._trim(tenant, keep=2)
         self._prune(tenant)
