@@ -189,6 +189,27 @@ def test_consolidation_holds_the_micro_lora_near_where_it_started(base: Path, tm
     assert moved[1e6] < 0.5 * moved[0.0]
 
 
+def test_the_fisher_is_drawn_without_the_learner_lock(base: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The background pass's forward and backward passes (the Fisher) never hold the lock a feedback
+    request takes: a spy around the real draw records whether the lock was held."""
+    llm = learning_llm(base, tmp_path, ewc_lambda=1e6, fisher_every=1)
+    learner = llm.learner
+    llm.generate([[11, 12, 13, 14, 15, 16]], GREEDY, tenant="acme")  # everyday traffic: the Fisher's text
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+    held = []
+    draw = learner.instant.fisher_sample
+
+    def spy(lora, samples):  # noqa: ANN001, ANN202
+        held.append(learner._lock.locked())
+        return draw(lora, samples)
+
+    monkeypatch.setattr(learner.instant, "fisher_sample", spy)
+    assert "acme" in learner.consolidate()
+    assert held == [False]
+    assert learner._tenants["acme"].fisher is not None
+
+
 def test_old_versions_are_pruned(base: Path, tmp_path: Path) -> None:
     """Beyond `keep_versions`, the oldest folders and rows go; the serving version, those loaded and
     deep promotions stay; a rollback to a pruned version is refused by name."""

@@ -94,7 +94,7 @@ def train_and_check(layers: LearnedLayers, examples: list[tuple[list[int], list[
     rehearsal = [instant.prepare(general[i:i + 32], general[i + 32:i + 128], "full")
                  for i in range(0, len(general) - 127, 128)][:config.rehearsal] if general else []
     if config.ewc_lambda > 0 and rehearsal:
-        instant.update_fisher(state, rehearsal)
+        instant.fold_fisher(state, instant.fisher_sample(state.lora, rehearsal))
     prepared += rehearsal
     rng = random.Random(config.seed)
     steps = 0

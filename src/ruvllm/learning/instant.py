@@ -138,24 +138,26 @@ class InstantLearner:
                 kept.append(factor.mean())
         return float(torch.stack(kept).mean())
 
-    def update_fisher(self, state: TenantState, samples: list[Prepared]) -> float:
-        """EWC++'s online Fisher: squared gradients of the LM loss on `samples` (prepared full-context
-        prompt + output pairs) at the current weights, folded in with weight 1 - gamma. Returns the
-        seconds it took."""
-        t = time.perf_counter()
-        params = state.lora.parameters()
+    def fisher_sample(self, lora: MicroLora, samples: list[Prepared]) -> list[torch.Tensor]:
+        """Squared gradients of the LM loss on `samples` (prepared full-context prompt + output pairs)
+        at `lora`'s weights, averaged: one draw of EWC++'s diagonal Fisher (fold it in with
+        fold_fisher)."""
+        params = lora.parameters()
         sq = [torch.zeros_like(p) for p in params]
         for prep in samples:
             # (samples come from prepare(..., context_mode="full"))
-            out = self.layers.forward(prep.h, torch.arange(prep.prompt_len + len(prep.target)), state.lora)
+            out = self.layers.forward(prep.h, torch.arange(prep.prompt_len + len(prep.target)), lora)
             logits, index = self._logits(out[prep.prompt_len - 1:-1], torch.tensor(prep.target))
             grads = torch.autograd.grad(F.cross_entropy(logits, index), params, allow_unused=True)
             for s, g in zip(sq, grads):
                 if g is not None:
                     s += g.detach() ** 2 / len(samples)
+        return sq
+
+    def fold_fisher(self, state: TenantState, sq: list[torch.Tensor]) -> None:
+        """EWC++'s online Fisher: a new draw folded in with weight 1 - gamma."""
         gamma = self.config.fisher_gamma
         state.fisher = sq if state.fisher is None else [gamma * f + (1 - gamma) * s for f, s in zip(state.fisher, sq)]
-        return time.perf_counter() - t
 
     def _logits(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over the candidates and each label's index among them."""

@@ -235,21 +235,46 @@ class Learner:
     def consolidate(self) -> dict[str, str]:
         """Consolidate each tenant's instant updates since the last call under EWC++: refresh its
         Fisher when `fisher_every` events have passed (or it has none yet), pull its micro-LoRA
-        toward where it started, and serve the result as a new version. Returns {tenant: version}
-        for those published (a tenant without completions of its own has no Fisher yet: unchanged)."""
+        toward the base once per instant step, and serve the result as a new version. Returns
+        {tenant: version} for those published (a tenant without completions of its own has no
+        Fisher yet: unchanged).
+
+        The Fisher's forward and backward passes (and preparing its completions, 1.5 s the first
+        time) run without the learner's lock, on a copy of the micro-LoRA taken under it, so a
+        feedback request never waits for them; only the pull and the publish hold the lock."""
         c = self.config.instant
-        published = {}
+        if c.ewc_lambda <= 0:
+            with self._lock:
+                self._pending = {}
+            return {}
         with self._lock:
             pending, self._pending = self._pending, {}
+            jobs = []  # (tenant, its state, events, a copy to draw the Fisher at, or None, what it taught)
             for tenant, events in pending.items():
                 state = self._tenants.get(tenant)
-                if state is None or c.ewc_lambda <= 0:
+                if state is None:
                     continue
                 state.since_fisher += events
-                fisher_s = 0.0
-                if state.fisher is None or state.since_fisher >= c.fisher_every:
-                    fisher_s = self._refresh_fisher(tenant, state)
+                refresh = state.fisher is None or state.since_fisher >= c.fisher_every
+                if refresh:
                     state.since_fisher = 0
+                copy = self.instant.new_tenant(_seed(tenant), state.lora.peft_tensors()).lora if refresh else None
+                jobs.append((tenant, state, events, copy, set(state.taught)))
+        draws = {}
+        for tenant, _, _, copy, taught in jobs:
+            if copy is not None:
+                t = time.perf_counter()
+                samples = self._fisher_samples(tenant, taught)
+                if samples:
+                    draws[tenant] = (self.instant.fisher_sample(copy, samples), time.perf_counter() - t)
+        published = {}
+        with self._lock:
+            for tenant, state, events, _, _ in jobs:
+                if self._tenants.get(tenant) is not state:  # switched (a rollback, a reset) meanwhile
+                    continue
+                sq, fisher_s = draws.get(tenant, (None, 0.0))
+                if sq is not None:
+                    self.instant.fold_fisher(state, sq)
                 if state.fisher is None:
                     continue
                 kept = self.instant.consolidate(state, events)
@@ -257,17 +282,20 @@ class Learner:
                     "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
         return published
 
-    def _refresh_fisher(self, tenant: str, state: TenantState) -> float:
-        """EWC++'s Fisher from the tenant's own recent completions, none it gave feedback on (another
-        tenant's text never shapes it); none yet: no Fisher. Returns the seconds it took."""
+    def _fisher_samples(self, tenant: str, taught: set[str]) -> list[Prepared]:
+        """The tenant's own recent completions, none it gave feedback on (another tenant's text never
+        shapes its Fisher), prepared; the shared cache is only touched under the lock."""
         samples = []
-        for done in self.store.recent(tenant, self.config.instant.fisher_samples, set(state.taught)):
+        for done in self.store.recent(tenant, self.config.instant.fisher_samples, taught):
             key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
-            prep = self._prepared.get(key)
+            with self._lock:
+                prep = self._prepared.get(key)
             if prep is None:
-                prep = self._prepared[key] = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
+                prep = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
+                with self._lock:
+                    self._prepared[key] = prep
             samples.append(prep)
-        return self.instant.update_fisher(state, samples) if samples else 0.0
+        return samples
 
     def _publish(self, tenant: str, lora: MicroLora, source: str, checks: dict) -> str:
         """Write the tenant's next version and serve it; unload the one it replaces."""
