@@ -86,7 +86,7 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(default_llm: LLM) -
                         (StructuredOutputs(grammar="root ::= missing"), "grammar cannot be compiled")):
         with pytest.raises(RequestError, match=words) as err:
             default_llm.generate([ask], SamplingParams(max_tokens=4, structured=spec))
-        assert err.value.param == "response_format"
+        assert err.value.param == "structured"  # the SamplingParams field; the server names its own
 
 
 def test_a_compiling_grammar_holds_no_other_request(default_llm: LLM) -> None:

@@ -55,9 +55,11 @@ def test_bad_formats_are_400_naming_the_field(server: RunningServer) -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
          "json_schema.schema"),
         ({"response_format": {"type": "yaml"}}, "response_format", "not one of"),
-        ({"guided_regex": "([0-9]"}, "response_format", "regex cannot be compiled"),
+        ({"guided_regex": "([0-9]"}, "guided_regex", "regex cannot be compiled"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar", "cannot be compiled"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "give one"),
+        ({"response_format": FORMAT, "guided_json": SCHEMA}, "guided_json", "give one"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "structured outputs"),
     ]
     for extra, param, words in cases:

@@ -115,7 +115,9 @@ def test_malformed_tools_are_400_by_name(server: RunningServer) -> None:
              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
              ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
              ({"tool_choice": "required"}, "tool_choice"),
-             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice")]
+             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
+               "tool_choice": "required"}, "tools")]
     for extra, param in cases:
         r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                        json={"model": MODEL, "messages": ASK, "max_tokens": 5, **extra})

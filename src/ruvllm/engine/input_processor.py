@@ -45,7 +45,7 @@ def check_request(ids: list[int], params: SamplingParams, info: EngineInfo) -> N
         try:  # the syntax, here: the core compiles it against the vocabulary beside its loop
             params.structured.check()
         except ValueError as exc:
-            raise RequestError(str(exc), "response_format") from None
+            raise RequestError(str(exc), "structured") from None
 
 
 def child_ids(request_id: str, n: int) -> list[str]:

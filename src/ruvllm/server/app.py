@@ -335,6 +335,11 @@ def _params(body: _Sampling, max_tokens: int, logprobs: int | None, prompt_logpr
         if structured is not None:
             raise APIError(400, "a required or named tool call and a response format both constrain the output: "
                                 "give one", "tool_choice")
+        try:  # the syntax, here where the field is known (as body.structured() checks its own)
+            tool_constraint.check()
+        except ValueError as exc:
+            raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools",
+                           "invalid_value") from None
         structured = tool_constraint
     try:
         return SamplingParams(

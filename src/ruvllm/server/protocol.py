@@ -94,37 +94,35 @@ class _Sampling(_Body):
     def structured(self) -> StructuredOutputs | None:
         """The request's output constraint, if it sets one (at most one); a 400 naming the field
         when it is malformed."""
-        given: dict[str, Any] = {}
+        given: list[tuple[str, str, Any]] = []  # (field, kind, value)
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type")
             if kind == "json_object":
-                given["json_object"] = ("response_format", True)
+                given.append(("response_format", "json_object", True))
             elif kind == "json_schema":
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
                     raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON "
                                         "schema object", "response_format")
-                given["json_schema"] = ("response_format", spec["schema"])
+                given.append(("response_format", "json_schema", spec["schema"]))
             elif kind not in (None, "text"):
                 raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
                                "response_format")
         for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-            value = getattr(self, name)
-            if value is not None:
-                if kind in given:
-                    raise APIError(400, f"{name} and {given[kind][0]} both constrain the output: give one",
-                                   name)
-                given[kind] = (name, value)
+            if getattr(self, name) is not None:
+                given.append((name, kind, getattr(self, name)))
         if not given:
             return None
         if len(given) > 1:
-            names = [field for field, _ in given.values()]
+            names = [field for field, _, _ in given]
             raise APIError(400, f"{' and '.join(names)} both constrain the output: give one", names[-1])
-        (kind, (field, value)), = given.items()
+        (field, kind, value), = given
         try:
-            return StructuredOutputs(**{kind: value})
+            spec = StructuredOutputs(**{kind: value})
+            spec.check()  # the syntax, here where the field is known (the engine checks it again offline)
+            return spec
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
 

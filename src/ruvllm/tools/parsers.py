@@ -25,10 +25,11 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
 
-def _call(obj: Any, args_key: str = "arguments") -> ToolCall | None:
+def _call(obj: Any) -> ToolCall | None:
+    """A call from {"name", "arguments"} (Hermes, OpenAI) or {"name", "parameters"} (Llama 3)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -88,7 +89,7 @@ class Llama3JsonParser:
                 obj, end = decoder.raw_decode(body, i)
             except json.JSONDecodeError:
                 return text, []
-            call = _call(obj, "parameters")
+            call = _call(obj)
             if call is None:
                 return text, []
             calls.append(call)
