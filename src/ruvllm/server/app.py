@@ -64,6 +64,9 @@ class _State:
     deep: DeepTrigger | None = None
     updates: ThreadPoolExecutor | None = None  # the learner's update thread (one update at a time)
     updates_waiting: int = 0  # feedback requests in it or queued for it (the event loop alone counts)
+    # Read off the chat template once: whether it renders tools itself, and how calls are read back
+    native_tools: bool = False
+    tool_parser: ToolReader | None = None
 
     @property
     def max_len(self) -> int:
@@ -86,6 +89,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     app = FastAPI(title="ruvllm", lifespan=lifespan)
     st = _State(engine, cfg, ServerMetrics(lambda: engine.snapshot, cfg.served_model_name),
                 Admission(engine.info.max_num_seqs + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
+    template = cfg.chat_template or getattr(engine.tokenizer, "chat_template", None)
+    st.native_tools = template_knows_tools(template)
+    st.tool_parser = parser_for(template, cfg.tool_parser)  # stateless: one serves every request
     if cfg.witness_log:
         st.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
     if cfg.learning is not None:
@@ -107,12 +113,14 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         # the chat page holds no data: it asks for the key and sends it with its API calls
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key))
 
+    from importlib.resources import files
+
+    page = files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8")
+
     @app.get("/", include_in_schema=False)
     async def chat_page() -> Response:
-        """The chat page (docs/chat-page.md): one static file shipped in the package."""
-        from importlib.resources import files
-
-        return HTMLResponse(files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8"))
+        """The chat page (docs/chat-page.md): one static file shipped in the package, read once."""
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health() -> Response:
@@ -228,7 +236,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
                          tool_constraint=None if tools is None else tools.constraint())
         reader = None
         if tools is not None and tools.active:
-            reader = JsonCallParser() if tools.constrained else parser_for(_template_source(st), cfg.tool_parser)
+            reader = JsonCallParser() if tools.constrained else st.tool_parser
         return await _serve(st, request, body, [prompt], [params], chat=True, top_n=top_n, lora=lora,
                             tool_reader=reader)
 
@@ -301,10 +309,6 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return list(out) if not isinstance(out, str) else out
 
 
-def _template_source(st: _State) -> str | None:
-    return st.cfg.chat_template or getattr(st.engine.tokenizer, "chat_template", None)
-
-
 async def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool,
                     template: str | None = None, tools: ToolUse | None = None) -> list[int]:
     msgs = []
@@ -315,7 +319,7 @@ async def _chat_ids(st: _State, messages: list[Any], add_generation_prompt: bool
             if extra.get(key):
                 msg[key] = extra[key]
         msgs.append(msg)
-    native = template_knows_tools(_template_source(st))
+    native = st.native_tools
     try:
         msgs = prepare_messages(msgs, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
