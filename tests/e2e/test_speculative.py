@@ -122,6 +122,19 @@ def test_seeded_sampling_with_prompt_lookup_is_the_same_sampling(default_llm: LL
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
 
 
+def test_n_completions_speculate_each(default_llm: LLM, ngram_default: LLM) -> None:
+    """n > 1 is n sequences with their own seeds: each speculates, and gets what it gets without."""
+    passage = novel_prompts(1, words=60)[0]
+    prompt = _chat_ids(default_llm, f"Rewrite this passage from the novel, keeping its words:\n\n{passage}")
+    prompt += default_llm.tokenizer.encode(" ".join(passage.split()[:8]), add_special_tokens=False)  # the reply begun
+    params = SamplingParams(n=3, temperature=0.3, seed=3, max_tokens=48)
+    before = _accepted(ngram_default)
+    got = _generate(ngram_default, [prompt], params)[0]
+    assert _accepted(ngram_default) > before
+    want = _generate(default_llm, [prompt], params)[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+
+
 def test_with_a_draft_alone_equals_batched(draft_fp32: LLM) -> None:
     """Seeded sampling through the draft's own distribution (Leviathan's test): the same tokens
     whether a request runs alone or beside others."""

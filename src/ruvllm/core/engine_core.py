@@ -249,11 +249,10 @@ class SpecStats:
     verifications: int = 0
 
     def count(self, ro: ModelRunnerOutput) -> None:
-        for rid, n in ro.num_proposed.items():
-            if n:
-                self.proposed += n
-                self.accepted += len(ro.sampled[rid]) - 1
-                self.verifications += 1
+        for rid, n in ro.num_proposed.items():  # only sequences that had a proposal scored
+            self.proposed += n
+            self.accepted += len(ro.sampled[rid]) - 1
+            self.verifications += 1
 
 
 def _salt(cr: CoreRequest, adapter_load: int | None) -> object:
