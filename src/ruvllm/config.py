@@ -6,12 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, independent of the file format it came from."""
+    """Shape of a decoder (the Llama family, Gemma 3), independent of the file format it came from."""
 
     architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
@@ -30,6 +30,17 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", ...}
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3: which layers attend through a sliding window of `sliding_window` keys (a query at p
+    # sees keys p - sliding_window + 1 .. p), and their own RoPE base; empty: every layer is global.
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (None: head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:

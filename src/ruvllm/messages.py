@@ -68,6 +68,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_num_seqs: int
     max_num_batched_tokens: int
     max_loras: int = 0  # LoRA adapter slots (0: adapters are not enabled)
+    # Per KV group (kv_groups.py), the keys its queries see (None: the whole context). One group
+    # for most models; a block holds one block of tokens for every layer of one group.
+    kv_windows: tuple[int | None, ...] = (None,)
 
     @property
     def num_blocks(self) -> int:

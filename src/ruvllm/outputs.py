@@ -15,7 +15,7 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # tokens whose KV this step computes
     start_position: int  # position of token_ids[0]
-    block_table: list[int]
+    block_table: list[int]  # of KV group 0 (kv_groups.py: the full-attention layers)
     sample: bool  # the chunk ends at the request's last token: sample its next one
     # (first row, prompt tokens): rows from `first row` on predict these tokens, whose logprobs are
     # wanted (echo scoring). None when the request does not ask for prompt logprobs.
@@ -26,6 +26,8 @@ class ScheduledSeq:
     # Speculative decoding: a decoding sequence may have up to this many proposed tokens scored
     # after its token in this step (its blocks have room for them); the worker's proposer fills them.
     num_lookahead: int = 0
+    # The block tables of KV groups 1.. (a model with sliding-window layers; empty for one group)
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

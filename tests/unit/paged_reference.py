@@ -30,12 +30,13 @@ def random_step(dtype: torch.dtype, hq: int, hkv: int, dim: int = 64, seed: int 
     return q, k_cache, v_cache, tables_t, torch.tensor(row_seq), torch.tensor(row_ctx)
 
 
-def reference_attention(q, k_cache, v_cache, tables, row_seq, row_ctx, scale):
+def reference_attention(q, k_cache, v_cache, tables, row_seq, row_ctx, scale, window=0):
+    """Row by row in float64; with `window`, a row sees only its last `window` keys."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for r in range(q.shape[0]):
         ctx = int(row_ctx[r])
-        pos = torch.arange(ctx)
+        pos = torch.arange(max(0, ctx - window) if window else 0, ctx)
         slots = tables[row_seq[r]][pos // BLOCK] * BLOCK + pos % BLOCK
         k = k_cache[slots.cpu()].double().cpu().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         v = v_cache[slots.cpu()].double().cpu().repeat_interleave(group, dim=1)

@@ -17,7 +17,8 @@ class AttentionBackend(Protocol):
         block_size: int,
         device: torch.device | str,
         tier: KVTier | None = None,  # a two-tier (quantized) KV cache; backends without it refuse one
-    ) -> AttentionMetadata:  # built once per step, shared by all layers
+        window: int = 0,  # sliding-window layers: keys a query sees, itself included (0: all)
+    ) -> AttentionMetadata:  # built once per step and KV group, shared by the group's layers
         ...
 
     def forward(

@@ -61,6 +61,12 @@ class AttentionMetadata:
     # A quantized KV cache: which block ids are cold and which keys each query reads dequantized.
     tier: KVTier | None = None
     decode_cold: ColdGather | None = None  # the decodes' block tables through the cold tier
+    # Sliding-window layers: a query at p sees keys p - window + 1 .. p (0: all of its context).
+    # Blocks wholly before a query's window may be placeholders: they are never read.
+    window: int = 0
+    # A model with several KV groups (kv_groups.py): each group's metadata, this one first; a
+    # layer reads its group's. None: one group, this metadata.
+    by_group: list[AttentionMetadata] | None = None
 
 
 def cold_gather(table: list[list[int]], ctx_lens: list[int], block_size: int, tier: KVTier,
@@ -108,8 +114,10 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     tier: KVTier | None = None,
+    window: int = 0,
 ) -> AttentionMetadata:
-    """Slot mapping and per-sequence key gathers for a flat batch laid out in the order of `seqs`."""
+    """Slot mapping and per-sequence key gathers for a flat batch laid out in the order of `seqs`;
+    with `window`, the masks hide keys before each query's window."""
     slot_chunks: list[torch.Tensor] = []
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
@@ -128,11 +136,14 @@ def build_attention_metadata(
             prefills.append(_tiered_prefill(row, num_q, ctx_len, block_table[: (ctx_len + block_size - 1) // block_size],
                                             block_size, tier, device))
         else:
-            if ctx_len == num_q:
+            if ctx_len == num_q and not (window and window < ctx_len):
                 mask = None  # plain causal attention over the chunk itself
             else:
                 q_pos = torch.arange(ctx_len - num_q, ctx_len).unsqueeze(1)
-                mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos
+                key = torch.arange(ctx_len).unsqueeze(0)
+                mask = key <= q_pos
+                if window:
+                    mask &= key > q_pos - window
                 mask = mask.to(device)
             prefills.append(PrefillSeq(row, row + num_q, slots.to(device), mask))
         row += num_q
@@ -142,7 +153,10 @@ def build_attention_metadata(
         max_blocks = max(len(t) for t in decode_tables)
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
+        key = torch.arange(max_blocks * block_size).unsqueeze(0)
+        mask = key < lens.unsqueeze(1)
+        if window:
+            mask &= key >= lens.unsqueeze(1) - window
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
@@ -152,8 +166,9 @@ def build_attention_metadata(
             block_size=block_size,
             tier=tier,
             decode_cold=None if tier is None else cold_gather(tables.tolist(), decode_lens, block_size, tier, device),
+            window=window,
         )
-    return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size, tier=tier)
+    return AttentionMetadata(slot_mapping, None, None, None, prefills, block_size, tier=tier, window=window)
 
 
 def build_paged_kernel_metadata(
@@ -161,6 +176,7 @@ def build_paged_kernel_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     tile_tokens: int = 0,
+    window: int = 0,
 ) -> AttentionMetadata:
     """What a kernel reading the cache in place needs: slots to write, and per query row its
     sequence and context length. No per-step gathers or masks are built. With `tile_tokens`, also
@@ -188,6 +204,7 @@ def build_paged_kernel_metadata(
         block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
         row_seq=tensor(row_seq),
         row_ctx=tensor(row_ctx),
+        window=window,
     )
     if tile_tokens:
         meta.tile_seq, meta.tile_start, meta.tile_len = (tensor([t[j] for t in tiles]) for j in range(3))

@@ -29,13 +29,13 @@ class TorchPagedAttention:
         self.cold_kernels = cold_kernels if kernel is not None else None
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
-                       device: torch.device | str, tier: KVTier | None = None) -> AttentionMetadata:
+                       device: torch.device | str, tier: KVTier | None = None, window: int = 0) -> AttentionMetadata:
         """The step's metadata in the form this backend reads (the kernel needs no gathers or masks)."""
         if self.kernel is not None:
-            meta = build_paged_kernel_metadata(seqs, block_size, device)
+            meta = build_paged_kernel_metadata(seqs, block_size, device, window=window)
             meta.tier = tier
             return meta
-        return build_attention_metadata(seqs, block_size, device, tier)
+        return build_attention_metadata(seqs, block_size, device, tier, window)
 
     def quantize_blocks(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, codes: torch.Tensor,
                         meta: torch.Tensor, dst_slots: torch.Tensor, bits: int) -> None:
@@ -64,7 +64,7 @@ class TorchPagedAttention:
                     meta.block_tables, meta.row_seq, meta.row_ctx, meta.block_size, scale,
                     tier.num_hot_blocks, tier.hot_tokens, tier.bits)
             return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.row_seq, meta.row_ctx,
-                               meta.block_size, scale)
+                               meta.block_size, scale, meta.window)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         bs = meta.block_size

@@ -7,8 +7,9 @@ import whether kernels are compiled or interpreted (TRITON_INTERPRET).
 One program takes a tile of consecutive query tokens of one sequence and one KV head; its rows are
 (token, query head of that KV head's group) pairs, so the query heads sharing a KV head share each
 key/value load and the scores are a matrix product on the tensor cores, for decodes as for prompts.
-Every row walks its keys in the same fixed-size steps from key 0, and a step past a row's last key
-leaves its running max, sum and output exactly unchanged: a row's result never depends on which
+Every row walks its keys in the same fixed-size steps from key 0 (a sliding-window layer starts at
+the step holding the tile's first visible key), and a step past a row's last key, or wholly before
+its window, leaves its running max, sum and output exactly unchanged: a row's result never depends on which
 other rows, tokens or sequences shared its tile or its step (batch invariance by construction).
 """
 
@@ -22,7 +23,7 @@ import triton.language as tl
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, row_ctx_ptr, tile_seq_ptr, tile_start_ptr, tile_len_ptr,
-    scale,
+    scale, window,  # window > 0: a row sees only its last `window` keys (a sliding-window layer)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
@@ -48,6 +49,9 @@ def paged_attention_kernel(
     # Keys a row may see: its position + 1. Padding rows see key 0 only, so no row is ever all -inf.
     ctx = tl.load(row_ctx_ptr + flat, mask=row_ok, other=1)
     ctx_max = tl.load(row_ctx_ptr + first + count - 1)
+    lo = tl.where(window > 0, ctx - window, 0)  # a row's first visible key (may be < 0)
+    ctx_min = tl.load(row_ctx_ptr + first)
+    lo_min = tl.maximum(tl.where(window > 0, ctx_min - window, 0), 0)
 
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
@@ -60,9 +64,9 @@ def paged_attention_kernel(
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
     keys = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq * stride_bt
-    for start in range(0, ctx_max, BLOCK_N):
+    for start in range(lo_min // BLOCK_N * BLOCK_N, ctx_max, BLOCK_N):
         n = start + keys
-        n_ok = n < ctx_max
+        n_ok = (n < ctx_max) & (n >= lo_min)  # keys before the tile's window may sit in placeholder blocks
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
@@ -74,10 +78,12 @@ def paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
-        s = tl.where(n[None, :] < ctx[:, None], s, float("-inf"))
+        s = tl.where((n[None, :] < ctx[:, None]) & (n[None, :] >= lo[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen no key yet (a step before its window) stays as it was: no inf - inf.
+        seen = m_new > float("-inf")
+        alpha = tl.where(seen, tl.exp2(m_i - m_new), 1.0)
+        p = tl.where(seen[:, None], tl.exp2(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

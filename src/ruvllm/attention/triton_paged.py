@@ -33,10 +33,10 @@ class TritonPagedAttention:
         self.head_dim_pad = max(16, _next_pow2(head_dim))
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
-                       device: torch.device | str, tier: KVTier | None = None) -> AttentionMetadata:
+                       device: torch.device | str, tier: KVTier | None = None, window: int = 0) -> AttentionMetadata:
         if tier is not None:  # (EngineCore refuses the setting earlier, with the reason)
             raise ValueError("the Triton attention kernel reads no quantized KV blocks")
-        return build_paged_kernel_metadata(seqs, block_size, device, tile_tokens=self.tile_tokens)
+        return build_paged_kernel_metadata(seqs, block_size, device, tile_tokens=self.tile_tokens, window=window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -55,7 +55,7 @@ class TritonPagedAttention:
         self._kernel[grid](
             q, k_cache, v_cache, out,
             meta.block_tables, meta.row_ctx, meta.tile_seq, meta.tile_start, meta.tile_len,
-            scale,
+            scale, meta.window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             meta.block_tables.stride(0),
             GROUP=self.group, GROUP_PAD=self.group_pad, TOKENS=self.tile_tokens,

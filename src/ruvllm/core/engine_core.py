@@ -53,7 +53,7 @@ class EngineCore:
         self.info = executor.info()
         cache = config.cache
         self.kv = KVCacheManager(self.info.num_hot_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 self.info.num_cold_blocks, cache.kv_hot_tokens)
+                                 self.info.num_cold_blocks, cache.kv_hot_tokens, self.info.kv_windows)
         # The worker resolved the device's defaults (the token budget); the scheduler uses the same.
         sched = dataclasses.replace(config.scheduler, max_num_batched_tokens=self.info.max_num_batched_tokens)
         self.scheduler = Scheduler(sched, self.kv, self.info.max_loras, config.speculation.num_lookahead)

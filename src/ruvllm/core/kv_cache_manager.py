@@ -1,8 +1,11 @@
 """Which KV blocks each request holds: prefix-cache lookups, slot allocation, hashing, freeing.
 
-A request holds one block table per KV stream (Request.kv_streams): its own, and for an X-LoRA
-request its scaling pass's as well. Both grow together: every count here (blocks needed, prefix
-hits, what is freed) is over all of a request's streams."""
+A request holds one block table per KV stream: per KV group (kv_groups.py: one for most models;
+Gemma 3 has global groups and sliding-window groups), for its own tokens, and for an X-LoRA request
+its scaling pass's as well. They grow together: every count here (blocks needed, prefix hits, what
+is freed) is over all of a request's streams. A sliding group's stream gives back the blocks that
+left the window of its next query; its table keeps a placeholder there (`_NULL`, read as block 0,
+which no query reads)."""
 
 from __future__ import annotations
 
@@ -18,20 +21,33 @@ class PrefixCacheStats:
     hits: int = 0  # of those, tokens served from the cache
 
 
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    key: str  # the block table's key
+    salt: object  # the prefix-cache hash chain's seed: a group's blocks hold only its layers' K/V
+    window: int | None  # keys a query of this stream's layers sees (None: all)
+
+
 class KVCacheManager:
     """`num_blocks` hot blocks, and with `num_cold_blocks` a quantized cold tier: a request's full
     blocks migrate there once every later query of the request reads them as old, that is once each
     of their tokens is at least `hot_tokens` positions older than the request's next token (see
-    migrate_cold for the exact point)."""
+    migrate_cold for the exact point). `windows`: per KV group, the window of its layers."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_cold_blocks: int = 0, hot_tokens: int = 0) -> None:
+                 num_cold_blocks: int = 0, hot_tokens: int = 0,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
+        if num_cold_blocks and any(w is not None for w in windows):
+            raise ValueError("a quantized KV tier cannot be combined with sliding-window layers")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hot_tokens = hot_tokens
+        self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks, num_cold_blocks)
         self.stats = PrefixCacheStats()
-        # keyed by KV stream (a request id, or its scaling pass's key)
+        # A block a sliding stream gave back: it holds nothing, and no query reads it.
+        self._null = KVBlock(0)
+        # keyed by KV stream (a request id, its other groups' keys, its scaling pass's keys)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[int]] = {}  # chained hashes of the stream's full blocks
         self._cold_upto: dict[str, int] = {}  # leading blocks of the stream already cold
@@ -46,38 +62,65 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+    def _streams(self, req: Request) -> list[_Stream]:
+        """Group 0 under the request's own keys (so one-group models hash and key as always)."""
+        return [_Stream(key if g == 0 else f"{key}\x00kv{g}", salt if g == 0 else (salt, "kv group", g), window)
+                for key, salt in req.kv_streams for g, window in enumerate(self.windows)]
+
+    def block_table(self, key: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(key, ())]
+
+    def block_tables(self, key: str) -> list[list[int]]:
+        """The tables of every KV group under a stream key (group 0 first)."""
+        return [self.block_table(key if g == 0 else f"{key}\x00kv{g}") for g in range(len(self.windows))]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_needed(self, num_computed: int, window: int | None) -> int:
+        """The first block a query at position num_computed (or later) reads."""
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def _real(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        return [b for b in blocks if b is not self._null]
+
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens, and the tokens
         they hold. With several KV streams: a run every stream has, each stream's blocks one after
-        the other.
+        the other. A sliding stream needs only the blocks inside its window of the first computed
+        query; the rest of its run is placeholders.
 
         The last token is never taken from the cache: the step must compute it to get its logits."""
         if not self.enable_prefix_caching:
             return [], 0
-        chains = [self._cached_chain(req, salt) for _, salt in req.kv_streams]
+        streams = self._streams(req)
+        chains = [self._cached_chain(req, s) for s in streams]
         k = min(len(c) for c in chains)
+        while k and not all(s.window is None or None not in c[self._first_needed(k * self.block_size, s.window):k]
+                            for s, c in zip(streams, chains)):
+            k -= 1
         while True:
             heads = [self._exact_hits(c[:k]) if self.pool.num_cold else c[:k] for c in chains]
             shortest = min(len(h) for h in heads)
             if shortest == k:
-                return [b for h in heads for b in h], k * self.block_size
+                return [b for s, h in zip(streams, heads) for b in self._windowed(h, s.window, k)], k * self.block_size
             k = shortest
 
-    def _cached_chain(self, req: Request, salt: object) -> list[KVBlock]:
+    def _windowed(self, head: list[KVBlock | None], window: int | None, k: int) -> list[KVBlock]:
+        first = self._first_needed(k * self.block_size, window)
+        return [self._null if i < first else b for i, b in enumerate(head)]  # type: ignore[misc]
+
+    def _cached_chain(self, req: Request, stream: _Stream) -> list[KVBlock | None]:
+        """The cached blocks of the request's leading full blocks, up to the first miss; for a
+        sliding stream the whole chain, misses as None (only its window's blocks must be there)."""
         tokens = req.all_token_ids
-        hits: list[KVBlock] = []
-        parent = salt
+        hits: list[KVBlock | None] = []
+        parent = stream.salt
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))
             block = self.pool.lookup(h, chunk)
-            if block is None:
+            if block is None and stream.window is None:
                 break
             hits.append(block)
             parent = h
@@ -111,44 +154,61 @@ class KVCacheManager:
         `computed_blocks` (prefix-cache hits, on admission) are counted in the hit statistics only
         when the allocation succeeds, so a request that waits several steps is counted once."""
         computed_blocks = computed_blocks or []
-        streams = [key for key, _ in req.kv_streams]
+        streams = self._streams(req)
+        for s in streams:
+            if s.window is not None:
+                self._slide(s, req.num_computed_tokens)
         per_stream = len(computed_blocks) // len(streams)
         hits = [computed_blocks[i * per_stream:(i + 1) * per_stream] for i in range(len(streams))]
-        held = [self._blocks.get(key, []) for key in streams]
+        held = [self._blocks.get(s.key, []) for s in streams]
         total = self.num_blocks_needed(req.num_computed_tokens + per_stream * self.block_size + num_new_tokens)
         needed = [max(0, total - len(h) - len(c)) for h, c in zip(held, hits)]
+        hit_blocks = self._real(computed_blocks)
         # New tokens take hot blocks; cold hits are revived from the cold free list.
-        revived = sum(1 for b in computed_blocks if b.ref_count == 0 and not self.pool.is_cold(b))
+        revived = sum(1 for b in hit_blocks if b.ref_count == 0 and not self.pool.is_cold(b))
         if sum(needed) > self.pool.num_free_hot - revived:
             return False
         if self.enable_prefix_caching and not any(held):  # admission
             self.stats.queries += req.num_tokens
             self.stats.hits += per_stream * self.block_size
-        self.pool.touch(computed_blocks)
-        for key, stream_hits, n in zip(streams, hits, needed):
-            blocks = self._blocks.setdefault(key, [])
-            self._requests[key] = req
+        self.pool.touch(hit_blocks)
+        for s, stream_hits, n in zip(streams, hits, needed):
+            blocks = self._blocks.setdefault(s.key, [])
+            self._requests[s.key] = req
             blocks.extend(stream_hits)
             if n > 0:
                 blocks.extend(self.pool.allocate(n))
         return True
+
+    def _slide(self, stream: _Stream, num_computed: int) -> None:
+        """Give back the blocks of a sliding stream that left the window of its next query (at
+        num_computed). A cached one keeps its hash in the free list, for a later prefix hit."""
+        blocks = self._blocks.get(stream.key)
+        if not blocks:
+            return
+        first = min(self._first_needed(num_computed, stream.window), len(blocks))
+        gone = self._real(blocks[:first])
+        if gone:
+            blocks[:first] = [self._null] * first
+            self.pool.release(gone)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register blocks that became full (all tokens computed) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        for key, salt in req.kv_streams:
-            hashes = self._hashes.setdefault(key, [])
+        for s in self._streams(req):
+            hashes = self._hashes.setdefault(s.key, [])
             if num_full <= len(hashes):
                 continue
-            blocks = self._blocks[key]
+            blocks = self._blocks[s.key]
             tokens = req.all_token_ids
-            parent = hashes[-1] if hashes else salt
+            parent = hashes[-1] if hashes else s.salt
             for i in range(len(hashes), num_full):
                 chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
                 h = hash((parent, chunk))
-                self.pool.register(blocks[i], h, chunk)
+                if blocks[i] is not self._null:
+                    self.pool.register(blocks[i], h, chunk)
                 hashes.append(h)
                 parent = h
 
@@ -175,7 +235,7 @@ class KVCacheManager:
             return []
         young: set[int] | None = None  # ids of shared blocks some holder still reads exactly
         moves = []
-        for req, key in [(r, key) for r in reqs for key, _ in r.kv_streams]:
+        for req, key in [(r, s.key) for r in reqs for s in self._streams(r)]:
             blocks = self._blocks.get(key)
             if not blocks:
                 continue
@@ -213,18 +273,18 @@ class KVCacheManager:
         proposals that were rejected). They never held a computed token, so none is in the prefix
         cache; the next step allocates again what it needs."""
         keep = self.num_blocks_needed(req.num_tokens)
-        for key, _ in req.kv_streams:
-            blocks = self._blocks.get(key)
+        for s in self._streams(req):
+            blocks = self._blocks.get(s.key)
             if blocks is not None and len(blocks) > keep:
                 tail = blocks[keep:]
                 del blocks[keep:]
-                self.pool.release(tail, first=True)
+                self.pool.release(self._real(tail), first=True)
 
     def free(self, req: Request) -> None:
         """Return every block of the request; tail blocks first so they are evicted before shared heads."""
-        for key, _ in req.kv_streams:
-            blocks = self._blocks.pop(key, [])
-            self._hashes.pop(key, None)
-            self._cold_upto.pop(key, None)
-            self._requests.pop(key, None)
-            self.pool.release(reversed(blocks))
+        for s in self._streams(req):
+            blocks = self._blocks.pop(s.key, [])
+            self._hashes.pop(s.key, None)
+            self._cold_upto.pop(s.key, None)
+            self._requests.pop(s.key, None)
+            self.pool.release(reversed(self._real(blocks)))

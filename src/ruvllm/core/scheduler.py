@@ -126,11 +126,13 @@ class Scheduler:
 
         for req, n, k in scheduled:
             start = req.num_computed_tokens
+            tables = self.kv.block_tables(req.request_id)
             out.seqs.append(ScheduledSeq(
                 request_id=req.request_id,
                 token_ids=req.token_slice(start, start + n),
                 start_position=start,
-                block_table=self.kv.block_table(req.request_id),
+                block_table=tables[0],
+                group_block_tables=tables[1:],
                 sample=start + n == req.num_tokens,
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
                 adapter=req.adapter,

@@ -16,7 +16,8 @@
 namespace ruvllm {
 // attention/csrc/paged_attention.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale);
+                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
+                           int64_t window);
 at::Tensor paged_attention_tiered(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_codes,
                                   at::Tensor v_codes, at::Tensor k_meta, at::Tensor v_meta, at::Tensor block_tables,
                                   at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
@@ -57,7 +58,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor row_seq, "
-        "Tensor row_ctx, int block_size, float scale) -> Tensor");
+        "Tensor row_ctx, int block_size, float scale, int window=0) -> Tensor");
   m.def("paged_attention_tiered(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_codes, Tensor v_codes, "
         "Tensor k_meta, Tensor v_meta, Tensor block_tables, Tensor row_seq, Tensor row_ctx, int block_size, "
         "float scale, int num_hot_blocks, int hot_tokens, int bits) -> Tensor");

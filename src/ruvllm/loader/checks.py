@@ -113,14 +113,14 @@ def _check_gguf(path: Path) -> ModelConfig:
     names = gguf_file.field_names(header)
     stored: dict[str, _Stored] = {}
     for t in header.tensors:
-        hf = gguf_file.hf_name(t.name)
+        hf = gguf_file.hf_name(t.name, cfg.architecture)
         if hf is not None:  # (rope_freqs.weight: folded into the config)
             stored[hf.removeprefix("model.")] = _Stored(t.name, t.shape, path)
     if not stored:
         raise CorruptModelError(f"{path}: GGUF.tensor_count: the file holds no weights")
 
     def shown(key: str) -> str:
-        return gguf_file.gguf_name(key if key == "lm_head.weight" else f"model.{key}") or key
+        return gguf_file.gguf_name(key if key == "lm_head.weight" else f"model.{key}", cfg.architecture) or key
 
     _check_tensors(cfg, stored, names, config_file=path, missing_in=path, shown=shown, scheme=None)
     return cfg
@@ -197,6 +197,9 @@ def expected_shapes(cfg: ModelConfig, names: Mapping[str, str]) -> dict[str, tup
         shapes |= {p + "self_attn.o_proj.weight": (hidden, q), p + "post_attention_layernorm.weight": (hidden,),
                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
                    p + "mlp.down_proj.weight": (hidden, inter)}
+        if cfg.architecture == "gemma3":  # norms before and after the MLP too
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
+                       p + "post_feedforward_layernorm.weight": (hidden,)}
     shapes["norm.weight"] = (hidden,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)

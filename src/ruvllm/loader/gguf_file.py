@@ -24,7 +24,11 @@ from ruvllm.errors import (
 )
 
 # general.architecture values we read. Mistral and SmolLM2 GGUFs are written as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Gemma 3's layer pattern and local RoPE base are in no GGUF key: llama.cpp and transformers both
+# hard-code them (every 6th layer global; base 10000 for the sliding layers).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # Types we dequantize. gguf's numpy code knows a few more (IQ*, TQ*, MXFP4), but those are
 # slow in numpy and untested here, so we refuse them rather than load them half-trusted.
@@ -54,27 +58,39 @@ _LAYER_PARTS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 has four norms a layer; its "ffn_norm" is the norm before the MLP, not Llama's post-attention.
+_GEMMA3_LAYER_PARTS = {
+    **_LAYER_PARTS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # folded into ModelConfig.rope_scaling, not a weight
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None when it has no HF counterpart."""
+def _layer_parts(arch: str | None) -> dict[str, str]:
+    return _GEMMA3_LAYER_PARTS if arch == "gemma3" else _LAYER_PARTS
+
+
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """Hugging Face name of a GGUF tensor of an `arch` model, or None when it has no HF counterpart."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_PARTS:
-        return f"model.layers.{m.group(1)}.{_LAYER_PARTS[m.group(2)]}.{m.group(3)}"
+    parts = _layer_parts(arch)
+    if m and m.group(2) in parts:
+        return f"model.layers.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
     return None
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, arch: str | None = None) -> str | None:
     """The GGUF name of a Hugging Face tensor name (the inverse of hf_name), for messages."""
     for gguf, name in _TOP_LEVEL_NAMES.items():
         if name == hf:
             return gguf
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
-    for part, name in _LAYER_PARTS.items():
+    for part, name in _layer_parts(arch).items():
         if m and m.group(2) == name:
             return f"blk.{m.group(1)}.{part}.{m.group(3)}"
     return None
@@ -227,12 +243,24 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         if token is not None and token not in eos:
             eos.append(token)
     bos = header.get("tokenizer.ggml.bos_token_id")
+    num_layers = number("block_count")
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        cap = header.get(f"{arch}.final_logit_softcapping")
+        gemma = dict(
+            sliding_layers=tuple(i for i in range(num_layers) if (i + 1) % GEMMA3_GLOBAL_EVERY),
+            sliding_window=number("attention.sliding_window"),
+            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+            # llama.cpp: 1/sqrt(hidden / heads) for the 27B model (62 layers), else 1/sqrt(key_length)
+            query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+            final_logit_softcapping=None if cap is None else real_number(cap, path, f"{arch}.final_logit_softcapping"),
+        )
     config = ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=number("feed_forward_length"),
-        num_layers=number("block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=number("attention.head_count_kv", heads),
         head_dim=head_dim,
@@ -241,10 +269,11 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
         max_position_embeddings=number("context_length"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=_rope_scaling(header, arch),
         bos_token_id=None if bos is None else whole_number(bos, path, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(eos),
+        **gemma,
     )
     return check_config(config, path, field_names(header))
 
@@ -316,7 +345,7 @@ def check_tensor_kinds(header: GGUFHeader, arch: str) -> None:
                 f"{header.path}: tensor {t.name} uses quantization type {t.tensor_type.name}, which ruvllm "
                 f"cannot read (supported: {', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))})"
             )
-        if hf_name(t.name) is None and t.name != ROPE_FREQS_TENSOR:
+        if hf_name(t.name, arch) is None and t.name != ROPE_FREQS_TENSOR:
             raise UnsupportedArchitectureError(f"{header.path}: {t.name}: unexpected tensor for a {arch} model")
 
 
@@ -325,7 +354,7 @@ def _generate(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     data = map_file(header)
     for t in header.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name is None:  # rope_freqs.weight, already folded into config.rope_scaling
             continue
         heads = None
@@ -341,4 +370,6 @@ def _generate(
         tensor = _dequantize(header, data, t)
         if heads is not None:
             tensor = _unpermute_rope_rows(tensor, heads)
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # llama.cpp stores Gemma's (1 + w); Hugging Face names mean w
         yield name, tensor.to(dtype)

@@ -10,11 +10,13 @@ from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig, QuantConfig
 from ruvllm.errors import UnsupportedArchitectureError
 from ruvllm.layers.ops import select_ops
 from ruvllm.layers.rotary import RotaryEmbedding
+from ruvllm.models.gemma3 import Gemma3ForCausalLM
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.models.weight_plan import WeightPlan, float_weight_plan
 from ruvllm.quant.plan import Weight
 
-_MODELS = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+_MODELS: dict[str, type[LlamaForCausalLM]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+_MODELS["gemma3"] = Gemma3ForCausalLM
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, Weight]], source: str,
@@ -28,9 +30,12 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, Weight]], source:
     elif plan.dtype != dtype:
         raise ValueError(f"the weight plan is for {plan.dtype}, the model for {dtype}")
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    extra = {}
+    if cfg.rope_local_theta is not None:  # sliding-window layers' own base (Gemma 3)
+        extra["local_rope"] = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, None, dtype, device)
     # Built on the meta device so no memory is spent on random initial weights; loading fills them.
     with torch.device("meta"):
-        model = cls(cfg, rope, select_ops(torch.device(device)))
+        model = cls(cfg, rope, select_ops(torch.device(device)), **extra)
     model.load_weights(weights, plan, torch.device(device))
     return model.eval()
 

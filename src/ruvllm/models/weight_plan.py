@@ -176,8 +176,10 @@ def _gguf_tensors(path: Path) -> list[FileTensor]:
     from ruvllm.quant.gguf_blocks import INT4_GGUF_TYPES, KEPT_GGUF_TYPES
 
     out = []
-    for t in read_header(path).tensors:
-        name = gguf_file.hf_name(t.name)
+    header = read_header(path)
+    arch = header.get("general.architecture")
+    for t in header.tensors:
+        name = gguf_file.hf_name(t.name, arch if isinstance(arch, str) else None)
         if name is None:  # rope_freqs.weight: folded into the config
             continue
         packed = None

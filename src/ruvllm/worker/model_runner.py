@@ -13,6 +13,7 @@ from ruvllm.attention.kv_quant import (KV_BITS, ColdLayer, KVTier, code_dtype, c
                                        meta_width)
 from ruvllm.attention.torch_paged import TorchPagedAttention
 from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
+from ruvllm.kv_groups import kv_layout
 from ruvllm.layers.sampler import SamplingState, token_logprobs
 from ruvllm.models.llama import LlamaForCausalLM
 from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -27,12 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A block holds K and V of block_size tokens for the layers of one KV group (all of them, for a
+    model without sliding-window layers: kv_groups.py)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * kv_layout(cfg).group_size * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def cold_kv_bytes_per_block(cfg: ModelConfig, block_size: int, bits: int) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cold_bytes_per_row(cfg.head_dim, bits)
+    return 2 * kv_layout(cfg).group_size * block_size * cfg.num_kv_heads * cold_bytes_per_row(cfg.head_dim, bits)
 
 
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
@@ -126,34 +129,41 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_hot_tokens = kv_hot_tokens
         self.lora: LoraManager | None = None  # set by the worker when adapters are enabled
+        self.layout = kv_layout(cfg)
         self.allocate_kv_cache(num_blocks, num_cold_blocks)
 
     def allocate_kv_cache(self, num_blocks: int, num_cold_blocks: int = 0) -> None:
         """The pool's blocks, plus one scratch block the scheduler never hands out: padding rows of
         a CUDA-graph batch write their keys there. With `num_cold_blocks` (an int8/int4 KV cache),
-        also the cold tier: codes and fp16 scales per (token, KV head), block ids after the hot ones."""
+        also the cold tier: codes and fp16 scales per (token, KV head), block ids after the hot ones.
+
+        One tensor per position in a KV group (kv_groups.py): layer l writes the tensor of its slot
+        at the block ids of its group's tables. Without sliding-window layers that is one tensor per
+        layer; Gemma 3's groups of 3 layers share 3 (block ids are never in two groups at once)."""
         cfg = self.cfg
+        slots = self.layout.group_size
+        slot_of = [self.layout.place(i)[1] for i in range(cfg.num_layers)]
         self.kv_cache = self.kv_views = None  # free the old pool before taking the new one
         self.cold_codes = self.cold_meta = self.tier = None
         self.num_blocks = num_blocks
         self.num_cold_blocks = num_cold_blocks
-        shape = (cfg.num_layers, 2, (num_blocks + 1) * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (slots, 2, (num_blocks + 1) * self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_views = [(self.kv_cache[s, 0], self.kv_cache[s, 1]) for s in slot_of]
         hot_mib = self.kv_cache.numel() * self.kv_cache.element_size() / 2**20
         if not num_cold_blocks:
             log.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size, hot_mib)
             return
         bits = KV_BITS[self.kv_cache_dtype]
         cold_slots = num_cold_blocks * self.block_size
-        self.cold_codes = torch.zeros(cfg.num_layers, 2, cold_slots, cfg.num_kv_heads, code_width(cfg.head_dim, bits),
+        self.cold_codes = torch.zeros(slots, 2, cold_slots, cfg.num_kv_heads, code_width(cfg.head_dim, bits),
                                       dtype=code_dtype(bits), device=self.device)
-        self.cold_meta = torch.zeros(cfg.num_layers, 2, cold_slots, cfg.num_kv_heads, meta_width(bits),
+        self.cold_meta = torch.zeros(slots, 2, cold_slots, cfg.num_kv_heads, meta_width(bits),
                                      dtype=torch.float16, device=self.device)
         self.tier = KVTier(num_blocks, self.kv_hot_tokens, bits)
         self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1],
                           ColdLayer(self.cold_codes[i, 0], self.cold_codes[i, 1], self.cold_meta[i, 0], self.cold_meta[i, 1]))
-                         for i in range(cfg.num_layers)]
+                         for i in slot_of]
         cold_mib = (self.cold_codes.numel() + 2 * self.cold_meta.numel()) / 2**20
         ratio = kv_capacity_ratio(cfg, self.block_size, self.dtype, self.kv_cache_dtype, num_blocks, num_cold_blocks)
         log.info("KV cache: %d hot blocks (%s, %.1f MiB) + %d cold blocks (%s, %.1f MiB) of %d tokens: %d tokens, "
@@ -227,7 +237,15 @@ class ModelRunner:
             table = seq.scaling_block_table if scaling_tables and seq.scaling_block_table is not None \
                 else seq.block_table
             seqs.append((n, seq.start_position + n, table))
-        meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier)
+        groups = self.layout.groups
+        meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier,
+                                        window=groups[0].window or 0)
+        if len(groups) > 1:  # each KV group's own tables (and window)
+            meta.by_group = [meta] + [
+                self.attn.build_metadata([(n, ctx, seq.group_block_tables[g - 1]) for (n, ctx, _), seq
+                                          in zip(seqs, scheduled)], self.block_size, self.device,
+                                         tier=self.tier, window=groups[g].window or 0)
+                for g in range(1, len(groups))]
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model(ids, pos, self.kv_views, meta, self.attn, lora)

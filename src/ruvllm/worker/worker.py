@@ -21,6 +21,7 @@ from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.errors import AdapterError, RequestError
+from ruvllm.kv_groups import kv_layout
 from ruvllm.layers.sampler import SamplingState
 from ruvllm.lora.manager import LoraManager, Served
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
@@ -39,6 +40,18 @@ if TYPE_CHECKING:
     from ruvllm.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
+
+
+def _check_hybrid(config: EngineConfig, architecture: str) -> None:
+    """What a model with sliding-window layers (several KV groups) cannot run with yet, refused by name."""
+    refused = []
+    if config.cache.quantized_kv:
+        refused.append(f"an {config.cache.kv_cache_dtype} KV cache (use kv_cache_dtype auto)")
+    if config.lora.enable_lora:
+        refused.append("LoRA adapters")
+    if refused:
+        raise ValueError(f"{architecture} has sliding-window layers, which ruvllm cannot run with "
+                         f"{' or '.join(refused)} yet")
 
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
@@ -83,6 +96,8 @@ class Worker:
                  self.device, self.quant.method, self.weight_bytes / 2**20)
 
     def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        if kv_layout(self.model_config).is_hybrid:
+            _check_hybrid(config, self.model_config.architecture)
         self.config = config
         self.runner = self._runner(model, config)
         self._states: dict[str, SamplingState] = {}
@@ -109,6 +124,9 @@ class Worker:
                              "has no cold tier); use --speculative ngram, or kv_cache_dtype auto")
         src = resolve_model(spec.speculative_model)
         mc = load_model_config(src)
+        if kv_layout(mc).is_hybrid:
+            raise ValueError(f"the draft model is a {mc.architecture} model with sliding-window layers; a draft "
+                             "runs on the target's block tables of full-attention layers, so it must have none")
         if mc.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) is not the target's "
                              f"({self.model_config.vocab_size}): a draft must share the target's tokenizer")
@@ -213,7 +231,8 @@ class Worker:
             profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
             runner.allocate_kv_cache(kv_blocks_from_profile(
                 profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.max_model_len))
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid:
+            # (decode graphs hold one block table per sequence: models with KV groups run eagerly)
             runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
         return runner
 
@@ -238,7 +257,8 @@ class Worker:
             model=str(self.model_path), architecture=self.model_config.architecture,
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             # A sequence can never outgrow the pool, so a request running alone always fits.
-            max_seq_len=min(self.max_model_len, num_blocks * cache.block_size),
+            max_seq_len=runner.layout.max_tokens(num_blocks, sched.max_num_batched_tokens, cache.block_size,
+                                                 self.max_model_len),
             eos_token_ids=tuple(self.model_config.eos_token_ids), block_size=cache.block_size,
             num_hot_blocks=runner.num_blocks, num_cold_blocks=runner.num_cold_blocks,
             hot_block_bytes=kv_bytes_per_block(self.model_config, cache.block_size, self.dtype),
@@ -248,7 +268,8 @@ class Worker:
             weight_bytes=self.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quant.method, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_loras=self.config.lora.max_loras if self.config.lora.enable_lora else 0)
+            max_loras=self.config.lora.max_loras if self.config.lora.enable_lora else 0,
+            kv_windows=runner.layout.windows)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""

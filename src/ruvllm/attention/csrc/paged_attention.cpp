@@ -238,7 +238,7 @@ struct Tile {
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const std::vector<Tile>& tiles, const int64_t* row_ctx,
-                    int64_t block_size, double scale, const Cold& cold, at::Tensor& out) {
+                    int64_t block_size, double scale, int64_t window, const Cold& cold, at::Tensor& out) {
   const int64_t hq = q.size(1), dim = q.size(2);
   const int64_t hkv = k_cache.size(1), group = hq / hkv;
   const int64_t max_blocks = block_tables.size(1);
@@ -266,8 +266,14 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const int64_t h0 = 0, nh = hkv;  // the KV heads of the task: all
       const int64_t rows = tile.row_end - tile.row_begin;
       const int64_t* table = tables + tile.seq * max_blocks;
-      int64_t ctx_max = 0;
-      for (int64_t r = tile.row_begin; r < tile.row_end; ++r) ctx_max = std::max(ctx_max, row_ctx[r]);
+      // A sliding-window layer: row r sees keys [first(r), ctx); blocks before a row's window may be
+      // placeholders in the table, never read.
+      auto first = [&](int64_t ctx) { return window > 0 ? std::max<int64_t>(0, ctx - window) : 0; };
+      int64_t ctx_max = 0, lo_min = std::numeric_limits<int64_t>::max();
+      for (int64_t r = tile.row_begin; r < tile.row_end; ++r) {
+        ctx_max = std::max(ctx_max, row_ctx[r]);
+        lo_min = std::min(lo_min, first(row_ctx[r]));
+      }
       const int64_t width = nh * group;  // query heads of the task per row
       const int64_t heads = rows * width;  // (row, query head) pairs of the task
       qf.resize(heads * dim);
@@ -291,27 +297,29 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         if (cold.num_hot < 0 && dim % 32 == 0) {
           kslots.resize(ctx_max);
           vslots.resize(ctx_max);
-          for (int64_t t = 0; t < ctx_max; ++t) {
+          for (int64_t t = lo_min; t < ctx_max; ++t) {
             const int64_t slot = table[t / block_size] * block_size + t % block_size;
             kslots[t] = kp + slot * slot_stride;
             vslots[t] = vp + slot * slot_stride;
           }
           for (int64_t r = 0; r < rows; ++r) {
-            const int64_t ctx = row_ctx[tile.row_begin + r];
+            const int64_t ctx = row_ctx[tile.row_begin + r], lo = first(ctx);
             for (int64_t i = 0; i < width; ++i) {
-              float* sr = scores.data() + (r * width + i) * ctx_max;
-              dot_keys(qf.data() + (r * width + i) * dim, kslots.data(), (i / group) * dim, ctx, dim, fscale, sr);
-              softmax_inplace(sr, ctx);
+              float* sr = scores.data() + (r * width + i) * ctx_max + lo;
+              dot_keys(qf.data() + (r * width + i) * dim, kslots.data() + lo, (i / group) * dim, ctx - lo, dim, fscale,
+                       sr);
+              softmax_inplace(sr, ctx - lo);
             }
             for (int64_t h = 0; h < nh; ++h) {
               for (int64_t g0 = 0; g0 < group; g0 += 3) {
                 const int64_t i = r * width + h * group + g0;
-                const float* pr = scores.data() + i * ctx_max;
+                const float* pr = scores.data() + i * ctx_max + lo;
                 float* out = acc.data() + i * dim;
                 const int64_t left = group - g0;
-                if (left >= 3) weigh_values<3>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
-                else if (left == 2) weigh_values<2>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
-                else weigh_values<1>(pr, ctx_max, vslots.data(), h * dim, ctx, dim, out, dim);
+                const T* const* vs = vslots.data() + lo;
+                if (left >= 3) weigh_values<3>(pr, ctx_max, vs, h * dim, ctx - lo, dim, out, dim);
+                else if (left == 2) weigh_values<2>(pr, ctx_max, vs, h * dim, ctx - lo, dim, out, dim);
+                else weigh_values<1>(pr, ctx_max, vs, h * dim, ctx - lo, dim, out, dim);
               }
             }
           }
@@ -326,7 +334,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       // rows dequantized from the cold tier, or fake-quantized from the hot tier.
       auto for_each_visible = [&](int kv, auto&& use) {
         const T* cache = kv ? vp : kp;
-        for (int64_t b = 0, t = 0; t < ctx_max; ++b) {
+        for (int64_t b = lo_min / block_size, t = b * block_size; t < ctx_max; ++b) {
           const int64_t id = table[b];
           const bool is_cold = cold.num_hot >= 0 && id >= cold.num_hot;
           // Rows with a context of at least this many keys read block b as old.
@@ -356,7 +364,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             }
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t ctx = row_ctx[tile.row_begin + r];
-              if (t >= ctx) continue;
+              if (t >= ctx || t < first(ctx)) continue;
               const float* src = is_cold || (fake && ctx >= old_from) ? slot_old.data() : hot_row;
               for (int64_t i = 0; i < width; ++i) use(r * width + i, t, src + (i / group) * dim);
             }
@@ -366,9 +374,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for_each_visible(0, [&](int64_t i, int64_t t, const float* key) {
         scores[i * ctx_max + t] = dot(qf.data() + i * dim, key, dim) * fscale;
       });
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < width; ++i)
-          softmax_inplace(scores.data() + (r * width + i) * ctx_max, row_ctx[tile.row_begin + r]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t ctx = row_ctx[tile.row_begin + r], lo = first(ctx);
+        for (int64_t i = 0; i < width; ++i) softmax_inplace(scores.data() + (r * width + i) * ctx_max + lo, ctx - lo);
+      }
       for_each_visible(1, [&](int64_t i, int64_t t, const float* value) {
         axpy(scores[i * ctx_max + t], value, acc.data() + i * dim, dim);
       });
@@ -397,7 +406,7 @@ std::vector<Tile> make_tiles(const at::Tensor& tables, const int64_t* seq_p, con
 
 at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
-                        const Cold& cold) {
+                        int64_t window, const Cold& cold) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T,Hq,D], caches [slots,Hkv,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -407,6 +416,7 @@ at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::T
                   row_ctx.scalar_type() == at::kLong,
               "block tables, row sequences and row contexts must be int64");
   TORCH_CHECK(row_seq.numel() == q.size(0) && row_ctx.numel() == q.size(0), "one sequence and context per row");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
   auto tables = block_tables.contiguous();
   auto seqs = row_seq.contiguous();
   auto ctx = row_ctx.contiguous();
@@ -414,7 +424,7 @@ at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::T
   std::vector<Tile> tiles = make_tiles(tables, seqs.data_ptr<int64_t>(), ctx_p, q.size(0), block_size);
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attention_impl<scalar_t>(q, k_cache, v_cache, tables, tiles, ctx_p, block_size, scale, cold, out);
+    attention_impl<scalar_t>(q, k_cache, v_cache, tables, tiles, ctx_p, block_size, scale, window, cold, out);
   });
   return out;
 }
@@ -424,11 +434,12 @@ at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::T
 namespace ruvllm {
 
 // q [T, Hq, D]; caches [slots, Hkv, D]; block_tables [S, max_blocks]; row_seq [T]: each row's
-// sequence (its block-table row); row_ctx [T]: keys each row attends to (its position + 1).
+// sequence (its block-table row); row_ctx [T]: keys each row attends to (its position + 1);
+// window > 0: each row sees only the last `window` of those keys (a sliding-window layer).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor row_seq, at::Tensor row_ctx,
-                              int64_t block_size, double scale) {
-  return attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale, Cold{});
+                              int64_t block_size, double scale, int64_t window) {
+  return attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale, window, Cold{});
 }
 
 static void check_cold(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& hot, int64_t bits) {
@@ -472,7 +483,7 @@ at::Tensor paged_attention_tiered(at::Tensor q, at::Tensor k_cache, at::Tensor v
   for (int64_t i = 0; i < tables.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < num_hot_blocks + cold_blocks, "block id ", ids[i], " is outside the pool (",
                 num_hot_blocks, " hot + ", cold_blocks, " cold blocks)");
-  return attention(q, k_cache, v_cache, tables, row_seq, row_ctx, block_size, scale, cold);
+  return attention(q, k_cache, v_cache, tables, row_seq, row_ctx, block_size, scale, 0, cold);
 }
 
 template <typename T>

@@ -20,7 +20,8 @@
 namespace ruvllm {
 // the kernels (csrc/ops.cpp lists their files)
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale);
+                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
+                           int64_t window);
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -125,7 +126,7 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     const at::Tensor q = qkv_rope_cache(with_lora(l, 0, linear(0)(h), h), cos, sin, num_heads, num_kv_heads, head_dim,
                                         k_cache, v_cache, slot_mapping);
-    const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale)
+    const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_ctx, block_size, scale, 0)
                              .reshape({-1, q_size});
     std::tie(h, residual) = add_rms_norm(with_lora(l, 1, linear(1)(o), o), residual, ln2, eps);
     const at::Tensor a = silu_and_mul(with_lora(l, 2, linear(2)(h), h));
