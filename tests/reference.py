@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from ruvllm.config import ModelConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
+from ruvllm.kv_groups import kv_layout
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.models.registry import build_model
 from ruvllm.outputs import ScheduledSeq, SchedulerOutput
@@ -53,7 +54,8 @@ class DirectRunner:
         self.cfg: ModelConfig = load_model_config(src)
         model = build_model(self.cfg, iter_weights(src, torch.float32), str(src.path),
                             self.cfg.max_position_embeddings, torch.float32)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
+                                 windows=kv_layout(self.cfg).windows)
         self.runner = ModelRunner(model, self.cfg, block_size, num_blocks, torch.float32)
 
     def prefill_then_decode(self, prompt: list[int], continuation: list[int], chunk: int | None = None) -> torch.Tensor:
@@ -79,9 +81,11 @@ def teacher_forced_logits(kv: KVCacheManager, runner: ModelRunner, prompt: list[
         while pending:
             n = len(pending) if chunk is None else min(chunk, len(pending))
             assert kv.allocate_slots(req, n)
-            seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, kv.block_table("r"),
+            tables = kv.block_tables("r")
+            seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, tables[0],
                                sample=n == len(pending), adapter=adapter,
-                               scaling_block_table=kv.block_table(scaling_key("r")) if req.scaling_pass else None)
+                               scaling_block_table=kv.block_table(scaling_key("r")) if req.scaling_pass else None,
+                               group_block_tables=tables[1:])
             logits, _ = runner.compute_logits(SchedulerOutput([seq]))
             req.num_computed_tokens += n
             pending = pending[n:]

@@ -29,7 +29,10 @@ _ARCHITECTURE_CLASSES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# config.json model_type -> our architecture name, where they differ
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 
 def has_weights(folder: Path) -> bool:
@@ -51,6 +54,11 @@ def read_config_json(folder: Path) -> dict[str, Any]:
 
 def _model_type(cfg: dict[str, Any], path: Path) -> str:
     model_type = cfg.get("model_type")
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: text plus a vision tower
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type gemma3 is Gemma 3 with its vision tower, which ruvllm does not run; "
+            "text-only Gemma 3 checkpoints (model_type gemma3_text, Gemma3ForCausalLM) are supported")
+    model_type = _MODEL_TYPES.get(model_type, model_type)
     if model_type is None:
         classes = cfg.get("architectures")
         for cls in classes if isinstance(classes, list) else ():
@@ -143,6 +151,9 @@ def load_config(folder: Path) -> ModelConfig:
     bos = cfg.get("bos_token_id")
     # Mistral's sliding_window (and Qwen's use_sliding_window) are ignored on purpose:
     # we attend over the full context, which matches them for prompts shorter than the window.
+    gemma = _gemma3_fields(cfg, path, number("num_hidden_layers")) if arch == "gemma3" else {}
+    if gemma:
+        rope_theta, rope_scaling = gemma.pop("rope")
     config = ModelConfig(
         architecture=arch,
         vocab_size=number("vocab_size"),
@@ -158,12 +169,53 @@ def load_config(folder: Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config carries no flag for it.
         attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else whole_number(bos, path, "bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), path),
+        **gemma,
     )
     return check_config(config, path, field_names(cfg))
+
+
+def _gemma3_fields(cfg: dict[str, Any], path: Path, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's own keys: which layers slide (`layer_types`, or the older every-Nth pattern), the
+    window, each kind's RoPE (transformers 5: rope_parameters per layer type; 4: rope_theta,
+    rope_local_base_freq, rope_scaling), the attention scalar and the final soft-cap."""
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise UnsupportedArchitectureError(f"{path}: hidden_activation {activation!r} (only gelu_pytorch_tanh is supported)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitectureError(f"{path}: use_bidirectional_attention: an encoder, not a causal LM")
+    types = cfg.get("layer_types")
+    if types is None:
+        every = whole_number(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)), path,
+                             "sliding_window_pattern")
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise CorruptModelError(f"{path}: layer_types: expected {num_layers} of sliding_attention/full_attention")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
+        theta, scaling = _rope({"rope_parameters": full}, path)
+        local_theta, local_scaling = _rope({"rope_parameters": local}, path)
+    else:
+        theta, scaling = _rope(cfg, path)
+        local_theta, local_scaling = real_number(cfg.get("rope_local_base_freq", 10000.0), path, "rope_local_base_freq"), None
+    if local_scaling:
+        raise UnsupportedArchitectureError(f"{path}: rope scaling on the sliding-window layers is not supported")
+    window = cfg.get("sliding_window")
+    cap = cfg.get("final_logit_softcapping")
+    scalar = cfg.get("query_pre_attn_scalar")
+    return dict(
+        rope=(theta, scaling),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        sliding_window=None if window is None else whole_number(window, path, "sliding_window"),
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=None if scalar is None else real_number(scalar, path, "query_pre_attn_scalar"),
+        final_logit_softcapping=None if cap is None else real_number(cap, path, "final_logit_softcapping"),
+    )
 
 
 def read_index(folder: Path) -> dict[str, Path]:

@@ -24,7 +24,10 @@ HF_MODEL_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# config.json's model_type, where it is not the architecture's name
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # Shards of at most this many bytes: a writer never holds more than one shard in memory.
 SHARD_BYTES = 2 * 1024**3
 
@@ -80,7 +83,20 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> Any:
         kwargs["sliding_window"] = None
     if cfg.architecture in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
-    return CONFIG_MAPPING[cfg.architecture](**kwargs)
+    if cfg.architecture == "gemma3":
+        del kwargs["rope_theta"], kwargs["rope_scaling"]
+        full = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+        kwargs.update(
+            layer_types=["sliding_attention" if i in cfg.sliding_layers else "full_attention"
+                         for i in range(cfg.num_layers)],
+            sliding_window=cfg.sliding_window,
+            rope_parameters={"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}},
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    return CONFIG_MAPPING[HF_MODEL_TYPES.get(cfg.architecture, cfg.architecture)](**kwargs)
 
 
 def save_tokenizer(tokenizer: Any, cfg: ModelConfig, folder: Path) -> None:

@@ -14,14 +14,14 @@ from ruvllm.config import ModelConfig
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                    std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face-named tensors of a Llama-family model: normal(0, std) matrices, unit norms."""
+    """Hugging Face-named tensors of a Llama-family or Gemma 3 model: normal(0, std) matrices, unit norms."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=g, device=device, dtype=dtype) * std
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
+    def ones(n: int) -> torch.Tensor:  # a norm that scales by 1 (Gemma's weights mean 1 + w)
+        return torch.full((n,), 0.0 if cfg.architecture == "gemma3" else 1.0, device=device, dtype=dtype)
 
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     yield "model.embed_tokens.weight", normal(cfg.vocab_size, h)
@@ -40,6 +40,9 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | 
         yield p + "mlp.gate_proj.weight", normal(i, h)
         yield p + "mlp.up_proj.weight", normal(i, h)
         yield p + "mlp.down_proj.weight", normal(h, i)
+        if cfg.architecture == "gemma3":
+            yield p + "pre_feedforward_layernorm.weight", ones(h)
+            yield p + "post_feedforward_layernorm.weight", ones(h)
     yield "model.norm.weight", ones(h)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", normal(cfg.vocab_size, h)
