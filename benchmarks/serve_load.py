@@ -10,6 +10,8 @@ first token p50/p99 and end-to-end latency, side by side for every server in one
     .venv/bin/python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --peer-url http://127.0.0.1:8080
     # the server against the same engine offline (LLM.generate, same prompts, same settings):
     .venv/bin/python benchmarks/serve_load.py --start-ruvllm --offline --concurrency 1 32
+    # another GGUF for both servers (prompts cut with its tokenizer), e.g. Gemma 3 270M:
+    .venv/bin/python benchmarks/serve_load.py --start-ruvllm --llama-server BIN --model-path FILE.gguf --model gemma
 
 With --rounds N every server of a level stays up and they take turns N times; the table gives medians
 and our rate against the peer's within each round (its median and range).
@@ -45,10 +47,10 @@ class Result:
     tokens: int
 
 
-def prompts(n: int, prompt_len: int) -> list[str]:
-    """Distinct prompts of ~prompt_len tokens of the default model's tokenizer (measured, then cut)."""
+def prompts(n: int, prompt_len: int, model_path: str | None = None) -> list[str]:
+    """Distinct prompts of ~prompt_len tokens of the model's tokenizer (measured, then cut)."""
     from ruvllm.loader import load_tokenizer, resolve_model
-    tok = load_tokenizer(resolve_model(None))
+    tok = load_tokenizer(resolve_model(model_path))
     text = BOOK.read_text(encoding="utf-8") if BOOK.exists() else "It was a bright cold day in April. " * 4000
     ids = tok.encode(text[30000:], add_special_tokens=False)
     return [tok.decode(ids[i * prompt_len * 2:i * prompt_len * 2 + prompt_len]) for i in range(n)]
@@ -155,9 +157,10 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not come up")
 
 
-def start_ruvllm(concurrency: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_ruvllm(concurrency: int, extra: list[str], model_path: str | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port),
+    model = [model_path] if model_path else []
+    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", *model, "--port", str(port),
                              "--max-concurrent", str(max(concurrency, 1)), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -165,10 +168,11 @@ def start_ruvllm(concurrency: int, extra: list[str]) -> tuple[subprocess.Popen, 
     return proc, url
 
 
-def start_llama_server(binary: str, concurrency: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_llama_server(binary: str, concurrency: int, threads: int,
+                       model_path: str | None = None) -> tuple[subprocess.Popen, str]:
     from ruvllm.loader import default_model_path
     port = _free_port()
-    proc = subprocess.Popen([binary, "-m", str(default_model_path()), "--port", str(port), "--parallel",
+    proc = subprocess.Popen([binary, "-m", model_path or str(default_model_path()), "--port", str(port), "--parallel",
                              str(concurrency), "-c", str(512 * concurrency), "-t", str(threads), "--no-webui"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -195,7 +199,8 @@ def main() -> None:
     ap.add_argument("--ruvllm-args", default="", help="extra arguments for the started ruvllm serve")
     ap.add_argument("--llama-server", help="path of a llama-server binary to start on the same GGUF")
     ap.add_argument("--threads", type=int, default=2, help="llama-server threads")
-    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="the model name sent in requests")
+    ap.add_argument("--model-path", help="the GGUF both started servers load (default: the embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -207,7 +212,7 @@ def main() -> None:
         ap.error("give at least one server: --base-url, --start-ruvllm, --peer-url or --llama-server")
 
     console = Console()
-    texts = prompts(max(args.concurrency) * args.rounds, args.prompt_len)
+    texts = prompts(max(args.concurrency) * args.rounds, args.prompt_len, args.model_path)
     rows = []
     for n in args.concurrency:
         # (name, URL of a running server, or a function that starts one for this concurrency)
@@ -215,11 +220,12 @@ def main() -> None:
         if args.base_url:
             targets.append((args.base_label, args.base_url, None))
         if args.start_ruvllm:
-            targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split())))
+            targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split(), args.model_path)))
         if args.peer_url:
             targets.append(("peer", args.peer_url, None))
         if args.llama_server:
-            targets.append(("llama-server", None, lambda n=n: start_llama_server(args.llama_server, n, args.threads)))
+            targets.append(("llama-server", None, lambda n=n: start_llama_server(args.llama_server, n, args.threads,
+                                                                                 args.model_path)))
         procs = []
         try:
             # Every server is up for the whole level and they take turns, round after round: a drift in
@@ -249,7 +255,7 @@ def main() -> None:
     if args.offline:  # last, alone on the machine
         for n in args.concurrency:
             with console.status(f"offline: {n} prompts"):
-                row = run_offline(texts[:n], n, args.gen_len, {})
+                row = run_offline(texts[:n], n, args.gen_len, {"model": args.model_path})
             row["server"] = "offline (LLM)"
             rows.append(row)
 

@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from ruvllm.config import ModelConfig
 from ruvllm.loader.gguf_header import GGUFArray, GGUFHeader, GGUFTensorInfo, read_header
 from ruvllm.loader.limits import check_config, real_number, whole_number
-from ruvllm.quant.gguf_blocks import KEPT_GGUF_TYPES, gguf_quantized
+from ruvllm.quant.gguf_blocks import KEPT_GGUF_TYPES, REQUANTIZED_GGUF_TYPES, gguf_quantized, int8_groups
 from ruvllm.quant.weights import QuantizedWeight
 from ruvllm.errors import (
     CorruptModelError,
@@ -327,7 +327,8 @@ def iter_weights(path: Path, dtype: torch.dtype,
     """(Hugging Face name, tensor) for every tensor, dequantized and cast to dtype.
 
     With keep_quantized, 2-D tensors of the types with a packed kernel (Q4_0, Q4_1, Q4_K, Q8_0)
-    come as QuantizedWeight instead, holding the file's own codes.
+    come as QuantizedWeight instead, holding the file's own codes, and those of the other quantized
+    types (Q5_0, Q6_K, ...) requantized to int8 groups of 32 (gguf_blocks.REQUANTIZED_GGUF_TYPES).
 
     The file is checked eagerly, so a bad file raises here rather than midway through loading.
     """
@@ -335,6 +336,12 @@ def iter_weights(path: Path, dtype: torch.dtype,
     config = config_from_header(header)
     check_tensor_kinds(header, config.architecture)
     return _generate(header, config, dtype, keep_quantized)
+
+
+def requantized(t: GGUFTensorInfo) -> bool:
+    """Whether a tensor is read as int8 groups of 32 (with keep_quantized): a quantized matrix of a
+    type without a kernel of ours, whose rows split into groups of 32."""
+    return t.tensor_type in REQUANTIZED_GGUF_TYPES and len(t.shape) == 2 and t.shape[1] % 32 == 0
 
 
 def check_tensor_kinds(header: GGUFHeader, arch: str) -> None:
@@ -370,6 +377,9 @@ def _generate(
         tensor = _dequantize(header, data, t)
         if heads is not None:
             tensor = _unpermute_rope_rows(tensor, heads)
+        if keep_quantized and requantized(t):
+            yield name, int8_groups(tensor)
+            continue
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's (1 + w); Hugging Face names mean w
         yield name, tensor.to(dtype)

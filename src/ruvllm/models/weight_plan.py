@@ -185,6 +185,8 @@ def _gguf_tensors(path: Path) -> list[FileTensor]:
         packed = None
         if t.tensor_type in KEPT_GGUF_TYPES and len(t.shape) == 2:  # as gguf_file.iter_weights keeps them
             packed = ("int4" if t.tensor_type in INT4_GGUF_TYPES else "int8", 32)  # gguf_blocks: groups of 32
+        elif gguf_file.requantized(t):
+            packed = ("int8", 32)
         out.append(FileTensor(name, t.shape, packed))
     return out
 

@@ -20,6 +20,10 @@ from ruvllm.quant.weights import QuantizedWeight
 
 INT4_GGUF_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q4_K})
 KEPT_GGUF_TYPES = INT4_GGUF_TYPES | {QType.Q8_0}
+# Types with no kernel of ours, held as Q8_0-like int8 groups of 32 (requantized from their float
+# values: each group's step is its absmax / 127, a fraction of the source's own 5- or 6-bit step),
+# rather than as dense floats that would make a one-row matmul read 4-8x the bytes.
+REQUANTIZED_GGUF_TYPES = frozenset({QType.Q5_0, QType.Q5_1, QType.Q6_K, QType.Q2_K, QType.Q3_K, QType.Q5_K})
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -67,6 +71,16 @@ def gguf_int8(data: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
     codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
     return QuantizedWeight("int8", torch.from_numpy(codes.copy()), torch.from_numpy(np.ascontiguousarray(d)),
                            None, 32)
+
+
+def int8_groups(w: torch.Tensor) -> QuantizedWeight:
+    """A float matrix [N, K] (K a multiple of 32) as int8 codes with one scale per 32 inputs (round to nearest)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // 32, 32)
+    scale = g.abs().amax(-1) / 127.0
+    codes = torch.where(scale[..., None] > 0, g / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None],
+                        torch.zeros(()))
+    return QuantizedWeight("int8", codes.round().clamp(-127, 127).to(torch.int8).reshape(n, k), scale, None, 32)
 
 
 def gguf_quantized(data: np.ndarray, qtype: QType, shape: tuple[int, int]) -> QuantizedWeight:
