@@ -41,16 +41,17 @@ def long_prompt(gguf: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(gguf: Path, long_prompt: list[int]) -> dict[str, torch.Tensor | list[int]]:
-    """transformers' greedy continuation of the long prompt, and its logits over prompt + continuation."""
+    """transformers' greedy continuation of the long prompt and the logits that chose each token
+    (its prompt pass, then its decode steps over its own sliding-window cache)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
     with torch.no_grad():
-        full = model.generate(torch.tensor([long_prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                              min_new_tokens=DECODE_STEPS)[0].tolist()
-        logits = model(torch.tensor([full])).logits[0].float()
-    return {"continuation": full[len(long_prompt):], "logits": logits}
+        out = model.generate(torch.tensor([long_prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
+                             min_new_tokens=DECODE_STEPS, output_logits=True, return_dict_in_generate=True)
+    return {"continuation": out.sequences[0, len(long_prompt):].tolist(),
+            "logits": torch.cat(out.logits).float()}
 
 
 @pytest.mark.parametrize("chunk", [None, 200])
@@ -58,9 +59,94 @@ def test_logits_match_transformers(gguf: Path, long_prompt: list[int], reference
     """Prompt at once, or in chunks of 200 (chunks straddle window edges, and blocks leave the
     window between them), then 32 teacher-forced decode steps."""
     continuation = reference["continuation"]
-    expected = reference["logits"][len(long_prompt) - 1:-1]
+    expected = reference["logits"]
     runner = DirectRunner(resolve_model(str(gguf)), num_blocks=700)
     ours = runner.prefill_then_decode(long_prompt, continuation[:-1], chunk=chunk)
     diff = (ours - expected).abs().max().item()
     assert diff < ATOL, f"max |logit diff| {diff:.2e}"
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+# --- through the engine --------------------------------------------------------------------------
+
+def _checked(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats.idle and stats.free_blocks == stats.total_blocks, "KV blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def fp32(gguf: Path) -> LLM:
+    """fp32 compute, every weight dense: the precision transformers' reference runs at. A budget of
+    256 tokens chunks the long prompt across window edges."""
+    return LLM(str(gguf), dtype="float32", quantization="none", num_blocks=1024, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def default(gguf: Path) -> LLM:
+    """As a user gets it: the file's Q4_K / Q8_0 codes kept packed, its Q5_0 / Q6_K held as int8."""
+    return LLM(str(gguf), num_blocks=1024, max_num_batched_tokens=256)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+
+
+def test_greedy_text_matches_transformers(fp32: LLM, long_prompt: list[int], reference: dict) -> None:
+    """The long prompt alone, then batched with three short ones: transformers' greedy tokens."""
+    alone = fp32.generate([long_prompt], GREEDY)[0].outputs[0].token_ids
+    assert alone == reference["continuation"]
+    short = [[2, 818, 5279, 529, 7001, 563], [2, 9259, 1902], long_prompt[:300]]
+    batched = fp32.generate([short[0], long_prompt, *short[1:]], GREEDY)
+    assert batched[1].outputs[0].token_ids == reference["continuation"]
+    assert fp32.tokenizer.decode(batched[0].outputs[0].token_ids[:1]) == " the"  # (then " capital", ...)
+    _checked(fp32)
+
+
+def test_invariants_at_the_default_precision(default: LLM, long_prompt: list[int]) -> None:
+    """Alone = batched = chunked differently = after a prefix hit = after preemption, at the
+    default precision, on prompts longer than the window (their early blocks left the window)."""
+    prompts = [long_prompt[:1100], long_prompt[200:1000], long_prompt[:700] + [107], long_prompt[50:120]]
+    alone = [default.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    _checked(default)
+    default.reset_prefix_cache()
+    assert [o.outputs[0].token_ids for o in default.generate(prompts, GREEDY)] == alone  # batched
+    # the same prompts again: prefix hits on every KV group (the sliding ones only inside the window)
+    before = default.stats().prefix_hits
+    assert [o.outputs[0].token_ids for o in default.generate(prompts, GREEDY)] == alone
+    assert default.stats().prefix_hits - before > 1500
+    _checked(default)
+    from ruvllm.config import CacheConfig, SchedulerConfig
+
+    other = default.with_settings(CacheConfig(num_blocks=300, enable_prefix_caching=False),
+                                  SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=4))
+    outs = other.generate(prompts, GREEDY)  # other chunks; a pool that makes them preempt each other
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert other.stats().preemptions > 0
+    _checked(other)
+
+
+def test_sliding_groups_bound_the_kv_memory(default: LLM, long_prompt: list[int]) -> None:
+    """A 1,600-token prompt and 32 tokens in a pool of 450 blocks, which the same model with every
+    layer global would need 6 x 102 = 612 blocks for: the sliding groups hold only their window
+    (and a chunk), so it runs without preemption, and the pool's peak use is what the layout says."""
+    from ruvllm.config import CacheConfig, SchedulerConfig
+    from ruvllm.kv_groups import kv_layout
+    from ruvllm.loader import load_model_config
+
+    layout = kv_layout(load_model_config(resolve_model(default.info.model)))
+    small = default.with_settings(CacheConfig(num_blocks=450, enable_prefix_caching=False),
+                                  SchedulerConfig(max_num_batched_tokens=256))
+    assert small.info.max_seq_len >= 1632
+    peak = 0
+    step = small.core.step
+
+    def counting_step():  # the pool's use after every step
+        nonlocal peak
+        out = step()
+        peak = max(peak, small.stats().total_blocks - small.stats().free_blocks)
+        return out
+
+    small.core.step = counting_step
+    small.generate([long_prompt], GREEDY)
+    assert small.stats().preemptions == 0
+    assert peak <= layout.blocks_needed(1632, 256, 16) < 6 * 102
+    _checked(small)
