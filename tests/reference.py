@@ -24,6 +24,10 @@ def hf_reference(src: ModelSource) -> torch.nn.Module:
 
     (That our loader reads the same tensors as transformers' GGUF loader is tested in test_loader.)"""
     cfg = load_model_config(src)
+    if cfg.architecture == "gemma3" and src.format == "hf":  # transformers reads the folder itself
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
     config_cls, model_cls = _HF[cfg.architecture]
     kwargs = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,

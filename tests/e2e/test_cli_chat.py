@@ -147,3 +147,21 @@ def test_chat_through_a_lora_adapter(tiny_model_dir: Path, tmp_path: Path) -> No
         assert t.proc.wait(15) == 0
     finally:
         t.close()
+
+
+def test_chat_refuses_a_model_without_a_chat_template(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A base model (Gemma 3 270M ships none) cannot chat: one line that says so, exit code 1."""
+    import json
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    out = subprocess.run([str(RUVLLM), "chat", str(base)], input="hello\n", capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("error: base has no chat template (a base model), so it cannot "
+                                                   "chat; `ruvllm serve` serves its completions")

@@ -150,3 +150,34 @@ def test_sliding_groups_bound_the_kv_memory(default: LLM, long_prompt: list[int]
     assert small.stats().preemptions == 0
     assert peak <= layout.blocks_needed(1632, 256, 16) < 6 * 102
     _checked(small)
+
+
+# --- served -------------------------------------------------------------------------------------
+
+GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+              "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_served_with_the_openai_client(default: LLM) -> None:
+    """Completions, plain and streamed; chat refused with a 400 that says the model has no chat
+    template (the base model ships none), and served once one is given."""
+    import openai
+
+    from tests.server.conftest import MODEL, start_server
+
+    for running in start_server(default):
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none")
+        done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert done.choices[0].text.startswith(" the capital")
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert streamed == done.choices[0].text
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert "has no chat template" in str(err.value)
+    for running in start_server(default, chat_template=GEMMA_CHAT):
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=8, temperature=0)
+        assert reply.usage.prompt_tokens == 10 and reply.choices[0].message.content

@@ -47,7 +47,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa-llama3rope", "llama-mqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa-llama3rope", "llama-mqa", "qwen2", "qwen3", "gemma3"])
 def test_tiny_random_models_match_transformers(tmp_path: Path, kind: str) -> None:
     torch.manual_seed(0)
     if kind == "llama-gqa-llama3rope":
@@ -59,8 +59,23 @@ def test_tiny_random_models_match_transformers(tmp_path: Path, kind: str) -> Non
         model = LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=1, tie_word_embeddings=True))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, num_key_value_heads=2, tie_word_embeddings=True))
-    else:
+    elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False))
+    else:
+        # Gemma 3 with a window of 8 (the prompt is 40 tokens), a global layer between sliding
+        # ones, its own attention scalar and a final soft-cap; norms drawn away from their zero init.
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=32, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
     # Random init gives tiny logits; scale the output so argmax is not decided by rounding noise.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(20.0)

@@ -214,6 +214,11 @@ def chat(
     with console.status("loading model…"):
         async_engine = AsyncEngine(config)
     try:
+        from ruvllm.engine.prompts import has_chat_template
+
+        if not has_chat_template(async_engine.tokenizer):
+            raise ValueError(f"{Path(async_engine.info.model).name} has no chat template (a base model), so it "
+                             "cannot chat; `ruvllm serve` serves its completions")
         if lora:
             session.adapter = Path(lora).name or "adapter"
             async_engine.load_lora(session.adapter, lora)

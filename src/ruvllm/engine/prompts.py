@@ -26,10 +26,22 @@ def encode_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[list[int], str |
     return list(prompt), None
 
 
+NO_TEMPLATE = ("this model has no chat template (a base model): send completions instead, or give a template "
+               "(`ruvllm serve --chat-template`)")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None,
                 add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Apply the model's chat template (or the one given) and tokenize, without adding BOS twice.
     `tools`: OpenAI-style tools, for a template that renders them."""
+    if chat_template is None and not has_chat_template(tokenizer):
+        from ruvllm.errors import RequestError
+
+        raise RequestError(NO_TEMPLATE, "messages")
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          **({"tools": tools} if tools else {}))
