@@ -39,6 +39,11 @@ class EngineDeadError(RuvllmError):
     """The engine loop failed and stopped: this request, and every later one, cannot be served."""
 
 
+class ReplicaLostError(RuvllmError):
+    """The data-parallel replica serving this request failed; the others serve on, and the same
+    request sent again goes to one of them (HTTP 503)."""
+
+
 class RequestError(RuvllmError, ValueError):
     """A request cannot be served as asked (prompt too long, bad token ids, ...).
 

@@ -82,12 +82,23 @@ def register(app: typer.Typer) -> None:
         deep_heldout: str = typer.Option(None, "--deep-heldout", metavar="FILE", help="The deep loop's held-out text."),
         deep_general: str = typer.Option(None, "--deep-general", metavar="FILE", help="The deep loop's everyday text."),
         deep_probes: str = typer.Option(None, "--deep-probes", metavar="FILE", help="The deep loop's probes (JSON lines)."),
+        data_parallel_size: int = typer.Option(1, "--data-parallel-size", "--dp", min=1, metavar="N",
+                                               help="Engine-core processes, each with its own model copy and KV "
+                                                    "cache, behind this one server (docs/scaling.md)."),
+        threads_per_replica: int = typer.Option(None, "--threads-per-replica", min=1, metavar="T",
+                                                help="With --data-parallel-size: CPU threads of each replica "
+                                                     "(default: the cores split evenly; --threads is ignored)."),
+        routing: str = typer.Option("prefix", "--routing", metavar="POLICY",
+                                    help="With --data-parallel-size: prefix (the replica that holds the prompt's "
+                                         "prefix, under a load bound), least_loaded or round_robin."),
         engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
     ) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
 
         The engine core (model, scheduler, KV cache) runs in a child process of its own."""
         from ruvllm.engine.async_engine import AsyncEngine
+        from ruvllm.engine.data_parallel import DataParallelConfig
+        from ruvllm.engine.router import ROUTING_POLICIES, RouterConfig
         from ruvllm.device import check_device_name
         from ruvllm.loader.model_cache import resolve_cli_model
         from ruvllm.server.app import create_app
@@ -112,6 +123,11 @@ def register(app: typer.Typer) -> None:
                             ("--deep-probes", deep_probes)):
             if value and not Path(value).is_file():
                 raise fail(f"{flag} {value}: no such file")
+        if routing not in ROUTING_POLICIES:
+            raise fail(f"--routing {routing}: one of {', '.join(ROUTING_POLICIES)}")
+        if data_parallel_size > 1 and learn:
+            raise fail("--learn with --data-parallel-size > 1 is not supported: a tenant's learned adapter "
+                       "lives in one engine")
         path = resolve_cli_model(model, cache_dir)
         adapters = [parse_lora_flag(spec) for spec in lora]
         overrides: dict = {"enable_lora": True} if adapters or learn else {}
@@ -121,7 +137,8 @@ def register(app: typer.Typer) -> None:
             if engine.get("max_lora_rank") is None and not adapters:
                 overrides["max_lora_rank"] = 8
         with console.status("loading model"):
-            async_engine = AsyncEngine(engine.to_config(path, **overrides))
+            async_engine = AsyncEngine(engine.to_config(path, **overrides), DataParallelConfig(
+                data_parallel_size, threads_per_replica, routing=RouterConfig(policy=routing)))
         try:
             for name, adapter_path in adapters:
                 async_engine.load_lora(name, adapter_path)
@@ -146,7 +163,8 @@ def register(app: typer.Typer) -> None:
         kv_mib = info.kv_cache_bytes / 2**20
         tiers = (f" ({info.num_hot_blocks} hot + {info.num_cold_blocks} {info.kv_cache_dtype} cold)"
                  if info.num_cold_blocks else "")
-        console.print(f"model [bold]{cfg.served_model_name}[/bold] ({info.model}), "
+        replicas = f"{data_parallel_size} replicas, " if data_parallel_size > 1 else ""
+        console.print(f"model [bold]{cfg.served_model_name}[/bold] ({info.model}), {replicas}"
                       f"{info.architecture}, context {info.max_seq_len}; KV cache "
                       f"{info.num_blocks} blocks{tiers} x {info.block_size} = {info.num_blocks * info.block_size:,} "
                       f"tokens ({kv_mib:.0f} MiB); {info.dtype} on {info.device}")

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ReplicaState, ThreadCoreClient
+from ruvllm.engine.data_parallel import DataParallelConfig, DataParallelCoreClient
 from ruvllm.engine.input_processor import core_requests, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import PromptInput, encode_prompt
@@ -42,10 +43,16 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        """The core in a child process, loading `config`'s model there while the tokenizer loads here."""
+    def __init__(self, config: EngineConfig | None = None, data_parallel: DataParallelConfig | None = None) -> None:
+        """The core in a child process, loading `config`'s model there while the tokenizer loads here.
+        `data_parallel` with size N > 1: N core processes, each with its own model copy and KV pool,
+        behind this one front (engine/data_parallel.py)."""
         config = config or EngineConfig()
-        client = ProcessCoreClient(config)  # started first: the two loads overlap
+        client: ProcessCoreClient | DataParallelCoreClient
+        if data_parallel is not None and data_parallel.size > 1:
+            client = DataParallelCoreClient(config, data_parallel)
+        else:
+            client = ProcessCoreClient(config)  # started first: the two loads overlap
         try:
             from ruvllm.loader import load_model_config, load_tokenizer, resolve_model
 
@@ -80,7 +87,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._closed: EngineDeadError | EngineShutdownError | None = None
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        client.start(self._on_outputs, self._fail)
+        client.start(self._on_outputs, self._fail, self._lose)
 
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
@@ -173,6 +180,11 @@ class AsyncEngine:
         return self._closed is None and self._client.is_alive
 
     @property
+    def replicas(self) -> list[ReplicaState]:
+        """Each engine core behind this front (one, or the data-parallel replicas); never blocks."""
+        return self._client.replica_states()
+
+    @property
     def failure(self) -> EngineDeadError | None:
         """Why the engine stopped, when it failed (None while it runs, or after a clean shutdown)."""
         return self._closed if isinstance(self._closed, EngineDeadError) else None
@@ -211,6 +223,17 @@ class AsyncEngine:
         for stream, result in targets:
             if stream is not None:
                 _deliver(stream, result)
+
+    def _lose(self, seq_ids: list[str], error: BaseException) -> None:
+        """A data-parallel replica failed: the requests it served end with `error`; the rest go on."""
+        with self._lock:
+            request_ids = self._processor.request_ids_of(seq_ids)
+            streams = [self._streams.pop(rid, None) for rid in request_ids]
+            for rid in request_ids:
+                self._processor.abort(rid)
+        for stream in streams:
+            if stream is not None:
+                _deliver(stream, error)
 
     def _fail(self, error: EngineDeadError) -> None:
         log.error("%s; every open request is failed and the engine stops", error)

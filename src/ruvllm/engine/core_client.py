@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -37,12 +38,25 @@ log = logging.getLogger(__name__)
 
 OnOutputs = Callable[[list[CoreOutput]], None]
 OnFailure = Callable[[EngineDeadError], None]
+# Sequences lost with a data-parallel replica that failed (the engine serves on): their callers' error.
+OnLost = Callable[[list[str], BaseException], None]
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One engine core behind the front, as /metrics and /health show it."""
+
+    index: int
+    status: str  # "up", "restarting", "failed" (given up on), "stopped"
+    stats: EngineStats
+    restarts: int = 0
+    last_error: str | None = None
 
 
 class CoreClient(Protocol):
     info: EngineInfo
 
-    def start(self, on_outputs: OnOutputs, on_failure: OnFailure) -> None: ...
+    def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None: ...
 
     def add(self, requests: list[CoreRequest]) -> None: ...
 
@@ -55,6 +69,8 @@ class CoreClient(Protocol):
 
     @property
     def is_alive(self) -> bool: ...
+
+    def replica_states(self) -> list[ReplicaState]: ...
 
     def shutdown(self) -> None: ...
 
@@ -111,6 +127,14 @@ class _PublishedStats:
     def latest_stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def replica_states(self) -> list[ReplicaState]:
+        """One core: replica 0."""
+        return [ReplicaState(0, "up" if self.is_alive else "stopped", self._stats)]
+
 
 class ThreadCoreClient(_PublishedStats):
     """The core on one dedicated thread of this process: the only thread that touches the model,
@@ -124,7 +148,8 @@ class ThreadCoreClient(_PublishedStats):
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
+    def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
+        # One core: its failure is the engine's, so no sequence is ever lost alone (on_lost unused).
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._thread = threading.Thread(target=self._loop, name="ruvllm-engine", daemon=True)
         self._thread.start()
@@ -229,9 +254,9 @@ class ProcessCoreClient(_PublishedStats):
     once rather than leaving it to wait. Shutdown asks the child to leave, then terminates it,
     then kills it, and always joins it: no zombie is left behind."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cpus: set[int] | None = None) -> None:
         """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
-        its tokenizer meanwhile)."""
+        its tokenizer meanwhile). `cpus`: the cores the child (and every thread it starts) may run on."""
         self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -256,10 +281,14 @@ class ProcessCoreClient(_PublishedStats):
         # The child logs at this process's level (`ruvllm -v` shows the core's load and KV sizing too).
         # As a number: a custom level has no name basicConfig would take back.
         env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel())}
+        if config.num_threads is not None:  # OpenMP pools the child's libraries start get the same count
+            env["OMP_NUM_THREADS"] = str(config.num_threads)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, out_addr, str(os.getpid())],
             stdin=subprocess.PIPE, env=env)
         try:
+            if cpus:  # set before the child has started any thread (it is still importing): all inherit it
+                os.sched_setaffinity(self.process.pid, cpus)
             assert self.process.stdin is not None
             self.process.stdin.write(pickle.dumps(config))
             self.process.stdin.close()
@@ -292,7 +321,7 @@ class ProcessCoreClient(_PublishedStats):
                                       "while loading the model")
         raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
 
-    def start(self, on_outputs: OnOutputs, on_failure: OnFailure) -> None:
+    def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._thread = threading.Thread(target=self._receive, name="ruvllm-core-output", daemon=True)
         self._thread.start()

@@ -89,6 +89,11 @@ class OutputProcessor:
         for sid in seq_ids:
             self._seq_to_group[sid] = group
 
+    def request_ids_of(self, seq_ids: list[str]) -> list[str]:
+        """The requests these sequences belong to (each once; unknown ids skipped)."""
+        found = {self._seq_to_group[sid].request_id: None for sid in seq_ids if sid in self._seq_to_group}
+        return list(found)
+
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its sequences the core still runs (to abort there)."""
         group = self._groups.pop(request_id, None)

@@ -87,7 +87,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
             st.witness.close()  # what is queued is committed first
 
     app = FastAPI(title="ruvllm", lifespan=lifespan)
-    st = _State(engine, cfg, ServerMetrics(lambda: engine.snapshot, cfg.served_model_name),
+    st = _State(engine, cfg, ServerMetrics(lambda: engine.replicas, cfg.served_model_name),
                 Admission(engine.info.max_num_seqs + cfg.max_queue), R.TokenText(engine.tokenizer), R.now())
     template = cfg.chat_template or getattr(engine.tokenizer, "chat_template", None)
     st.native_tools = template_knows_tools(template)
@@ -128,7 +128,12 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
             return error_response(503, f"engine is not running: {engine.failure}", None, "engine_failed")
         if not engine.is_alive:
             return error_response(503, "engine is not running")
-        return JSONResponse({"status": "ok", "learning": st.learner is not None})
+        replicas = engine.replicas
+        body: dict[str, Any] = {"status": "ok", "learning": st.learner is not None}
+        if len(replicas) > 1:  # data parallel: which replicas serve (a restarting one is not an outage)
+            body["replicas"] = [{"replica": r.index, "status": r.status, "restarts": r.restarts,
+                                 **({"last_error": r.last_error} if r.last_error else {})} for r in replicas]
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError, RequestError
+from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError, RequestError
 from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -161,6 +161,8 @@ def api_error(exc: BaseException) -> BaseException:
         return exc
     if isinstance(exc, EngineShutdownError):
         return APIError(503, str(exc), None, "shutting_down")
+    if isinstance(exc, ReplicaLostError):  # the others serve on: a retry is answered
+        return APIError(503, str(exc), None, "replica_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), None, "engine_failed")
     if isinstance(exc, AdapterNotFoundError):  # unloaded between the check and the start

@@ -10,17 +10,18 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ruvllm.messages import EngineStats
+from ruvllm.engine.core_client import ReplicaState
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's latest stats at scrape time (published by the core after each step)."""
+    """Reads each engine core's latest stats at scrape time (published by the core after each step),
+    one series per replica (`replica` label: "0" for a single core; data-parallel replicas 0..N-1)."""
 
-    def __init__(self, snapshot: Callable[[], EngineStats], model: str) -> None:
-        self._snapshot, self._model = snapshot, model
+    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
+        self._replicas, self._model = replicas, model
 
     _FAMILIES = (
         (GaugeMetricFamily, "ruvllm:num_requests_running", "Requests in the running batch.", "running"),
@@ -45,19 +46,29 @@ class _EngineCollector(Collector):
     )
 
     def collect(self) -> Iterator[Any]:
-        s = self._snapshot()
+        replicas = self._replicas()
         for family, name, doc, key in self._FAMILIES:
-            metric = family(name, doc, labels=["model_name"])
-            metric.add_metric([self._model], float(getattr(s, key)))
+            metric = family(name, doc, labels=["model_name", "replica"])
+            for rep in replicas:
+                metric.add_metric([self._model, str(rep.index)], float(getattr(rep.stats, key)))
             yield metric
+        up = GaugeMetricFamily("ruvllm:replica_up", "1 while the engine core serves (0: restarting or failed).",
+                               labels=["model_name", "replica"])
+        restarts = CounterMetricFamily("ruvllm:replica_restarts", "Times the engine core was started again "
+                                       "after it failed.", labels=["model_name", "replica"])
+        for rep in replicas:
+            up.add_metric([self._model, str(rep.index)], 1.0 if rep.status == "up" else 0.0)
+            restarts.add_metric([self._model, str(rep.index)], float(rep.restarts))
+        yield up
+        yield restarts
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineStats], model: str) -> None:
+    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r = self.registry
-        self.registry.register(_EngineCollector(snapshot, model))
+        self.registry.register(_EngineCollector(replicas, model))
         lab = ["model_name"]
         self.prompt_tokens = Counter("ruvllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("ruvllm:generation_tokens", "Tokens generated.", lab, registry=r)

@@ -1,0 +1,325 @@
+"""Data-parallel replicas on one machine: N engine-core processes, each with its own model copy and
+KV pool, behind one front (docs/scaling.md).
+
+`DataParallelCoreClient` is a CoreClient like the others, so the AsyncEngine front (tokenizer,
+detokenizer, stop strings, n > 1) and the server above it are the same code with one replica or
+many. It routes each request (all n sequences of it together) to one replica (engine/router.py),
+sends aborts where the sequence went, and sums the replicas' stats; `replica_states` gives them one
+by one (the `replica` label of /metrics).
+
+A replica that dies (killed, out of memory, a failed step) fails only its own open requests
+(ReplicaLostError, through the front's `on_lost`), is taken out of routing at once, and is started
+again in the background: the same config, then the adapters loaded into the others since start-up.
+The engine as a whole fails only when no replica is left and restarting has given up (more than
+`max_restarts` failures of one replica within `restart_window_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import msgspec
+
+from ruvllm.config import EngineConfig
+from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
+from ruvllm.engine.router import Router, RouterConfig
+from ruvllm.errors import EngineDeadError, ReplicaLostError
+from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    size: int = 1  # engine-core processes
+    threads_per_replica: int | None = None  # None: the usable cores split evenly (at least 1)
+    # Pin replica i to its own cores (i*T .. i*T+T-1 of the usable ones) when they are enough for
+    # all; otherwise the OS schedules them freely.
+    pin_cores: bool = True
+    routing: RouterConfig = RouterConfig()
+    max_restarts: int = 5  # failures of one replica within restart_window_s before it is given up
+    restart_window_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.size}")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise ValueError(f"threads_per_replica must be at least 1, got {self.threads_per_replica}")
+
+    def threads(self) -> int:
+        if self.threads_per_replica is not None:
+            return self.threads_per_replica
+        return max(1, len(_usable_cpus()) // self.size)
+
+    def replica_cpus(self, index: int) -> set[int] | None:
+        cpus = sorted(_usable_cpus())
+        t = self.threads()
+        if not self.pin_cores or t * self.size > len(cpus):
+            return None
+        return set(cpus[index * t:(index + 1) * t])
+
+
+def _usable_cpus() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not on Linux
+        return set(range(os.cpu_count() or 1))
+
+
+class _Replica:
+    def __init__(self, index: int, config: EngineConfig, cpus: set[int] | None) -> None:
+        self.index, self.config, self.cpus = index, config, cpus
+        self.client: ProcessCoreClient | None = None
+        self.status = "starting"
+        self.sequences: set[str] = set()  # sent here and not yet finished or aborted
+        self.stats = EngineStats()
+        self.failures: list[float] = []  # monotonic times
+        self.restarts = 0
+        self.last_error: str | None = None
+
+    def launch(self) -> ProcessCoreClient:
+        client = ProcessCoreClient(self.config, cpus=self.cpus)
+        client.wait_ready()
+        return client
+
+
+class DataParallelCoreClient:
+    """N ProcessCoreClients behind one router (see the module's docstring)."""
+
+    def __init__(self, config: EngineConfig, dp: DataParallelConfig) -> None:
+        """Starts every replica's process at once (their loads overlap); `wait_ready` waits for all."""
+        self.dp = dp
+        threads = dp.threads()
+        self._replicas = [_Replica(i, replace(config, num_threads=threads), dp.replica_cpus(i))
+                          for i in range(dp.size)]
+        self._lock = threading.Lock()
+        self._where: dict[str, int] = {}  # sequence id -> replica
+        self._adapters: dict[str, str] = {}  # loaded at run time, name -> path: loaded again on restart
+        self._stopping = threading.Event()
+        self._on_outputs: OnOutputs | None = None
+        self._pending: list[ProcessCoreClient] = []
+        try:
+            for rep in self._replicas:
+                self._pending.append(ProcessCoreClient(rep.config, cpus=rep.cpus))
+        except BaseException:
+            self._shutdown_pending()
+            raise
+        self.router: Router | None = None
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        try:
+            for rep, client in zip(self._replicas, self._pending):
+                client.wait_ready(timeout)
+                rep.client, rep.status, rep.stats = client, "up", client.latest_stats
+        except BaseException:
+            self._shutdown_pending()
+            raise
+        self._pending = []
+        first = self._replicas[0].client.info  # type: ignore[union-attr]
+        # Capacity fields are the sum over replicas (the server admits that many sequences); what
+        # one sequence may hold (max_seq_len) is one replica's.
+        infos = [rep.client.info for rep in self._replicas]  # type: ignore[union-attr]
+        self.info: EngineInfo = msgspec.structs.replace(
+            first, max_num_seqs=sum(i.max_num_seqs for i in infos),
+            num_hot_blocks=sum(i.num_hot_blocks for i in infos), num_cold_blocks=sum(i.num_cold_blocks for i in infos),
+            kv_cache_bytes=sum(i.kv_cache_bytes for i in infos), weight_bytes=sum(i.weight_bytes for i in infos))
+        self.router = Router(len(self._replicas), first.block_size, self.dp.routing)
+
+    def _shutdown_pending(self) -> None:
+        for client in self._pending:
+            client.shutdown()
+        self._pending = []
+
+    def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
+        self._on_outputs, self._on_failure = on_outputs, on_failure
+        self._on_lost = on_lost
+        for rep in self._replicas:
+            self._attach(rep)
+
+    def _attach(self, rep: _Replica) -> None:
+        assert rep.client is not None
+        client = rep.client
+        rep.client.start(lambda outs, rep=rep: self._outputs(rep, outs),
+                         lambda err, rep=rep, client=client: self._replica_failed(rep, client, err))
+
+    # --- the front's calls -------------------------------------------------------------------------
+    def add(self, requests: list[CoreRequest]) -> None:
+        if not requests:
+            return
+        first = requests[0]
+        with self._lock:
+            usable = [rep.status == "up" for rep in self._replicas]
+            if not any(usable):
+                raise EngineDeadError("no engine replica is running (they are restarting or have failed)")
+            loads = [len(rep.sequences) + rep.stats.kv_usage for rep in self._replicas]
+            assert self.router is not None
+            index = self.router.choose(first.prompt_token_ids, (first.cache_salt, first.adapter), loads, usable)
+            rep = self._replicas[index]
+            for req in requests:
+                self._where[req.request_id] = index
+                rep.sequences.add(req.request_id)
+            client = rep.client
+        assert client is not None
+        try:
+            client.add(requests)
+        except EngineDeadError as exc:  # it died between the choice and the send
+            self._lose(rep, [r.request_id for r in requests], exc)
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        with self._lock:
+            for sid in request_ids:
+                index = self._where.pop(sid, None)
+                if index is not None:
+                    self._replicas[index].sequences.discard(sid)
+                    by_replica.setdefault(index, []).append(sid)
+            clients = {i: self._replicas[i].client for i in by_replica}
+        for i, ids in by_replica.items():
+            client = clients[i]
+            if client is not None:
+                client.abort(ids)
+
+    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
+        """Every running replica answers (adapters are loaded into and unloaded from all); the
+        stats returned are their sum."""
+        if method == "load_lora" and len(args) == 2:
+            self._adapters[args[0]] = args[1]
+        elif method == "unload_lora" and len(args) == 1:
+            self._adapters.pop(args[0], None)
+        for rep in self._up():
+            assert rep.client is not None
+            try:
+                rep.stats = rep.client.call(method, *args, timeout=timeout)
+            except EngineDeadError:
+                continue  # its failure callback takes it out and restarts it
+        return self.latest_stats
+
+    def _up(self) -> list[_Replica]:
+        with self._lock:
+            return [rep for rep in self._replicas if rep.status == "up"]
+
+    @property
+    def latest_stats(self) -> EngineStats:
+        total = EngineStats()
+        adapters: list[str] | None = None
+        for rep in self._replicas:
+            s = rep.client.latest_stats if rep.status == "up" and rep.client is not None else rep.stats
+            for f in ("running", "waiting", "free_blocks", "total_blocks", "free_cold_blocks", "cold_blocks",
+                      "prefix_queries", "prefix_hits", "preemptions", "spec_proposed", "spec_accepted",
+                      "spec_verifications"):
+                setattr(total, f, getattr(total, f) + getattr(s, f))
+            if rep.status == "up" and adapters is None:
+                adapters = list(s.adapters)
+        total.adapters = adapters or []
+        return total
+
+    def replica_states(self) -> list[ReplicaState]:
+        with self._lock:
+            return [ReplicaState(rep.index, rep.status,
+                                 rep.client.latest_stats if rep.status == "up" and rep.client else rep.stats,
+                                 rep.restarts, rep.last_error) for rep in self._replicas]
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopping.is_set() and any(rep.status in ("up", "restarting") for rep in self._replicas)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        for rep in self._replicas:
+            with self._lock:
+                client, rep.status = rep.client, "stopped"
+            if client is not None:
+                client.shutdown()
+        self._shutdown_pending()
+
+    # --- the replicas' receiving threads ------------------------------------------------------------
+    def _outputs(self, rep: _Replica, outputs: list[CoreOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                if out.finish_reason is not None and self._where.pop(out.request_id, None) is not None:
+                    rep.sequences.discard(out.request_id)
+            if rep.client is not None:
+                rep.stats = rep.client.latest_stats
+        assert self._on_outputs is not None
+        self._on_outputs(outputs)
+
+    def _replica_failed(self, rep: _Replica, client: ProcessCoreClient, error: EngineDeadError) -> None:
+        if self._stopping.is_set():
+            return
+        with self._lock:
+            if rep.client is not client:  # a stale client's late report
+                return
+            lost = sorted(rep.sequences)
+            now = time.monotonic()
+            rep.failures = [t for t in rep.failures if now - t < self.dp.restart_window_s] + [now]
+            rep.last_error = str(error)
+            give_up = len(rep.failures) > self.dp.max_restarts
+            rep.status = "failed" if give_up else "restarting"
+            rep.stats = EngineStats(total_blocks=rep.stats.total_blocks, free_blocks=rep.stats.total_blocks)
+        log.error("engine replica %d failed (%s); %d open sequence(s) lost; %s", rep.index, error, len(lost),
+                  "giving up on it" if give_up else "restarting it")
+        self._lose(rep, lost, error)
+        if give_up:
+            self._maybe_all_dead()
+        else:
+            threading.Thread(target=self._restart, args=(rep,), name=f"ruvllm-replica-{rep.index}-restart",
+                             daemon=True).start()
+
+    def _lose(self, rep: _Replica, seq_ids: list[str], error: BaseException) -> None:
+        with self._lock:
+            for sid in seq_ids:
+                self._where.pop(sid, None)
+                rep.sequences.discard(sid)
+            assert self.router is not None
+            self.router.forget(rep.index)
+        if seq_ids and self._on_lost is not None:
+            self._on_lost(seq_ids, ReplicaLostError(
+                f"engine replica {rep.index} failed while serving this request ({error}); "
+                "the other replicas are serving: send it again"))
+
+    def _restart(self, rep: _Replica) -> None:
+        old = rep.client
+        if old is not None:  # its sockets and folder (the process is already reaped)
+            old.shutdown()
+        time.sleep(min(2.0 ** (len(rep.failures) - 1) * 0.5, 10.0))  # back off when it keeps failing
+        while not self._stopping.is_set():
+            try:
+                client = rep.launch()
+                for name, path in list(self._adapters.items()):
+                    client.call("load_lora", name, path)
+            except Exception as exc:
+                with self._lock:
+                    now = time.monotonic()
+                    rep.failures = [t for t in rep.failures if now - t < self.dp.restart_window_s] + [now]
+                    rep.last_error = f"restart failed: {exc}"
+                    give_up = len(rep.failures) > self.dp.max_restarts
+                log.error("engine replica %d did not restart: %s", rep.index, exc)
+                if give_up:
+                    with self._lock:
+                        rep.status = "failed"
+                    self._maybe_all_dead()
+                    return
+                time.sleep(1.0)
+                continue
+            with self._lock:
+                if self._stopping.is_set():
+                    stale = client
+                else:
+                    stale = None
+                    rep.client, rep.status, rep.stats = client, "up", client.latest_stats
+                    rep.restarts += 1
+            if stale is not None:
+                stale.shutdown()
+                return
+            self._attach(rep)
+            log.warning("engine replica %d is serving again (restart %d)", rep.index, rep.restarts)
+            return
+
+    def _maybe_all_dead(self) -> None:
+        if all(rep.status == "failed" for rep in self._replicas):
+            self._on_failure(EngineDeadError("every engine replica failed and could not be restarted: "
+                                             + "; ".join(f"replica {r.index}: {r.last_error}" for r in self._replicas)))
+

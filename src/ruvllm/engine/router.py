@@ -1,0 +1,147 @@
+"""Which data-parallel replica serves a request (docs/scaling.md, "Routing").
+
+Each replica is an engine core with a prefix cache of its own, so where a request goes decides
+whether its prompt's blocks are found cached. The `prefix` policy (the default) does three things:
+
+1. **Recent prefixes.** The router remembers, per replica, the chained hashes of the full prompt
+   blocks it sent there (an LRU of `prefix_memory` hashes a replica; the same chain as the core's
+   prefix cache: salted by the tenant's cache salt and the adapter, so only prompts that could hit
+   one another match). A request goes to the replica holding the longest run of its leading blocks:
+   turn k + 1 of a chat starts with turn k's whole prompt, so a conversation stays where its cache is.
+2. **A load bound.** No replica takes a request while its load is above `load_factor` x the mean
+   load, counting the new request (Mirrokni, Thorup and Zadimoghaddam's consistent hashing with
+   bounded loads): a hot prefix (one system prompt shared by every chat) spills to other replicas
+   instead of piling onto one.
+3. **A consistent hash** for prompts nobody holds: the first block's hash picks a point on a ring of
+   `virtual_nodes` points per replica, and the walk goes clockwise to the first replica under the
+   bound. The same new prefix goes to the same replica while it is alive, and only the prefixes of a
+   replica that dies move.
+
+Load is what the front knows at once: sequences it has sent a replica and not yet seen finish
+(running and waiting there, without waiting for the core's next stats), plus the replica's KV
+usage (0-1, from its latest stats) to break ties. `least_loaded` and `round_robin` are the
+policies to compare against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "prefix"
+    load_factor: float = 1.25  # a replica above this x the mean load (the request counted) takes none
+    prefix_memory: int = 65536  # block hashes remembered per replica (LRU)
+    virtual_nodes: int = 64  # points per replica on the consistent-hash ring
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor must be at least 1, got {self.load_factor}")
+        if self.prefix_memory < 1 or self.virtual_nodes < 1:
+            raise ValueError("prefix_memory and virtual_nodes must be positive")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: object = None) -> list[int]:
+    """Chained hashes of the prompt's full blocks: hash i covers tokens [0, (i + 1) x block_size)."""
+    out: list[int] = []
+    parent = hash(("ruvllm-route", salt))
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        out.append(parent)
+    return out
+
+
+def _ring_point(key: str) -> int:
+    # A stable hash (Python's hash() of a str changes per process): the ring is the same every run.
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class Router:
+    """Routing state of one front: not thread-safe (the data-parallel client calls it under its lock)."""
+
+    def __init__(self, num_replicas: int, block_size: int, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
+        self.block_size = block_size
+        self._recent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        points = sorted((_ring_point(f"replica-{r}-{v}"), r)
+                        for r in range(num_replicas) for v in range(self.config.virtual_nodes))
+        self._ring_keys = [p for p, _ in points]
+        self._ring_owners = [r for _, r in points]
+        self._next = itertools.count()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._recent)
+
+    def choose(self, token_ids: Sequence[int], salt: object, loads: Sequence[float],
+               usable: Sequence[bool]) -> int:
+        """The replica for a request whose prompt is `token_ids`; `loads[r]` in sequences (fractional
+        part: KV usage), `usable[r]` False for a replica that is down. Records the prompt's blocks
+        as the chosen replica's recent prefixes."""
+        candidates = [r for r in range(self.num_replicas) if usable[r]]
+        if not candidates:
+            raise RuntimeError("no replica is available")
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        policy = self.config.policy
+        if policy == "round_robin":
+            choice = candidates[next(self._next) % len(candidates)]
+        elif policy == "least_loaded":
+            choice = min(candidates, key=lambda r: (loads[r], r))
+        else:
+            choice = self._by_prefix(hashes, token_ids, salt, loads, candidates)
+        self._remember(choice, hashes)
+        return choice
+
+    def _by_prefix(self, hashes: list[int], token_ids: Sequence[int], salt: object, loads: Sequence[float],
+                   candidates: list[int]) -> int:
+        # Whole sequences count against the bound; the KV fraction only orders equals.
+        total = sum(int(loads[r]) for r in candidates) + 1
+        bound = math.ceil(self.config.load_factor * total / len(candidates))
+        under = [r for r in candidates if int(loads[r]) + 1 <= bound]
+        if not under:  # every replica at the bound (cannot happen with load_factor >= 1): least loaded
+            return min(candidates, key=lambda r: (loads[r], r))
+        depths = {r: self.match_depth(r, hashes) for r in under}
+        deepest = max(depths.values())
+        if deepest > 0:
+            return min((r for r in under if depths[r] == deepest), key=lambda r: (loads[r], r))
+        key = hashes[0] if hashes else hash(("ruvllm-route", salt, tuple(token_ids)))
+        start = bisect.bisect(self._ring_keys, _ring_point(str(key)))
+        allowed = set(under)
+        for i in range(len(self._ring_keys)):
+            owner = self._ring_owners[(start + i) % len(self._ring_keys)]
+            if owner in allowed:
+                return owner
+        raise AssertionError("the ring holds every replica")
+
+    def match_depth(self, replica: int, hashes: list[int]) -> int:
+        """How many of the prompt's leading blocks were recently sent to `replica`."""
+        recent = self._recent[replica]
+        depth = 0
+        for h in hashes:
+            if h not in recent:
+                break
+            depth += 1
+        return depth
+
+    def _remember(self, replica: int, hashes: list[int]) -> None:
+        recent = self._recent[replica]
+        for h in hashes:
+            recent[h] = None
+            recent.move_to_end(h)
+        while len(recent) > self.config.prefix_memory:
+            recent.popitem(last=False)
+
+    def forget(self, replica: int) -> None:
+        """A replica that restarted has an empty prefix cache: nothing it held is there any more."""
+        self._recent[replica].clear()

@@ -1,0 +1,149 @@
+"""Two data-parallel replicas of the default model behind one AsyncEngine front (what `ruvllm serve
+--data-parallel-size 2` runs): the invariants hold through the router (isolation, alone = batched,
+prefix hit = miss, a conversation's turns on the replica that holds its prefix), and a replica
+killed with SIGKILL under load fails only its own requests, comes back, and leaks no block."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ruvllm import LLM, AsyncEngine, EngineConfig, SamplingParams
+from ruvllm.config import CacheConfig, QuantConfig, SchedulerConfig
+from ruvllm.engine.data_parallel import DataParallelConfig
+from ruvllm.errors import ReplicaLostError
+from ruvllm.outputs import OutputKind, RequestOutput
+
+from tests.conftest import novel_prompts
+
+# Each replica as tight as test_process_engine's single core: prompts chunk, a replica preempts.
+TIGHT = dict(cache=CacheConfig(num_blocks=20), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
+
+
+@pytest.fixture(scope="module")
+def dp_engine() -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT),  # as `llm`
+                         DataParallelConfig(size=2, threads_per_replica=1))
+    yield engine
+    engine.shutdown()
+    for rep in engine._client._replicas:
+        assert rep.client is None or rep.client.process.poll() is not None, "a replica outlived shutdown"
+
+
+async def _run(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, rid: str) -> RequestOutput:
+    last = None
+    async for out in engine.generate(prompt, params, rid, output_kind=OutputKind.FINAL_ONLY):
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def _key(out: RequestOutput) -> list[tuple]:
+    return [(c.text, c.token_ids, c.finish_reason) for c in out.outputs]
+
+
+def _settle(engine: AsyncEngine) -> None:
+    """Until every replica is idle with every block free (an abort may still be on its way)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        engine.stats()  # answered by every replica after what was sent before
+        states = engine.replicas
+        if all(r.status == "up" and r.stats.idle and r.stats.free_blocks == r.stats.total_blocks for r in states):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"replicas did not settle: {engine.replicas}")
+
+
+def test_sixteen_concurrent_over_two_replicas_equal_each_alone(dp_engine: AsyncEngine, llm: LLM) -> None:
+    prompts = novel_prompts(16, words=28)
+    params = [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16, stop=[".", ","]),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3)]
+    params = [params[i % 4] for i in range(16)]
+    queries_before = [r.stats.prefix_queries for r in dp_engine.replicas]
+
+    async def together() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(_run(dp_engine, p, sp, f"c{i}") for i, (p, sp) in
+                                           enumerate(zip(prompts, params)))))
+
+    outs = asyncio.run(together())
+    _settle(dp_engine)
+    served = [r.stats.prefix_queries - q for r, q in zip(dp_engine.replicas, queries_before)]
+    assert all(s > 0 for s in served), f"both replicas were meant to serve: {served}"
+    assert sum(r.stats.preemptions for r in dp_engine.replicas) > 0, "the tight pools were meant to preempt"
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    for i, (a, b) in enumerate(zip(outs, alone)):
+        assert _key(a) == _key(b), f"request {i} differs between two replicas (batched) and alone"
+
+
+def test_a_conversation_hits_its_prefix_on_the_same_replica(dp_engine: AsyncEngine, llm: LLM) -> None:
+    """Turn 2 starts with turn 1's prompt: the router sends it where those blocks are cached, and
+    the hit's output equals a miss's."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    turn1 = novel_prompts(1, words=60)[0]
+    first = asyncio.run(_run(dp_engine, turn1, params, "t1"))
+    again = asyncio.run(_run(dp_engine, turn1, params, "t1-again"))
+    turn2 = turn1 + first.outputs[0].text + " And then"
+    second = asyncio.run(_run(dp_engine, turn2, params, "t2"))
+    assert again.num_cached_tokens > 0 and second.num_cached_tokens >= again.num_cached_tokens
+    assert _key(again) == _key(first) == _key(llm.generate([turn1], params)[0])
+    assert _key(second) == _key(llm.generate([turn2], params)[0])
+    _settle(dp_engine)
+
+
+def test_zz_a_killed_replica_fails_only_its_requests_and_comes_back(dp_engine: AsyncEngine, llm: LLM) -> None:
+    """Last in the file: it kills replica 0 of the module's engine under load."""
+    engine = dp_engine
+    victim = engine._client._replicas[0].client.process  # what a crash or the OOM killer would take
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [f"Story number {i}: once upon a time" for i in range(12)]
+
+    async def main() -> tuple[dict[int, RequestOutput], dict[int, BaseException]]:
+        started = asyncio.Event()
+        done: dict[int, RequestOutput] = {}
+        lost: dict[int, BaseException] = {}
+
+        async def stream(i: int) -> None:
+            try:
+                async for out in engine.generate(prompts[i], params, f"k{i}", output_kind=OutputKind.CUMULATIVE):
+                    started.set()
+                    if out.finished:
+                        done[i] = out
+            except ReplicaLostError as exc:
+                lost[i] = exc
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(0.3)
+        os.kill(victim.pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return done, lost
+
+    done, lost = asyncio.run(main())
+    assert len(done) + len(lost) == len(prompts), "a request was neither finished nor failed"
+    assert lost and done, f"both replicas were meant to hold requests: {len(done)} done, {len(lost)} lost"
+    assert all("replica 0 failed" in str(e) for e in lost.values())
+    for i, out in done.items():  # the other replica's requests lost nothing
+        assert _key(out) == _key(llm.generate([prompts[i]], params)[0]), f"request {i} changed"
+    assert engine.is_alive and engine.failure is None  # the engine serves on
+    deadline = time.monotonic() + 120
+    while engine.replicas[0].status != "up" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    state = engine.replicas[0]
+    assert state.status == "up" and state.restarts == 1, state
+    assert engine._client._replicas[0].client.process.pid != victim.pid
+    # Served again by both: a request that lands on the restarted replica is answered as before.
+    async def again() -> list[RequestOutput]:
+        return list(await asyncio.wait_for(asyncio.gather(*(_run(engine, p, params, f"again{i}")
+                                                            for i, p in enumerate(prompts[:4]))), 120))
+
+    outs = asyncio.run(again())
+    for i, out in enumerate(outs):
+        assert _key(out) == _key(llm.generate([prompts[i]], params)[0])
+    _settle(engine)
