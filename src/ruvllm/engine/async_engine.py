@@ -70,8 +70,13 @@ class AsyncEngine:
     @classmethod
     def in_process(cls, core: EngineCore, tokenizer: Any) -> AsyncEngine:
         """The core on a thread of this process (tests, notebooks, models built in memory)."""
+        return cls.over(ThreadCoreClient(core), tokenizer)
+
+    @classmethod
+    def over(cls, client: CoreClient, tokenizer: Any) -> AsyncEngine:
+        """This front over any started-up CoreClient (the Ray deployment's handle, ...)."""
         engine = object.__new__(cls)
-        engine._attach(ThreadCoreClient(core), tokenizer)
+        engine._attach(client, tokenizer)
         return engine
 
     def _attach(self, client: CoreClient, tokenizer: Any) -> None:

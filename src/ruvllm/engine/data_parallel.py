@@ -73,17 +73,13 @@ class _Replica:
     def __init__(self, index: int, config: EngineConfig, cpus: set[int] | None) -> None:
         self.index, self.config, self.cpus = index, config, cpus
         self.client: ProcessCoreClient | None = None
+        self.launching: ProcessCoreClient | None = None  # a restart still loading
         self.status = "starting"
         self.sequences: set[str] = set()  # sent here and not yet finished or aborted
         self.stats = EngineStats()
         self.failures: list[float] = []  # monotonic times
         self.restarts = 0
         self.last_error: str | None = None
-
-    def launch(self) -> ProcessCoreClient:
-        client = ProcessCoreClient(self.config, cpus=self.cpus)
-        client.wait_ready()
-        return client
 
 
 class DataParallelCoreClient:
@@ -126,7 +122,7 @@ class DataParallelCoreClient:
             first, max_num_seqs=sum(i.max_num_seqs for i in infos),
             num_hot_blocks=sum(i.num_hot_blocks for i in infos), num_cold_blocks=sum(i.num_cold_blocks for i in infos),
             kv_cache_bytes=sum(i.kv_cache_bytes for i in infos), weight_bytes=sum(i.weight_bytes for i in infos))
-        self.router = Router(len(self._replicas), first.block_size, self.dp.routing)
+        self.router = Router(first.block_size, self.dp.routing)
 
     def _shutdown_pending(self) -> None:
         for client in self._pending:
@@ -151,12 +147,11 @@ class DataParallelCoreClient:
             return
         first = requests[0]
         with self._lock:
-            usable = [rep.status == "up" for rep in self._replicas]
-            if not any(usable):
+            loads = {rep.index: len(rep.sequences) + rep.stats.kv_usage for rep in self._replicas if rep.status == "up"}
+            if not loads:
                 raise EngineDeadError("no engine replica is running (they are restarting or have failed)")
-            loads = [len(rep.sequences) + rep.stats.kv_usage for rep in self._replicas]
             assert self.router is not None
-            index = self.router.choose(first.prompt_token_ids, (first.cache_salt, first.adapter), loads, usable)
+            index = self.router.choose(first.prompt_token_ids, (first.cache_salt, first.adapter), loads)
             rep = self._replicas[index]
             for req in requests:
                 self._where[req.request_id] = index
@@ -230,7 +225,9 @@ class DataParallelCoreClient:
         self._stopping.set()
         for rep in self._replicas:
             with self._lock:
-                client, rep.status = rep.client, "stopped"
+                client, launching, rep.status = rep.client, rep.launching, "stopped"
+            if launching is not None:  # its restart thread, waiting for it, sees it exit and cleans up
+                launching.process.kill()
             if client is not None:
                 client.shutdown()
         self._shutdown_pending()
@@ -253,10 +250,7 @@ class DataParallelCoreClient:
             if rep.client is not client:  # a stale client's late report
                 return
             lost = sorted(rep.sequences)
-            now = time.monotonic()
-            rep.failures = [t for t in rep.failures if now - t < self.dp.restart_window_s] + [now]
-            rep.last_error = str(error)
-            give_up = len(rep.failures) > self.dp.max_restarts
+            give_up = self._count_failure(rep, str(error))
             rep.status = "failed" if give_up else "restarting"
             rep.stats = EngineStats(total_blocks=rep.stats.total_blocks, free_blocks=rep.stats.total_blocks)
         log.error("engine replica %d failed (%s); %d open sequence(s) lost; %s", rep.index, error, len(lost),
@@ -285,38 +279,47 @@ class DataParallelCoreClient:
         if old is not None:  # its sockets and folder (the process is already reaped)
             old.shutdown()
         time.sleep(min(2.0 ** (len(rep.failures) - 1) * 0.5, 10.0))  # back off when it keeps failing
-        while not self._stopping.is_set():
+        while True:
+            with self._lock:  # shutdown stops a replica still loading through `launching`
+                if self._stopping.is_set():
+                    return
+                client = rep.launching = ProcessCoreClient(rep.config, cpus=rep.cpus)
             try:
-                client = rep.launch()
+                client.wait_ready()
                 for name, path in list(self._adapters.items()):
                     client.call("load_lora", name, path)
             except Exception as exc:
+                client.shutdown()
+                if self._stopping.is_set():
+                    return
                 with self._lock:
-                    now = time.monotonic()
-                    rep.failures = [t for t in rep.failures if now - t < self.dp.restart_window_s] + [now]
-                    rep.last_error = f"restart failed: {exc}"
-                    give_up = len(rep.failures) > self.dp.max_restarts
+                    rep.launching = None
+                    give_up = self._count_failure(rep, f"restart failed: {exc}")
+                    if give_up:
+                        rep.status = "failed"
                 log.error("engine replica %d did not restart: %s", rep.index, exc)
                 if give_up:
-                    with self._lock:
-                        rep.status = "failed"
                     self._maybe_all_dead()
                     return
                 time.sleep(1.0)
                 continue
             with self._lock:
+                rep.launching = None
                 if self._stopping.is_set():
-                    stale = client
-                else:
-                    stale = None
-                    rep.client, rep.status, rep.stats = client, "up", client.latest_stats
-                    rep.restarts += 1
-            if stale is not None:
-                stale.shutdown()
-                return
+                    client.shutdown()
+                    return
+                rep.client, rep.status, rep.stats = client, "up", client.latest_stats
+                rep.restarts += 1
             self._attach(rep)
             log.warning("engine replica %d is serving again (restart %d)", rep.index, rep.restarts)
             return
+
+    def _count_failure(self, rep: _Replica, error: str) -> bool:
+        """Note a failure (under the lock); True when the replica has failed too often to go on."""
+        now = time.monotonic()
+        rep.failures = [t for t in rep.failures if now - t < self.dp.restart_window_s] + [now]
+        rep.last_error = error
+        return len(rep.failures) > self.dp.max_restarts
 
     def _maybe_all_dead(self) -> None:
         if all(rep.status == "failed" for rep in self._replicas):

@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
@@ -68,80 +68,89 @@ def _ring_point(key: str) -> int:
 
 
 class Router:
-    """Routing state of one front: not thread-safe (the data-parallel client calls it under its lock)."""
+    """Routing state of one front: not thread-safe (the data-parallel client calls it under its lock).
 
-    def __init__(self, num_replicas: int, block_size: int, config: RouterConfig | None = None) -> None:
+    Replicas are any hashable keys (indices 0..N-1 for the data-parallel client, Ray Serve's replica
+    ids behind the Ray deployment's request router); the set may change from call to call."""
+
+    def __init__(self, block_size: int, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
         self.block_size = block_size
-        self._recent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
-        points = sorted((_ring_point(f"replica-{r}-{v}"), r)
-                        for r in range(num_replicas) for v in range(self.config.virtual_nodes))
-        self._ring_keys = [p for p, _ in points]
-        self._ring_owners = [r for _, r in points]
+        self._recent: dict[Hashable, OrderedDict[int, None]] = {}
+        self._ring: tuple[frozenset, list[int], list[Hashable]] = (frozenset(), [], [])
         self._next = itertools.count()
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self._recent)
-
-    def choose(self, token_ids: Sequence[int], salt: object, loads: Sequence[float],
-               usable: Sequence[bool]) -> int:
-        """The replica for a request whose prompt is `token_ids`; `loads[r]` in sequences (fractional
-        part: KV usage), `usable[r]` False for a replica that is down. Records the prompt's blocks
-        as the chosen replica's recent prefixes."""
-        candidates = [r for r in range(self.num_replicas) if usable[r]]
-        if not candidates:
+    def choose(self, token_ids: Sequence[int], salt: object, loads: Mapping[Hashable, float]) -> Hashable:
+        """The replica for a request whose prompt is `token_ids`, among the keys of `loads` (the
+        replicas that can take it; load in sequences, the fractional part KV usage). Records the
+        prompt's blocks as the chosen replica's recent prefixes."""
+        if not loads:
             raise RuntimeError("no replica is available")
+        candidates = sorted(loads, key=str)
         hashes = block_hashes(token_ids, self.block_size, salt)
         policy = self.config.policy
         if policy == "round_robin":
             choice = candidates[next(self._next) % len(candidates)]
         elif policy == "least_loaded":
-            choice = min(candidates, key=lambda r: (loads[r], r))
+            choice = min(candidates, key=lambda r: (loads[r], str(r)))
         else:
             choice = self._by_prefix(hashes, token_ids, salt, loads, candidates)
         self._remember(choice, hashes)
         return choice
 
-    def _by_prefix(self, hashes: list[int], token_ids: Sequence[int], salt: object, loads: Sequence[float],
-                   candidates: list[int]) -> int:
+    def _by_prefix(self, hashes: list[int], token_ids: Sequence[int], salt: object, loads: Mapping[Hashable, float],
+                   candidates: list[Hashable]) -> Hashable:
         # Whole sequences count against the bound; the KV fraction only orders equals.
         total = sum(int(loads[r]) for r in candidates) + 1
         bound = math.ceil(self.config.load_factor * total / len(candidates))
         under = [r for r in candidates if int(loads[r]) + 1 <= bound]
-        if not under:  # every replica at the bound (cannot happen with load_factor >= 1): least loaded
-            return min(candidates, key=lambda r: (loads[r], r))
+        if not under:  # cannot happen with load_factor >= 1 (someone is at or below the mean)
+            return min(candidates, key=lambda r: (loads[r], str(r)))
         depths = {r: self.match_depth(r, hashes) for r in under}
         deepest = max(depths.values())
         if deepest > 0:
-            return min((r for r in under if depths[r] == deepest), key=lambda r: (loads[r], r))
+            return min((r for r in under if depths[r] == deepest), key=lambda r: (loads[r], str(r)))
         key = hashes[0] if hashes else hash(("ruvllm-route", salt, tuple(token_ids)))
-        start = bisect.bisect(self._ring_keys, _ring_point(str(key)))
+        points, owners = self._ring_for(candidates)
+        start = bisect.bisect(points, _ring_point(str(key)))
         allowed = set(under)
-        for i in range(len(self._ring_keys)):
-            owner = self._ring_owners[(start + i) % len(self._ring_keys)]
+        for i in range(len(points)):
+            owner = owners[(start + i) % len(points)]
             if owner in allowed:
                 return owner
-        raise AssertionError("the ring holds every replica")
+        raise AssertionError("the ring holds every candidate")
 
-    def match_depth(self, replica: int, hashes: list[int]) -> int:
+    def _ring_for(self, candidates: list[Hashable]) -> tuple[list[int], list[Hashable]]:
+        """The ring of every replica seen so far (a replica that is down keeps its points, so the
+        others' shares do not move while it restarts); rebuilt only when a new one appears."""
+        known, points, owners = self._ring
+        if not known.issuperset(candidates):
+            known = known | frozenset(candidates)
+            ring = sorted((_ring_point(f"replica-{r}-{v}"), r) for r in known for v in range(self.config.virtual_nodes))
+            points, owners = [p for p, _ in ring], [r for _, r in ring]
+            self._ring = (known, points, owners)
+        return points, owners
+
+    def match_depth(self, replica: Hashable, hashes: list[int]) -> int:
         """How many of the prompt's leading blocks were recently sent to `replica`."""
-        recent = self._recent[replica]
+        recent = self._recent.get(replica)
         depth = 0
+        if recent is None:
+            return 0
         for h in hashes:
             if h not in recent:
                 break
             depth += 1
         return depth
 
-    def _remember(self, replica: int, hashes: list[int]) -> None:
-        recent = self._recent[replica]
+    def _remember(self, replica: Hashable, hashes: list[int]) -> None:
+        recent = self._recent.setdefault(replica, OrderedDict())
         for h in hashes:
             recent[h] = None
             recent.move_to_end(h)
         while len(recent) > self.config.prefix_memory:
             recent.popitem(last=False)
 
-    def forget(self, replica: int) -> None:
+    def forget(self, replica: Hashable) -> None:
         """A replica that restarted has an empty prefix cache: nothing it held is there any more."""
-        self._recent[replica].clear()
+        self._recent.pop(replica, None)

@@ -1,0 +1,1 @@
+"""Ray Serve deployment of ruvllm (docs/scaling.md): imported only when Ray is installed."""
