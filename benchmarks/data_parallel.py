@@ -37,9 +37,10 @@ def _words() -> list[str]:
             "must be in want of a wife ").split() * 400
 
 
-def _engine(replicas: int, threads: int, policy: str = "prefix", prefix_caching: bool = True) -> AsyncEngine:
+def _engine(replicas: int, threads: int, policy: str = "prefix", prefix_caching: bool = True,
+            pin: bool = True) -> AsyncEngine:
     config = EngineConfig(num_threads=threads, cache=CacheConfig(enable_prefix_caching=prefix_caching))
-    return AsyncEngine(config, DataParallelConfig(replicas, threads, routing=RouterConfig(policy=policy)))
+    return AsyncEngine(config, DataParallelConfig(replicas, threads, pin_cores=pin, routing=RouterConfig(policy=policy)))
 
 
 async def _drain(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, rid: str) -> tuple[str, int, int]:
@@ -52,11 +53,11 @@ async def _drain(engine: AsyncEngine, prompt: str | list[int], params: SamplingP
 # --- scaling --------------------------------------------------------------------------------------
 def scaling(args: argparse.Namespace, console: Console) -> None:
     words = _words()
-    setups = [(1, 1), (1, 2), (2, 1)]
-    rates: dict[tuple[int, int], list[float]] = {s: [] for s in setups}
+    setups = [(1, 1, True), (1, 2, True), (2, 1, True), (2, 1, False)]
+    rates: dict[tuple[int, int, bool], list[float]] = {s: [] for s in setups}
     engines = {}
-    for replicas, threads in setups:  # all loaded first, then they take turns: one runs at a time
-        engines[(replicas, threads)] = _engine(replicas, threads, prefix_caching=False)
+    for replicas, threads, pin in setups:  # all loaded first, then they take turns: one runs at a time
+        engines[(replicas, threads, pin)] = _engine(replicas, threads, prefix_caching=False, pin=pin)
     tok = next(iter(engines.values())).tokenizer
     prompts = []
     for i in range(args.concurrency):
@@ -77,15 +78,17 @@ def scaling(args: argparse.Namespace, console: Console) -> None:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    base = statistics.median(rates[(1, 1)])
-    two_threads = statistics.median(rates[(1, 2)])
+    base = statistics.median(rates[(1, 1, True)])
+    two_threads = statistics.median(rates[(1, 2, True)])
     table = Table(title=f"{args.concurrency} streams, prompt {args.prompt_len} tokens, {args.gen_len} generated "
                         f"(greedy, EOS ignored), median of {args.rounds} rounds")
     for col in ("setup", "output tok/s", "range", "vs 1 x 1 thread", "vs 1 x 2 threads"):
         table.add_column(col, justify="right")
-    for (replicas, threads), rs in rates.items():
+    for (replicas, threads, pin), rs in rates.items():
         med = statistics.median(rs)
-        table.add_row(f"{replicas} replica{'s' if replicas > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}",
+        pinned = (", each on its own core" if pin else ", not pinned") if replicas > 1 else ""
+        table.add_row(f"{replicas} replica{'s' if replicas > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}"
+                      f"{pinned}",
                       f"{med:.1f}", f"{min(rs):.1f}-{max(rs):.1f}", f"{med / base:.2f}x", f"{med / two_threads:.2f}x")
     console.print(table)
 

@@ -8,13 +8,14 @@ whether its prompt's blocks are found cached. The `prefix` policy (the default) 
    prefix cache: salted by the tenant's cache salt and the adapter, so only prompts that could hit
    one another match). A request goes to the replica holding the longest run of its leading blocks:
    turn k + 1 of a chat starts with turn k's whole prompt, so a conversation stays where its cache is.
-2. **A load bound.** No replica takes a request while its load is above `load_factor` x the mean
-   load, counting the new request (Mirrokni, Thorup and Zadimoghaddam's consistent hashing with
-   bounded loads): a hot prefix (one system prompt shared by every chat) spills to other replicas
-   instead of piling onto one.
+2. **A load bound.** No replica takes a request for its prefix while its load is above
+   `load_factor` x the mean load, counting the new request (Mirrokni, Thorup and Zadimoghaddam's
+   consistent hashing with bounded loads): a hot prefix (one system prompt shared by every chat)
+   spills to other replicas instead of piling onto one.
 3. **A consistent hash** for prompts nobody holds: the first block's hash picks a point on a ring of
-   `virtual_nodes` points per replica, and the walk goes clockwise to the first replica under the
-   bound. The same new prefix goes to the same replica while it is alive, and only the prefixes of a
+   `virtual_nodes` points per replica, and the walk goes clockwise to the first replica at or under
+   the mean load (the bound with factor 1: nothing is gained by going anywhere, so balance decides).
+   The same new prefix goes to the same replica while loads allow, and only the prefixes of a
    replica that dies move.
 
 Load is what the front knows at once: sequences it has sent a replica and not yet seen finish
@@ -100,20 +101,22 @@ class Router:
 
     def _by_prefix(self, hashes: list[int], token_ids: Sequence[int], salt: object, loads: Mapping[Hashable, float],
                    candidates: list[Hashable]) -> Hashable:
-        # Whole sequences count against the bound; the KV fraction only orders equals.
+        # Whole sequences count against the bounds; the KV fraction only orders equals.
         total = sum(int(loads[r]) for r in candidates) + 1
-        bound = math.ceil(self.config.load_factor * total / len(candidates))
+        mean = total / len(candidates)
+        bound = math.ceil(self.config.load_factor * mean)
         under = [r for r in candidates if int(loads[r]) + 1 <= bound]
-        if not under:  # cannot happen with load_factor >= 1 (someone is at or below the mean)
-            return min(candidates, key=lambda r: (loads[r], str(r)))
         depths = {r: self.match_depth(r, hashes) for r in under}
-        deepest = max(depths.values())
+        deepest = max(depths.values(), default=0)
         if deepest > 0:
             return min((r for r in under if depths[r] == deepest), key=lambda r: (loads[r], str(r)))
+        # A prefix nobody holds gains nothing from any replica: the bound is the mean itself (c = 1),
+        # so a burst of new prompts splits evenly (1.25 x the mean let one replica take 21 of 32 and
+        # the burst lasted 1.3x longer), and the ring only says which of the replicas at or under it.
         key = hashes[0] if hashes else hash(("ruvllm-route", salt, tuple(token_ids)))
         points, owners = self._ring_for(candidates)
         start = bisect.bisect(points, _ring_point(str(key)))
-        allowed = set(under)
+        allowed = {r for r in candidates if int(loads[r]) + 1 <= math.ceil(mean)}
         for i in range(len(points)):
             owner = owners[(start + i) % len(points)]
             if owner in allowed:
