@@ -63,10 +63,11 @@ def profile_step_memory(runner, max_tokens: int, max_seqs: int, utilization: flo
     so = SchedulerOutput([ScheduledSeq("profile", [0] * max_tokens, 0, blocks, sample=True)])
     with torch.inference_mode():
         hidden = runner.forward(so)
-        rows = hidden[-1:].expand(min(max_seqs, max_tokens), -1)
-        logits = runner.model.compute_logits(rows).float()
+        # The last row, once per sequence the sampler may see (through the runner, which a
+        # tensor-parallel rank 0 announces to the other ranks).
+        logits = runner._logits(hidden, [max_tokens - 1] * min(max_seqs, max_tokens))
         logits.softmax(dim=-1).sort(dim=-1, descending=True)  # the sampler's widest temporaries
-        del hidden, rows, logits
+        del hidden, logits
     torch.cuda.synchronize(dev)
     free, total = torch.cuda.mem_get_info(dev)
     kv = runner.kv_cache

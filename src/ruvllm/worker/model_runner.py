@@ -237,10 +237,19 @@ class ModelRunner:
             table = seq.scaling_block_table if scaling_tables and seq.scaling_block_table is not None \
                 else seq.block_table
             seqs.append((n, seq.start_position + n, table))
+        return self.run_tokens(input_ids, positions, seqs, lora, scheduled)
+
+    def run_tokens(self, input_ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
+                   lora: LoraBatch | XLoraBatch | None = None, scheduled: list[ScheduledSeq] | None = None
+                   ) -> torch.Tensor:
+        """The forward pass over a flat batch: token ids, their positions, and per sequence (tokens
+        in this step, context length, block table); `scheduled` gives a model with several KV groups
+        each group's tables. (Tensor parallelism's ranks other than 0 are handed these alone.)"""
         groups = self.layout.groups
         meta = self.attn.build_metadata(seqs, self.block_size, self.device, tier=self.tier,
                                         window=groups[0].window or 0)
         if len(groups) > 1:  # each KV group's own tables (and window)
+            assert scheduled is not None
             meta.by_group = [meta] + [
                 self.attn.build_metadata([(n, ctx, seq.group_block_tables[g - 1]) for (n, ctx, _), seq
                                           in zip(seqs, scheduled)], self.block_size, self.device,
