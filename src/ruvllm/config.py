@@ -289,6 +289,12 @@ class EngineConfig:
     # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
     cuda_graphs: bool = setting(True, "Replay decode steps as CUDA graphs (CUDA only).",
                                 flag="--cuda-graphs/--no-cuda-graphs")
+    # Tensor parallelism (docs/scaling.md): this many processes, each holding a slice of every layer
+    # (its heads, MLP columns and vocabulary rows), over torch.distributed: gloo on the CPU, NCCL on
+    # CUDA (one GPU per rank). Dense weights in the Python layer loop; other settings are refused by name.
+    tensor_parallel_size: int = setting(
+        1, "Processes (ranks) that each hold a slice of every layer: tensor parallelism over gloo on the CPU, "
+           "NCCL on CUDA (one GPU per rank). Dense weights only (--quantization none, bf16, f16).", minimum=1)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -297,3 +303,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")

@@ -238,6 +238,12 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Release what the executor holds outside this process (a worker's tensor-parallel ranks)."""
+        close = getattr(self.executor, "close", None)  # an optional part of the Executor protocol
+        if close is not None:
+            close()
+
 
 @dataclasses.dataclass
 class SpecStats:

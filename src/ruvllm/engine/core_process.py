@@ -65,8 +65,10 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
         results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
+        core.close()
         _close(ctx, commands, results)
         sys.exit(1)
+    core.close()  # tensor-parallel ranks stop with the core
     _close(ctx, commands, results)
 
 

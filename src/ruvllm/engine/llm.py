@@ -113,6 +113,11 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Stop the processes this engine started (tensor-parallel ranks: they also stop when the
+        LLM is garbage-collected or the interpreter exits). The LLM cannot generate afterwards."""
+        self.core.close()
+
     # --- LoRA adapters (LLM(..., enable_lora=True)) ---------------------------------------------------
     def load_lora(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter folder under `name` (AdapterError names what is wrong with it)."""

@@ -28,6 +28,7 @@ from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
 from ruvllm.models.registry import build_model, weight_bytes
 from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
+from ruvllm.parallel.sharding import FileWeights, Weights
 from ruvllm.structured.bitmask import new_matcher
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.speculative.ngram import NgramIndex
@@ -37,6 +38,7 @@ from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, 
 from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
 
 if TYPE_CHECKING:
+    from ruvllm.parallel.ranks import TensorParallelRanks
     from ruvllm.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
@@ -59,32 +61,40 @@ class Worker:
         self._source = src
         self._load(config, load_model_config(src), src.path,
                    lambda quant, dtype, device: weight_plan(src, quant, dtype, device),
-                   lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed))
+                   lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed),
+                   lambda: FileWeights(src))
 
     @classmethod
     def from_weights(cls, model_config: ModelConfig, weights: Callable[[torch.dtype], Iterable[tuple[str, Any]]],
                      config: EngineConfig, name: str = "in-memory") -> Worker:
         """A worker over weights that come from code rather than a file (tests and benchmarks on
-        random models): `weights(dtype)` yields Hugging Face-named float tensors."""
+        random models): `weights(dtype)` yields Hugging Face-named float tensors. (With tensor
+        parallelism every rank's process calls it, so it must pickle.)"""
         worker = object.__new__(cls)
         worker._source = None
         worker._load(config, model_config, Path(name),
                      lambda quant, dtype, device: float_weight_plan(model_config, quant, dtype, device, name),
-                     lambda plan: weights(plan.dtype))
+                     lambda plan: weights(plan.dtype), lambda: weights)
         return worker
 
     def _load(self, config: EngineConfig, mc: ModelConfig, path: Path,
               plan_for: Callable[[QuantConfig, str, torch.device], WeightPlan],
-              weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]]) -> None:
+              weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]],
+              rank_weights: Callable[[], Weights]) -> None:
+        """`rank_weights`: the float weights as a function every tensor-parallel rank can call."""
         self.device = resolve_device(config.device)
         config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
         # The plan settles the device's quantization and the compute dtype (from headers, before loading).
         plan = plan_for(config.quantization, config.dtype, self.device)
         self.quant, self.dtype = plan.quant, plan.dtype
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        self.tensor_parallel: TensorParallelRanks | None = None
         self.model_config = mc
         self.model_path = path
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.tensor_parallel_size > 1:
+            self._load_tensor_parallel(config, plan, rank_weights())
+            return
+        torch.set_num_threads(config.num_threads or default_num_threads())
         if self.device.type == "cuda":
             check_weights_fit(plan.total_bytes, ", ".join(f"{n} {form}" for form, n in plan.linear_forms().items()),
                               self.device, config.cache.gpu_memory_utilization)
@@ -94,6 +104,31 @@ class Worker:
         log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
                  mc.architecture, mc.num_layers, self.max_model_len, str(self.dtype).removeprefix("torch."),
                  self.device, self.quant.method, self.weight_bytes / 2**20)
+
+    def _load_tensor_parallel(self, config: EngineConfig, plan: WeightPlan, weights: Weights) -> None:
+        """Rank 0 of tensor_parallel_size ranks: its slice here, the others' in processes of their
+        own (parallel/ranks.py); the runner announces each model call to them."""
+        from ruvllm.parallel.ranks import TensorParallelRanks, rank_threads
+
+        torch.set_num_threads(rank_threads(config))
+        tp = TensorParallelRanks(config, self.model_config, plan, self.device, self.max_model_len, weights,
+                                 str(self.model_path))
+        self.tensor_parallel = tp
+        try:
+            self.weight_bytes = tp.weight_bytes
+            self._start(tp.model, config)
+        except BaseException:
+            tp.close()
+            raise
+        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, %d tensor-parallel ranks, weights %.1f MiB "
+                 "in all", self.model_path, self.model_config.architecture, self.model_config.num_layers,
+                 self.max_model_len, str(self.dtype).removeprefix("torch."), self.device, tp.size,
+                 self.weight_bytes / 2**20)
+
+    def close(self) -> None:
+        """Stop what this worker started outside its process (tensor-parallel ranks); idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
         if kv_layout(self.model_config).is_hybrid:
@@ -220,19 +255,24 @@ class Worker:
         check_kv_cache_dtype(cache.kv_cache_dtype, self.dtype, self.device, config.attention)
         profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
         warm_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        make: Callable[..., ModelRunner] = ModelRunner
+        tp = self.tensor_parallel
+        if tp is not None:  # rank 0's slice: its heads' share of the pool, its runner announcing each call
+            mc, cache, make = tp.local_config, tp.rank_cache(cache), tp.runner_class()
         if profiled:
             blocks, cold = -(-warm_tokens // cache.block_size), 0
         else:
             blocks, cold = kv_tier_blocks(mc, cache, sched, self.dtype, self.max_model_len)
-        runner = ModelRunner(model, mc, cache.block_size, blocks, self.dtype, self.device,
-                             seed=config.seed, attention=config.attention, num_cold_blocks=cold,
-                             kv_cache_dtype=cache.kv_cache_dtype, kv_hot_tokens=cache.kv_hot_tokens)
+        runner = make(model, mc, cache.block_size, blocks, self.dtype, self.device,
+                      seed=config.seed, attention=config.attention, num_cold_blocks=cold,
+                      kv_cache_dtype=cache.kv_cache_dtype, kv_hot_tokens=cache.kv_hot_tokens)
         if profiled:
             profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
             runner.allocate_kv_cache(kv_blocks_from_profile(
                 profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.max_model_len))
-        if self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid:
-            # (decode graphs hold one block table per sequence: models with KV groups run eagerly)
+        if self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid and tp is None:
+            # (decode graphs hold one block table per sequence: models with KV groups run eagerly;
+            # tensor-parallel steps too: rank 0 announces each call, which a replayed graph would skip)
             runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
         return runner
 
@@ -240,9 +280,12 @@ class Worker:
                       speculation: SpeculativeConfig | None = None) -> Worker:
         """A new worker over the same loaded model, with its own KV pool (sized by the new settings)
         and its own speculation (a draft model is loaded anew)."""
+        if self.tensor_parallel is not None:
+            raise ValueError("with_settings cannot share a tensor-parallel model (its ranks hold one KV pool "
+                             "each); load another engine instead")
         clone = object.__new__(Worker)
         for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes",
-                     "_source"):
+                     "_source", "tensor_parallel"):
             setattr(clone, name, getattr(self, name))
         config = dataclasses.replace(self.config, cache=cache or self.config.cache,
                                      scheduler=(scheduler or self.config.scheduler).resolved(self.device.type),
@@ -253,6 +296,11 @@ class Worker:
     def info(self) -> EngineInfo:
         runner, cache, sched = self.runner, self.config.cache, self.config.scheduler
         num_blocks = runner.num_blocks + runner.num_cold_blocks
+        # Under tensor parallelism every rank holds an equal slice of each block: the pool's bytes
+        # are rank 0's times the ranks (more than one model's when KV heads are replicated).
+        ranks, kv_config = 1, self.model_config
+        if self.tensor_parallel is not None:
+            ranks, kv_config = self.tensor_parallel.size, self.tensor_parallel.local_config
         return EngineInfo(
             model=str(self.model_path), architecture=self.model_config.architecture,
             vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
@@ -261,10 +309,10 @@ class Worker:
                                                  self.max_model_len),
             eos_token_ids=tuple(self.model_config.eos_token_ids), block_size=cache.block_size,
             num_hot_blocks=runner.num_blocks, num_cold_blocks=runner.num_cold_blocks,
-            hot_block_bytes=kv_bytes_per_block(self.model_config, cache.block_size, self.dtype),
+            hot_block_bytes=ranks * kv_bytes_per_block(kv_config, cache.block_size, self.dtype),
             cold_block_bytes=(cold_kv_bytes_per_block(self.model_config, cache.block_size, KV_BITS[cache.kv_cache_dtype])
                               if cache.quantized_kv else 0),
-            kv_cache_bytes=runner.kv_cache_bytes, kv_cache_dtype=cache.kv_cache_dtype,
+            kv_cache_bytes=ranks * runner.kv_cache_bytes, kv_cache_dtype=cache.kv_cache_dtype,
             weight_bytes=self.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quant.method, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
