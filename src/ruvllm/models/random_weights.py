@@ -4,6 +4,7 @@ and the like) without their files, created directly on the device."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -46,6 +47,20 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | 
     yield "model.norm.weight", ones(h)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", normal(cfg.vocab_size, h)
+
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """random_weights on the CPU as a weights function of the dtype alone that pickles: what
+    Worker.from_weights takes, also for tensor parallelism, whose rank processes draw the same
+    weights from the same seed and keep their slices."""
+
+    cfg: ModelConfig
+    seed: int = 0
+    std: float = 0.02
+
+    def __call__(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        return random_weights(self.cfg, dtype, "cpu", self.seed, self.std)
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
