@@ -41,13 +41,20 @@ def fitting_sizes(cfg: ModelConfig) -> list[int]:
     return [n for n in range(1, cfg.num_heads + 1) if not layout_problems(cfg, n)]
 
 
+def layout_refusal(cfg: ModelConfig, size: int, model: str) -> str | None:
+    """Why `size` ranks cannot split the model, with the sizes that can, as one phrase (None: they can)."""
+    problems = layout_problems(cfg, size)
+    if not problems:
+        return None
+    sizes = ", ".join(map(str, fitting_sizes(cfg)))
+    return f"cannot split {model}: {'; '.join(problems)} (sizes that fit this model: {sizes})"
+
+
 def check_layout(cfg: ModelConfig, size: int, model: str) -> None:
     """ValueError in one line when `size` ranks cannot split the model, with the sizes that can."""
-    problems = layout_problems(cfg, size)
-    if problems:
-        sizes = ", ".join(map(str, fitting_sizes(cfg)))
-        raise ValueError(f"tensor_parallel_size {size} cannot split {model}: {'; '.join(problems)} "
-                         f"(sizes that fit this model: {sizes})")
+    refusal = layout_refusal(cfg, size, model)
+    if refusal is not None:
+        raise ValueError(f"tensor_parallel_size {size} {refusal}")
 
 
 @dataclass(frozen=True)

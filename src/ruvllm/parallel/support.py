@@ -16,7 +16,7 @@ import torch
 
 from ruvllm.config import EngineConfig, ModelConfig
 from ruvllm.models.weight_plan import WeightPlan
-from ruvllm.parallel.layout import check_layout
+from ruvllm.parallel.layout import layout_refusal
 
 # Architectures whose model is LlamaForCausalLM (registry.py), the class the sharded model extends.
 TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -41,9 +41,12 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, plan: WeightPl
         refused.append(f"speculative decoding ({config.speculation.method})")
     if config.cache.quantized_kv:
         refused.append(f"an {config.cache.kv_cache_dtype} KV cache (kv_cache_dtype; use auto)")
-    if refused:
-        raise ValueError(f"tensor_parallel_size {size} cannot run {'; '.join(refused)}")
-    check_layout(cfg, size, model)
+    reasons = [f"cannot run {'; '.join(refused)}"] if refused else []
+    layout = layout_refusal(cfg, size, model)
+    if layout is not None:
+        reasons.append(layout)
+    if reasons:  # all of them at once: one fix each, not one per attempt
+        raise ValueError(f"tensor_parallel_size {size} {', and '.join(reasons)}")
     if device.type == "cuda":
         first = device.index or 0
         have = torch.cuda.device_count()
