@@ -105,7 +105,8 @@ def test_zz_a_rank_that_dies_fails_the_next_step_naming_it(pair: tuple[LLM, LLM]
 
 
 def test_the_default_model_on_3_ranks_gives_its_logits_and_greedy_text(llm: LLM) -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads: one KV head per rank), every weight dense in fp32."""
+    """SmolLM2-135M (9 heads, 3 KV heads: one KV head per rank), every weight dense in fp32; then a
+    call that fails halfway on rank 0."""
     one = llm.with_settings(cache=CacheConfig(num_blocks=64))
     three = LLM(dtype="float32", quantization="none", num_blocks=64, tensor_parallel_size=3)
     try:
@@ -117,6 +118,21 @@ def test_the_default_model_on_3_ranks_gives_its_logits_and_greedy_text(llm: LLM)
         texts = [o.outputs[0].text for o in one.generate(["The capital of France is", "Once upon a time"], params)]
         assert texts == [o.outputs[0].text for o in three.generate(["The capital of France is", "Once upon a time"],
                                                                      params)]
+        # A call that fails halfway (rank 0 raises inside a layer, the other ranks wait in its
+        # all-reduce): the error comes through, later calls are refused, and the ranks still stop.
+        ranks = [psutil.Process(p.pid) for p in three.core.executor.tensor_parallel._procs.procs]
+
+        def fail(x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("injected failure")
+
+        three.model.layers[15].down_proj.forward = fail
+        with pytest.raises(RuntimeError, match="injected failure"):
+            three.generate(["Once upon a time"], params)
+        with pytest.raises(RuntimeError, match="out of step since a call failed"):
+            three.generate(["Once upon a time"], params)
+        started = time.monotonic()
+        three.close()
+        assert time.monotonic() - started < 8 and _all_gone(ranks, 1)
     finally:
         three.close()
 
@@ -180,7 +196,8 @@ def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(folders: dict
     cases = [
         (dict(model=None, tensor_parallel_size=2, quantization="none"),
          "9 attention heads do not split evenly across 2 ranks.*sizes that fit this model: 1, 3"),
-        (dict(model=None, tensor_parallel_size=3), "packed weights .*int4 g32.*quantization auto; pass quantization none"),
+        (dict(model=None, tensor_parallel_size=3),
+         "packed weights .*int4 g32.*quantization auto; pass quantization none"),
         (dict(model=folder, tensor_parallel_size=3), "4 attention heads do not split evenly across 3 ranks"),
         (dict(model=folder, tensor_parallel_size=2, enable_lora=True, speculative="ngram", kv_cache_dtype="int8"),
          r"LoRA adapters \(enable_lora\); speculative decoding \(ngram\); an int8 KV cache"),

@@ -81,15 +81,21 @@ class _Processes:
                 return None
             time.sleep(0.05)
 
+    def out_of_step(self) -> None:
+        """Rank 0 left a call half-made: the others wait inside it, so Stop would not reach them."""
+        self.running = False
+
     def stop(self) -> None:
+        asked = 0.0  # how long the ranks get to leave by themselves
         if self.running and self.group is not None and self.gone() is None:
             try:
                 CommandSender(self.group).stop()
+                asked = _STOP_WAIT_S
             except RuntimeError:
                 pass  # a rank already gone: the others are terminated below
         self.running = False
         for p in self.procs:
-            for end, wait in ((None, _STOP_WAIT_S), (p.terminate, 5.0), (p.kill, 5.0)):
+            for end, wait in ((None, asked), (p.terminate, 5.0), (p.kill, 5.0)):
                 if end is not None:
                     end()
                 try:
@@ -186,7 +192,8 @@ class TensorParallelRanks:
 
     def runner_class(self) -> functools.partial[LeaderRunner]:
         return functools.partial(LeaderRunner, commands=CommandSender(self.group),
-                                 rank_failure=functools.partial(self._procs.gone, wait=2.0))
+                                 rank_failure=functools.partial(self._procs.gone, wait=1.0),
+                                 on_out_of_step=self._procs.out_of_step)
 
     def close(self) -> None:
         """Stop the other ranks (Stop, then terminate, then kill) and reap them; idempotent."""

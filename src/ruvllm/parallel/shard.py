@@ -9,8 +9,8 @@ told. Only rank 0 samples: the others' logits, all-gathered for rank 0, are drop
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +26,6 @@ from ruvllm.parallel.layout import ShardLayout
 from ruvllm.parallel.sharding import Weights, shard_weights
 from ruvllm.parallel.step_inputs import Allocate, CommandSender, Forward, Logits, Stop, receive
 from ruvllm.worker.model_runner import ModelRunner
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,35 +66,50 @@ def build_shard_model(spec: RankSpec, group: RankGroup) -> TensorParallelLlama:
 
 class LeaderRunner(ModelRunner):
     """Rank 0's runner: every model call (a forward pass, logits of its rows, a new KV pool) is
-    announced to the other ranks first, so they make the same call and meet it in its collectives."""
+    announced to the other ranks first, so they make the same call and meet it in its collectives.
+
+    A call that fails between its announcement and its last collective (an error, Ctrl-C) leaves
+    the other ranks inside it: the ranks are out of step, and every later call is refused rather
+    than run against collectives that no longer match. (A failure elsewhere, in sampling say, leaves
+    them in step.)"""
 
     def __init__(self, *args: object, commands: CommandSender, rank_failure: Callable[[], str | None],
-                 **kwargs: object) -> None:
+                 on_out_of_step: Callable[[], None], **kwargs: object) -> None:
         self.commands = commands  # before ModelRunner's __init__, which allocates the pool
-        self.rank_failure = rank_failure
+        self.rank_failure, self.on_out_of_step = rank_failure, on_out_of_step
+        self.out_of_step: str | None = None
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
+    @contextlib.contextmanager
+    def _announced(self) -> Iterator[None]:
+        if self.out_of_step is not None:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step since a call failed ({self.out_of_step}); "
+                               "load the engine again")
+        try:
+            yield
+        except BaseException as exc:
+            self.out_of_step = f"{type(exc).__name__}: {exc}"
+            self.on_out_of_step()
+            gone = self.rank_failure() if isinstance(exc, RuntimeError) else None
+            if gone is not None:  # gloo's "connection closed by peer": say which rank is gone
+                raise RuntimeError(f"{gone}; the step failed ({exc})") from exc
+            raise
+
     def allocate_kv_cache(self, num_blocks: int, num_cold_blocks: int = 0) -> None:
-        self.commands.allocate(num_blocks)
-        super().allocate_kv_cache(num_blocks, num_cold_blocks)
+        with self._announced():
+            self.commands.allocate(num_blocks)
+            super().allocate_kv_cache(num_blocks, num_cold_blocks)
 
     def run_tokens(self, input_ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
                    lora: object = None, scheduled: object = None) -> torch.Tensor:
-        self.commands.forward(input_ids, seqs)
-        return super().run_tokens(input_ids, positions, seqs, lora, scheduled)  # type: ignore[arg-type]
+        with self._announced():
+            self.commands.forward(input_ids, seqs)
+            return super().run_tokens(input_ids, positions, seqs, lora, scheduled)  # type: ignore[arg-type]
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        self.commands.logits(None if len(rows) == hidden.shape[0] else rows)
-        return super()._logits(hidden, rows)
-
-    def execute(self, *args: object, **kwargs: object):  # noqa: ANN201 (ModelRunner's)
-        try:
-            return super().execute(*args, **kwargs)  # type: ignore[arg-type]
-        except RuntimeError as exc:  # gloo's "connection closed by peer": say which rank is gone
-            gone = self.rank_failure()
-            if gone is None:
-                raise
-            raise RuntimeError(f"{gone}; the step failed ({exc})") from exc
+        with self._announced():
+            self.commands.logits(None if len(rows) == hidden.shape[0] else rows)
+            return super()._logits(hidden, rows)
 
 
 class FollowerRunner(ModelRunner):
