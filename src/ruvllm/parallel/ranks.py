@@ -47,6 +47,7 @@ from ruvllm.parallel.support import check_tensor_parallel
 log = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 10.0
+_JOIN_TIMEOUT_S = 300.0  # a rank process that neither joins nor dies in this time is taken as hung
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -124,6 +125,7 @@ class TensorParallelRanks:
         self.layout = spec.layout
         try:
             self._start_ranks(spec)
+            self._join_deadline = time.monotonic() + _JOIN_TIMEOUT_S
             group = self._procs.group = join_group(spec.rendezvous, 0, self.size, device, self._check_started)
             self.model: TensorParallelLlama = build_shard_model(spec, group)
             try:
@@ -165,6 +167,8 @@ class TensorParallelRanks:
         gone = self._procs.gone()
         if gone is not None:
             raise ModelLoadError(f"{gone} before joining the others")
+        if time.monotonic() > self._join_deadline:
+            raise ModelLoadError(f"tensor-parallel ranks did not start within {_JOIN_TIMEOUT_S:.0f} s")
 
     def _load_failures(self, group: RankGroup) -> str:
         errors = []
