@@ -224,23 +224,12 @@ def test_a_gemma3_model_and_weights_that_cannot_travel_are_refused(folders: dict
     assert {p.pid for p in psutil.Process().children()} <= before, "a refused engine left a rank process"
 
 
-@dataclasses.dataclass(frozen=True)
-class _FailsInOtherProcesses:
-    """Weights that load in the process `owner` only: every other rank's load fails."""
-
-    owner: int
-
-    def __call__(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        if os.getpid() != self.owner:
-            raise OSError("the disk went away (injected)")
-        return random_weights(TINY_GQA, dtype, "cpu", std=0.1)
-
-
 def test_a_rank_that_fails_to_load_fails_the_load_with_its_error() -> None:
     from ruvllm.engine.llm import build_engine_config
+    from tests.rank_fixtures import LoadsInOwnerOnly
 
     before = {p.pid for p in psutil.Process().children()}
     config = build_engine_config(tensor_parallel_size=2, dtype="float32", num_blocks=16)
     with pytest.raises(ModelLoadError, match=r"rank 1: OSError: the disk went away \(injected\)"):
-        Worker.from_weights(TINY_GQA, _FailsInOtherProcesses(os.getpid()), config)
+        Worker.from_weights(TINY_GQA, LoadsInOwnerOnly(TINY_GQA, os.getpid()), config)
     assert {p.pid for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE} <= before
