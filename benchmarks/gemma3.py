@@ -8,6 +8,9 @@ text against llama.cpp's llama-perplexity on the same file, each printed as a ta
         --llama-perplexity ~/.cache/llama-cpp-peer/llama.cpp/build/bin/llama-perplexity --chunks 40
 
 Throughput against llama-server at 1 and 32 streams is benchmarks/serve_load.py with --model-path.
+
+On a CPU with AMX, llama.cpp 0c1e570 built with GGML_NATIVE dies with SIGILL in its AMX matmul;
+LLAMA_ARG_REPACK=0 in the environment (its --no-repack) avoids that path (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -157,11 +157,14 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not come up")
 
 
-def start_ruvllm(concurrency: int, extra: list[str], model_path: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_ruvllm(concurrency: int, extra: list[str], model_path: str | None = None,
+                 served_name: str | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     model = [model_path] if model_path else []
+    # Served under the name the requests send (`serve FILE.gguf` would answer only to the path).
+    name = ["--served-model-name", served_name] if served_name else []
     proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", *model, "--port", str(port),
-                             "--max-concurrent", str(max(concurrency, 1)), *extra],
+                             "--max-concurrent", str(max(concurrency, 1)), *name, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_up(url, proc)
@@ -220,7 +223,8 @@ def main() -> None:
         if args.base_url:
             targets.append((args.base_label, args.base_url, None))
         if args.start_ruvllm:
-            targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split(), args.model_path)))
+            targets.append(("ruvllm", None, lambda n=n: start_ruvllm(n, args.ruvllm_args.split(), args.model_path,
+                                                                     args.model)))
         if args.peer_url:
             targets.append(("peer", args.peer_url, None))
         if args.llama_server:
