@@ -113,6 +113,18 @@ class EngineStats(msgspec.Struct):
         return self.running == 0 and self.waiting == 0
 
 
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several cores' stats as one engine's (data-parallel or Ray replicas): counts and blocks add up;
+    the adapters are the first core's (every replica loads the same ones)."""
+    total = EngineStats(adapters=list(stats[0].adapters) if stats else [])
+    for s in stats:
+        for f in ("running", "waiting", "free_blocks", "total_blocks", "free_cold_blocks", "cold_blocks",
+                  "prefix_queries", "prefix_hits", "preemptions", "spec_proposed", "spec_accepted",
+                  "spec_verifications"):
+            setattr(total, f, getattr(total, f) + getattr(s, f))
+    return total
+
+
 # --- the wire between the front and a core process --------------------------------------------------
 class AddRequests(msgspec.Struct, tag=True):
     requests: list[CoreRequest]

@@ -28,7 +28,7 @@ from ruvllm.config import EngineConfig
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError
-from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
+from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats, sum_stats
 
 log = logging.getLogger(__name__)
 
@@ -198,18 +198,9 @@ class DataParallelCoreClient:
 
     @property
     def latest_stats(self) -> EngineStats:
-        total = EngineStats()
-        adapters: list[str] | None = None
-        for rep in self._replicas:
-            s = rep.client.latest_stats if rep.status == "up" and rep.client is not None else rep.stats
-            for f in ("running", "waiting", "free_blocks", "total_blocks", "free_cold_blocks", "cold_blocks",
-                      "prefix_queries", "prefix_hits", "preemptions", "spec_proposed", "spec_accepted",
-                      "spec_verifications"):
-                setattr(total, f, getattr(total, f) + getattr(s, f))
-            if rep.status == "up" and adapters is None:
-                adapters = list(s.adapters)
-        total.adapters = adapters or []
-        return total
+        up = [rep for rep in self._replicas if rep.status == "up" and rep.client is not None]
+        down = [rep.stats for rep in self._replicas if rep not in up]
+        return sum_stats([rep.client.latest_stats for rep in up] + down)  # type: ignore[union-attr]
 
     def replica_states(self) -> list[ReplicaState]:
         with self._lock:

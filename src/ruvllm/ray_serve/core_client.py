@@ -17,12 +17,9 @@ from typing import Any
 
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ReplicaState
 from ruvllm.errors import ReplicaLostError
-from ruvllm.messages import CoreRequest, EngineInfo, EngineStats
+from ruvllm.messages import CoreRequest, EngineInfo, EngineStats, sum_stats
 
 log = logging.getLogger(__name__)
-
-_SUMMED = ("running", "waiting", "free_blocks", "total_blocks", "free_cold_blocks", "cold_blocks", "prefix_queries",
-           "prefix_hits", "preemptions", "spec_proposed", "spec_accepted", "spec_verifications")
 
 
 @dataclass
@@ -113,11 +110,7 @@ class RayCoreClient:
 
     @property
     def latest_stats(self) -> EngineStats:
-        total = EngineStats()
-        for s in self._stats.values():
-            for f in _SUMMED:
-                setattr(total, f, getattr(total, f) + getattr(s, f))
-        return total
+        return sum_stats(list(self._stats.values()))
 
     def replica_states(self) -> list[ReplicaState]:
         return [ReplicaState(i, "up", s) for i, (_, s) in enumerate(sorted(self._stats.items()))]
