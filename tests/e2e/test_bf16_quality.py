@@ -43,12 +43,14 @@ def test_greedy_matches_transformers_bf16_except_near_ties(bf16_llm: LLM) -> Non
         i = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         with torch.no_grad():
             logits = ref(torch.tensor([ids + theirs[:i]])).logits[0, -1].float()
-        top2 = logits.topk(2).values
-        gap = float(top2[0] - top2[1])
-        ulp = 2.0 ** (math.floor(math.log2(abs(float(top2[0])))) - 7)  # bf16 has 8 significant bits
+        best = float(logits.max())
+        ulp = 2.0 ** (math.floor(math.log2(abs(best))) - 7)  # bf16 has 8 significant bits
+        # One rule for a near tie: our token's reference logit lies within the tie band of the
+        # reference's best, whatever its rank (several tokens can sit inside one band).
+        gap = best - float(logits[ours[i]])
         assert gap <= NEAR_TIE_ULPS * ulp, (
-            f"{prompt!r}: diverged at token {i} where the reference's top-2 gap is {gap:.3f} ({gap / ulp:.0f} ulp)")
-        assert logits[ours[i]] >= top2[1] - 1e-3, "our token is not among the reference's top two"
+            f"{prompt!r}: diverged at token {i}, where our token is {gap:.3f} ({gap / ulp:.1f} ulp) below the "
+            f"reference's best")
 
 
 def _perplexity(llm: LLM, windows: list[list[int]]) -> float:
