@@ -14,6 +14,7 @@ import torch
 from ruvllm.config import EngineConfig, QuantConfig
 from ruvllm.engine.llm import build_engine_config
 from ruvllm.cli.engine_options import engine_settings
+from ruvllm.models.llama import LayerRun
 from ruvllm.models.random_weights import random_weights
 from ruvllm.models.registry import build_model
 from ruvllm.parallel.group import join_group
@@ -123,7 +124,8 @@ def _sharded_alone(tmp_path: Path, device: str) -> None:
         with torch.inference_mode():
             assert torch.equal(sharded.embed_tokens(ids), plain.embed_tokens(ids))
             assert torch.equal(sharded.compute_logits(hidden), plain.compute_logits(hidden))
-            assert torch.equal(sharded.layers[0].mlp(hidden), plain.layers[0].mlp(hidden))
+            run = LayerRun(plain.ops, attend=None)  # the MLP attends nothing
+            assert torch.equal(sharded.layers[0].mlp(hidden, run), plain.layers[0].mlp(hidden, run))
     finally:
         group.close()
 

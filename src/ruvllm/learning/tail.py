@@ -15,35 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from ruvllm.config import ModelConfig
-from ruvllm.layers.rotary import _rotate
-from ruvllm.lora.peft_adapter import SUBLAYER
+from ruvllm.layers.ops import torch_ops
+from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
+from ruvllm.lora.slots import FUSED
 from ruvllm.models.llama import LlamaForCausalLM
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: tuple | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of positions after `context` (k, v of earlier positions, or
-    None): each query sees the context and the positions up to its own. Returns [T, Hq, D]."""
-    if context is not None:
-        k, v = torch.cat([context[0], k]), torch.cat([context[1], v])
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    T, S = q.shape[0], k.shape[0]
-    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
 
 
 @torch.inference_mode()
 def hidden_before(model: LlamaForCausalLM, token_ids: list[int], layer: int) -> torch.Tensor:
     """The residual stream entering decoder layer `layer` for a whole sequence: [T, H] float32."""
     ids = torch.tensor(token_ids, dtype=torch.long)
-    pos = torch.arange(len(token_ids))
-    cos, sin = model.rope.for_positions(pos)
-    x = model.embed_tokens(ids)
-    for blk in model.layers[:layer]:
-        q, k, v = blk.attention_inputs(x, cos, sin)
-        x = blk.attention_output_and_mlp(x, causal_attention(q, k, v))
-    return x.float().clone()
+    x, residual = model.run_layers(model.embed(ids), torch.arange(len(ids)), model.dense_run(model.ops), 0, layer)
+    return (x if residual is None else residual + x).float().clone()
 
 
 @dataclass
@@ -58,8 +41,6 @@ class MicroLora:
     @classmethod
     def create(cls, cfg: ModelConfig, layers: list[int], targets: tuple[str, ...], rank: int, alpha: float,
                seed: int) -> MicroLora:
-        from ruvllm.lora.peft_adapter import projection_shape
-
         g = torch.Generator().manual_seed(seed)
         weights = {}
         for layer in layers:
@@ -124,44 +105,24 @@ class LearnedLayers:
                 keep_kv: list | None = None) -> torch.Tensor:
         """The final-normed hidden states [T, H] of rows entering the learned layers as h [T, H], at
         `positions`; `context`: each learned layer's K/V of earlier positions (not learned through).
-        With `keep_kv` (a list), each layer's K/V of these rows is appended to it."""
+        With `keep_kv` (a list), each layer's K/V of these rows is appended to it. The model's own
+        layers, in plain torch ops and F.linear (which autograd differentiates)."""
         cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        cos, sin = self.model.rope.for_positions(positions)
-        for i, li in enumerate(self.layers):
-            blk = self.model.layers[li]
-            x = F.rms_norm(h, (cfg.hidden_size,), blk.input_layernorm.weight, eps)
-            qkv = x @ blk.qkv_proj.weight.t()
-            if blk.qkv_proj.bias is not None:
-                qkv = qkv + blk.qkv_proj.bias
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            if lora is not None:
-                q, k, v = (_add(t, lora.delta(li, name, x)) for t, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
-            q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = F.rms_norm(q, (cfg.head_dim,), blk.q_norm.weight, eps)
-                k = F.rms_norm(k, (cfg.head_dim,), blk.k_norm.weight, eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            if keep_kv is not None:
-                keep_kv.append((k.detach(), v.detach()))
-            o = causal_attention(q, k, v, None if context is None else context[i]).reshape(-1, cfg.q_size)
-            attn = o @ blk.o_proj.weight.t()
-            if lora is not None:
-                attn = _add(attn, lora.delta(li, "o_proj", o))
-            h = h + attn
-            x = F.rms_norm(h, (cfg.hidden_size,), blk.post_attention_layernorm.weight, eps)
-            gate_up = x @ blk.gate_up_proj.weight.t()
-            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-            if lora is not None:
-                gate, up = _add(gate, lora.delta(li, "gate_proj", x)), _add(up, lora.delta(li, "up_proj", x))
-            a = F.silu(gate) * up
-            down = a @ blk.down_proj.weight.t()
-            if lora is not None:
-                down = _add(down, lora.delta(li, "down_proj", a))
-            h = h + down
-        return F.rms_norm(h, (cfg.hidden_size,), self.model.norm.weight, eps)
+
+        def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up)."""
+            targets = FUSED[fused]
+            parts = y.split([projection_shape(cfg, t)[1] for t in targets], dim=-1)
+            return torch.cat([_add(p, lora.delta(layer, t, x)) for p, t in zip(parts, targets)], dim=-1)
+
+        run = self.model.dense_run(torch_ops(), lora=None if lora is None else add, linear=_linear,
+                                   context=None if context is None else dict(zip(self.layers, context)),
+                                   keep_kv=keep_kv)
+        return self.model.final_norm(*self.model.run_layers(h, positions, run, self.first), run.ops)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
 
 
 def _add(t: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

@@ -24,7 +24,8 @@ For each decoder layer, with the float weights, in float32:
                        one scale (their mean activations are averaged).
      q/k/v          <- input_layernorm weight
      down_proj      <- up rows of gate_up_proj
-     gate/up        <- post_attention_layernorm weight
+     gate/up        <- the MLP's input norm weight (Llama's post_attention_layernorm, Gemma 3's
+                       pre_feedforward_layernorm: the layer's MLP_NORM)
    o_proj and down_proj go first: their folds change v and up rows, and q/k/v and gate/up are then
    searched on exactly the weights that will be quantized.
 
@@ -48,7 +49,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ruvllm.config import ModelConfig
 from ruvllm.quant.rtn import check_int4_group, int4_checkpoint_grid
@@ -222,40 +222,26 @@ class InputRecorder:
         return self.rows[0]
 
 
-def _layer_forward(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One decoder layer over [S, L, H] (each sample its own causal sequence), with the model's own
-    norm/projection/RoPE/MLP code and plain causal attention in place of the paged-cache backend."""
+def _layer_forward(model: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One decoder layer over [S, L, H] (each sample its own causal sequence): the model's own layer
+    definition, with causal attention over the samples in place of the paged-cache backend."""
     s_count, length, hidden = x.shape
-    cfg = layer.cfg
     per = max(1, _TOKENS_PER_CHUNK // length)
     out = torch.empty_like(x)
     for first in range(0, s_count, per):
-        chunk = x[first:first + per]
-        n = chunk.shape[0]
-        flat = chunk.reshape(n * length, hidden)
-        q, k, v = layer.attention_inputs(flat, cos.repeat(n, 1, 1), sin.repeat(n, 1, 1))
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # [n*L, h, D] -> [n, h, L, D]
-            return t.view(n, length, t.shape[1], t.shape[2]).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
-                                           scale=cfg.head_dim ** -0.5, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(n * length, cfg.num_heads, cfg.head_dim)
-        out[first:first + n] = layer.attention_output_and_mlp(flat, o).view(n, length, hidden)
+        n = min(per, s_count - first)
+        y, residual = model.run_layers(x[first:first + n].reshape(n * length, hidden), torch.arange(length).repeat(n),
+                                       model.dense_run(model.ops, sequences=n), layer.index, layer.index + 1)
+        out[first:first + n] = (residual + y).view(n, length, hidden)
     return out
-
-
-def _rope(model: torch.nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return model.rope.for_positions(torch.arange(length))
 
 
 @torch.no_grad()
 def forward_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[S, L] token ids -> [S, L, V] logits, through the same layer code the calibration runs."""
-    x = model.embed_tokens(ids).float()
-    cos, sin = _rope(model, ids.shape[1])
+    x = model.embed(ids).float()
     for layer in model.layers:
-        x = _layer_forward(layer, x, cos, sin)
+        x = _layer_forward(model, layer, x)
     return model.compute_logits(model.norm(x))
 
 
@@ -286,7 +272,7 @@ def producer_absmax(layer: torch.nn.Module, group: str) -> torch.Tensor:
         return layer.input_layernorm.weight.data.abs()
     if group == "down_proj":
         return layer.gate_up_proj.weight.data[_up_rows(cfg)].abs().amax(dim=1)
-    return layer.post_attention_layernorm.weight.data.abs()
+    return getattr(layer, layer.MLP_NORM).weight.data.abs()
 
 
 @torch.no_grad()
@@ -311,7 +297,7 @@ def fold_scales(layer: torch.nn.Module, group: str, scales: torch.Tensor) -> Non
     elif group == "down_proj":
         layer.gate_up_proj.weight.data[_up_rows(cfg)] /= scales[:, None]
     else:
-        layer.post_attention_layernorm.weight.data /= scales
+        getattr(layer, layer.MLP_NORM).weight.data /= scales
 
 
 @torch.no_grad()
@@ -322,13 +308,12 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, search_tokens: int = DE
     layer's input, is computed before the layer is yielded: the caller may fold scales into it and
     later layers still see the float model's activations."""
     stride = max(1, -(-ids.numel() // search_tokens))
-    x = model.embed_tokens(ids).float()
-    cos, sin = _rope(model, ids.shape[1])
+    x = model.embed(ids).float()
     for index, layer in enumerate(model.layers):
         rec = {name: InputRecorder(stride) for name in FOLD_ORDER}
         hooks = [getattr(layer, name).register_forward_pre_hook(rec[name]) for name in FOLD_ORDER]
         try:
-            x = _layer_forward(layer, x, cos, sin)
+            x = _layer_forward(model, layer, x)
         finally:
             for h in hooks:
                 h.remove()

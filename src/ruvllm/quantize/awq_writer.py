@@ -95,6 +95,8 @@ def _named_values(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str
         value = model.get_parameter(pname).data
         if offset is not None:
             value = value[offset:offset + rows]
+        elif pname.endswith("norm.weight"):  # held as norm_offset + w (Gemma 3's 1 + w); the files hold w
+            value = value - model.norm_offset
         module_name, attr = pname.rsplit(".", 1)
         yield name, module_name, attr, value
 

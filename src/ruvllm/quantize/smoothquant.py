@@ -12,7 +12,7 @@ alpha moves the difficulty: 0 leaves it in the activations, 1 moves it all into 
 
 The division of X is folded into whatever produces X, exactly (awq.fold_scales, AWQ's folds):
   q/k/v     <- input_layernorm weight
-  gate/up   <- post_attention_layernorm weight
+  gate/up   <- the MLP's input norm weight (the layer's MLP_NORM)
   o_proj    <- v rows of qkv_proj: the attention output is a convex mix of v rows per head, so
                scaling v channel c scales channel c of every query head reading that kv head.
                Those o_proj inputs therefore share one scale (max over the tied channels).
