@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,20 +55,93 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def setting(default: Any, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (),
-            choices: tuple[str, ...] | None = None, cli_type: type | None = None,
-            to_value: Callable[[Any], Any] | None = None, minimum: float | None = None,
-            maximum: float | None = None) -> Any:
-    """A user-facing engine setting, declared once: the CLI flags of serve, chat and benchmark and
-    the keyword arguments of LLM(...) are generated from these fields (cli/engine_options.py).
+@dataclass(frozen=True)
+class Setting:
+    """A user-facing field, declared once: its help, its CLI flag and the values it takes. The config
+    dataclass checks every value against it when it is made (Checked), and the CLI flags of serve,
+    chat, benchmark and ray-serve, LLM(...)'s keywords and Ray's `serve run` arguments are generated
+    from it (cli/engine_options.py), so all of them take the same values."""
 
-    flag: the CLI name when it is not --field-name; cli_type/to_value: a flag given in other units
-    (--kv-cache-gib in GiB for a field in bytes)."""
-    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "cli_type": cli_type,
-            "to_value": to_value, "min": minimum, "max": maximum}
+    help: str
+    flag: str | None = None  # the CLI name when it is not --field-name
+    aliases: tuple[str, ...] = ()
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    unit: int | None = None  # the flag takes a number of these (--kv-cache-gib: GiB of a field in bytes)
+    metavar: str | None = None
+    envvar: str | None = None
+    cli: bool = True  # False: set through the dataclass only, no flag
+
+    def check(self, label: str, value: Any, kind: type, optional: bool, unit: float = 1) -> None:
+        """A ValueError naming `label` (the field, or its flag, whose values are in `unit`s) when
+        `value` is not one this setting takes."""
+        if value is None and optional:
+            return
+        what, fits = _KINDS.get(kind, (kind.__name__, lambda v: isinstance(v, kind)))
+        lo, hi = (b if b is None else b / unit for b in (self.minimum, self.maximum))
+        if self.choices is not None:
+            what = "one of " + ", ".join(map(str, self.choices))
+        if (fits(value) and (self.choices is None or value in self.choices) and (lo is None or value >= lo)
+                and (hi is None or value <= hi)):
+            return
+        bounds = (f" from {lo:g} to {hi:g}" if lo is not None and hi is not None else f" >= {lo:g}" if lo is not None
+                  else f" <= {hi:g}" if hi is not None else "")
+        raise ValueError(f"{label} must be {what}{bounds}, got {value!r}")
+
+
+_KINDS: dict[type, tuple[str, Any]] = {
+    int: ("a whole number", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str))}
+
+
+def setting(default: Any, help: str, **declaration: Any) -> Any:
+    """A dataclass field declared as a Setting (its keywords)."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults need a default_factory")
-    return field(default=default, metadata={"setting": meta})
+    return field(default=default, metadata={"setting": Setting(help, **declaration)})
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One setting(...) field of a config class, with what its annotation says."""
+
+    owner: type
+    name: str
+    setting: Setting
+    kind: type  # the annotation without None (tuple for tuple[str, ...])
+    optional: bool  # None is a value: "not set"
+    default: Any
+
+
+@functools.cache
+def declared(cls: type) -> tuple[Declared, ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if "setting" in f.metadata:
+            hint = hints[f.name]
+            args = typing.get_args(hint) if typing.get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+            first = next(a for a in args if a is not type(None))
+            out.append(Declared(cls, f.name, f.metadata["setting"], typing.get_origin(first) or first,
+                                type(None) in args, f.default))
+    return tuple(out)
+
+
+class Checked:
+    """Base of the config dataclasses: making one (replace() too) checks each setting(...) field's
+    type, bounds and choices against its declaration, then the class's own rules across fields; a
+    bad value is a ValueError naming the field."""
+
+    def __post_init__(self) -> None:
+        for d in declared(type(self)):
+            d.setting.check(d.name, getattr(self, d.name), d.kind, d.optional)
+        self.check_across()
+
+    def check_across(self) -> None:
+        """Rules that tie fields together (a subclass's own)."""
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -75,14 +152,13 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "int8", "int4")
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(Checked):
     block_size: int = setting(16, "Tokens per KV-cache block.", minimum=1)
     # Memory budget for the KV pool. Ignored when num_blocks is given. None: 1 GiB on CPU; on CUDA
     # what a profiled warm-up leaves of gpu_memory_utilization x the GPU's memory.
     kv_cache_memory_bytes: int | None = setting(
         None, "KV-cache memory budget in GiB (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization "
-              "leaves after a profiled warm-up).", flag="--kv-cache-gib", cli_type=float,
-        to_value=lambda gib: int(gib * 2**30), minimum=0.001)
+              "leaves after a profiled warm-up).", flag="--kv-cache-gib", unit=2**30, minimum=1)
     num_blocks: int | None = setting(None, "KV blocks (overrides --kv-cache-gib).", minimum=1)
     enable_prefix_caching: bool = setting(True, "Reuse the KV blocks of prompt prefixes seen before.",
                                           flag="--prefix-caching/--no-prefix-caching")
@@ -91,24 +167,11 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto", "auto, bf16, fp16: the KV cache in the compute dtype; int8, int4: a two-tier cache, the newest "
                 "--kv-hot-tokens of each sequence in the compute dtype and older blocks quantized (CPU only; "
-                "1.8-3.2x the tokens in the same memory).", choices=("auto", "bf16", "fp16", "int8", "int4"))
+                "1.8-3.2x the tokens in the same memory).", choices=KV_CACHE_DTYPES)
     # int8/int4: a query reads a block exactly while any of its tokens is within this many positions
     # of the query (the hot window); older blocks are read dequantized and move to the cold tier.
     kv_hot_tokens: int = setting(64, "With --kv-cache-dtype int8/int4: tokens per sequence read exactly "
                                      "(the hot window).", minimum=0)
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
-        if isinstance(self.kv_hot_tokens, bool) or not isinstance(self.kv_hot_tokens, int) or self.kv_hot_tokens < 0:
-            raise ValueError(f"kv_hot_tokens must be a whole number >= 0, got {self.kv_hot_tokens!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
 
     @property
     def quantized_kv(self) -> bool:
@@ -122,7 +185,7 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(Checked):
     max_num_batched_tokens: int | None = setting(
         None, "Token budget of one engine step (default: 512 on CPU, 2048 on CUDA).", minimum=1)
     max_num_seqs: int = setting(64, "Sequences running at once (the server admits --max-queue more, then 429).",
@@ -145,18 +208,12 @@ class SchedulerConfig:
             raise ValueError("the token budget is resolved for a device first (SchedulerConfig.resolved)")
         return self.max_num_batched_tokens
 
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_batched_tokens must be positive")
-        if self.max_num_seqs <= 0:
-            raise ValueError("max_num_seqs must be positive")
-
 
 QUANTIZATION_METHODS = ("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k")
 
 
 @dataclass(frozen=True)
-class QuantConfig:
+class QuantConfig(Checked):
     """How linear weights are held.
 
     auto: as stored, where a packed kernel can run it. On the CPU (our kernels, any compute dtype) GGUF
@@ -182,9 +239,9 @@ class QuantConfig:
                 "bf16, f16: dense 16-bit; int8: per-channel int8; int4: group-wise int4 (--group-size); "
                 "w8a8: int8 weights and int8 activations (int8 x int8 matmuls); q8, q4k: llama.cpp's Q8_0 and Q4_K "
                 "quantizers applied at load.", flag="--quantization", aliases=("-q",),
-        choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))
-    group_size: int = setting(32, "Inputs per int4 quantization group (32, 64, 128, 256).")
-    keep_16bit: tuple[str, ...] | None = None
+        choices=QUANTIZATION_METHODS)
+    group_size: int = setting(32, "Inputs per int4 quantization group (32, 64, 128, 256).", choices=(32, 64, 128, 256))
+    keep_16bit: tuple[str, ...] | None = setting(None, "Modules that stay dense (default: see above).", cli=False)
 
     @property
     def dense_modules(self) -> tuple[str, ...]:
@@ -193,15 +250,9 @@ class QuantConfig:
             return self.keep_16bit
         return ("embed_tokens",) if self.method == "auto" else ("embed_tokens", "lm_head")
 
-    def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS:
-            raise ValueError(f"unknown quantization {self.method!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
-        if self.group_size not in (32, 64, 128, 256):
-            raise ValueError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
-
 
 @dataclass(frozen=True)
-class LoraConfig:
+class LoraConfig(Checked):
     """LoRA adapters served beside the base model (docs/adapters.md)."""
 
     enable_lora: bool = setting(False, "Serve LoRA adapters (reserves --max-loras slots of --max-lora-rank).",
@@ -221,7 +272,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
-class SpeculativeConfig:
+class SpeculativeConfig(Checked):
     """Speculative decoding (docs/speculative.md): a proposer guesses up to K next tokens of a
     decoding sequence, the target model scores them in one pass as a prompt chunk, and exact
     rejection sampling keeps a prefix of them plus one token of its own."""
@@ -238,8 +289,7 @@ class SpeculativeConfig:
         True, "Choose each sequence's proposal count per step from its acceptance so far and the measured "
               "costs (off: always K).", flag="--adaptive-speculation/--no-adaptive-speculation")
     speculative_quantization: str = setting(
-        "auto", "The draft model's weights (as --quantization).",
-        choices=("auto", "none", "bf16", "f16", "int8", "int4", "w8a8", "q8", "q4k"))
+        "auto", "The draft model's weights (as --quantization).", choices=QUANTIZATION_METHODS)
 
     @property
     def method(self) -> str | None:
@@ -252,9 +302,7 @@ class SpeculativeConfig:
         """Tokens a speculating sequence may propose per step (0: speculation is off)."""
         return self.num_speculative_tokens if self.method is not None else 0
 
-    def __post_init__(self) -> None:
-        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+    def check_across(self) -> None:
         if self.method == "draft" and self.speculative_model is None:
             raise ValueError("speculative decoding with a draft model needs the model (speculative_model / "
                              "--speculative-model)")
@@ -263,15 +311,13 @@ class SpeculativeConfig:
                              "--speculative draft")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be at least 1")
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(Checked):
     model: str | None = None  # path to a HF folder or GGUF file; None: the embedded default
     device: str = setting("auto", "auto (CUDA when PyTorch sees a GPU, else the CPU), cpu, cuda or cuda:N.")
     dtype: str = setting("auto", "auto (bf16 on CUDA, float32 on the CPU), float32, "
@@ -285,7 +331,7 @@ class EngineConfig:
     # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it
     # builds); "torch" plain PyTorch ops; "triton" forces the Triton kernel (on CPU: interpreted, tests only).
     attention: str = setting("auto", "Attention kernel: auto (Triton on CUDA, our C++ kernel on CPU), torch, triton.",
-                             choices=("auto", "torch", "triton"))
+                             choices=ATTENTION_BACKENDS)
     # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
     cuda_graphs: bool = setting(True, "Replay decode steps as CUDA graphs (CUDA only).",
                                 flag="--cuda-graphs/--no-cuda-graphs")
@@ -299,10 +345,3 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     speculation: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
-        size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")

@@ -257,7 +257,7 @@ def test_continuation_hit_is_exact(kv_llm: LLM) -> None:
 
 
 def test_bad_settings_give_clear_errors(default_llm: LLM) -> None:
-    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'q8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*, got 'q8'"):
         LLM(kv_cache_dtype="q8")
     with pytest.raises(ValueError, match="kv_hot_tokens must be a whole number >= 0"):
         LLM(kv_hot_tokens=-4)

@@ -191,7 +191,7 @@ def test_hot_tier_is_capped_at_half_but_holds_one_sequence(model_cfg) -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int3'; choose one of auto, bf16, fp16, int8, int4"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bf16, fp16, int8, int4, got 'int3'"):
         CacheConfig(kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="kv_hot_tokens must be a whole number >= 0, got -1"):
         CacheConfig(kv_hot_tokens=-1)

@@ -89,7 +89,7 @@ def test_a_restarted_replica_is_forgotten_and_none_usable_is_an_error() -> None:
 
 
 def test_bad_config_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="routing policy"):
+    with pytest.raises(ValueError, match="policy must be one of prefix, least_loaded, round_robin"):
         RouterConfig(policy="random")
     with pytest.raises(ValueError, match="load_factor"):
         RouterConfig(load_factor=0.5)

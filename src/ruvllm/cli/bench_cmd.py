@@ -25,7 +25,7 @@ import typer
 from rich.table import Table
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
+from ruvllm.cli.engine_options import Flags, with_engine_flags
 from ruvllm.config import CacheConfig
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
@@ -211,7 +211,7 @@ def benchmark(
     concurrency: int = typer.Option(8, "--concurrency", help="Requests submitted together in the batch phase."),
     fmt: str = typer.Option("table", "--format", help="table, json or csv (json and csv: stdout only)."),
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
-    engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
+    engine: Flags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Measure prefill latency, time to first token, decode and batch throughput, and peak memory."""
     state: CliState = ctx.obj or CliState()

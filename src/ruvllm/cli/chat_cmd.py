@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ruvllm.cli.common import CliState, clean_errors, fail
-from ruvllm.cli.engine_options import EngineFlags, with_engine_flags
+from ruvllm.cli.engine_options import Flags, with_engine_flags
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
     from ruvllm.engine.async_engine import AsyncEngine
@@ -197,7 +197,7 @@ def chat(
     cache_dir: str | None = typer.Option(None, "--cache-dir", help=CACHE_DIR_HELP),
     lora: str | None = typer.Option(None, "--lora", metavar="PATH",
                                     help="Reply through a PEFT LoRA adapter (a folder; enables LoRA)."),
-    engine: EngineFlags = None,  # type: ignore[assignment]  # the generated engine flags
+    engine: Flags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
     state: CliState = ctx.obj or CliState()

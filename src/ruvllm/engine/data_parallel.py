@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from ruvllm.config import EngineConfig
+from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError
@@ -33,21 +33,20 @@ from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats, su
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
-class DataParallelConfig:
-    size: int = 1  # engine-core processes
-    threads_per_replica: int | None = None  # None: the usable cores split evenly (at least 1)
+class DataParallelConfig(Checked):
+    size: int = setting(1, "Engine-core processes, each with its own model copy and KV cache, behind this one "
+                           "server (docs/scaling.md).", flag="--data-parallel-size", aliases=("--dp",), minimum=1,
+                        metavar="N")
+    threads_per_replica: int | None = setting(None, "With --data-parallel-size: CPU threads of each replica (default: "
+                                                    "the cores split evenly; --threads is ignored).", minimum=1,
+                                              metavar="T")
     # Pin replica i to its own cores (i*T .. i*T+T-1 of the usable ones) when they are enough for
     # all; otherwise the OS schedules them freely.
-    pin_cores: bool = True
+    pin_cores: bool = setting(True, "Pin each replica to cores of its own.", cli=False)
     routing: RouterConfig = RouterConfig()
-    max_restarts: int = 5  # failures of one replica within restart_window_s before it is given up
-    restart_window_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"data_parallel_size must be at least 1, got {self.size}")
-        if self.threads_per_replica is not None and self.threads_per_replica < 1:
-            raise ValueError(f"threads_per_replica must be at least 1, got {self.threads_per_replica}")
+    max_restarts: int = setting(5, "Failures of one replica within restart_window_s before it is given up.",
+                                minimum=0, cli=False)
+    restart_window_s: float = setting(300.0, "Seconds max_restarts counts over.", minimum=0, cli=False)
 
     def threads(self) -> int:
         if self.threads_per_replica is not None:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress
 
-from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
+from ruvllm.config import (CacheConfig, EngineConfig, LoraConfig, QuantConfig, SchedulerConfig, SpeculativeConfig,
+                           declared)
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.input_processor import core_requests, stop_token_set
@@ -27,28 +28,25 @@ if TYPE_CHECKING:
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """Flat keyword settings (as vLLM's LLM takes them) sorted into the per-concern configs.
+    """Flat keyword settings (as vLLM's LLM takes them) sorted into the per-concern configs, each of
+    which checks its own (the `setting` fields of config.py).
 
     `quantization` is a method name ("int4", ...) or a whole QuantConfig; `group_size` and
     `keep_16bit` go to the QuantConfig."""
     quant = kwargs.pop("quantization", None)
-    parts: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}, QuantConfig: {},
-                                         LoraConfig: {}, SpeculativeConfig: {}}
+    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "quantization": QuantConfig, "lora": LoraConfig,
+                "speculation": SpeculativeConfig}
+    parts: dict[type, dict[str, Any]] = {cls: {} for cls in (EngineConfig, *sections.values())}
     if isinstance(quant, QuantConfig):
         parts[QuantConfig] = dataclasses.asdict(quant)
     elif quant is not None:
         parts[QuantConfig]["method"] = quant
+    owner = {d.name: d.owner for cls in parts for d in declared(cls) if d.name != "method"}
     for key, value in kwargs.items():
-        for cls in parts:
-            if key in {f.name for f in dataclasses.fields(cls)} and key not in ("cache", "scheduler", "lora", "speculation", "method"):
-                parts[cls][key] = value
-                break
-        else:
+        if key not in owner:
             raise TypeError(f"unknown engine setting {key!r}")
-    return EngineConfig(model=model, cache=CacheConfig(**parts[CacheConfig]),
-                        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                        quantization=QuantConfig(**parts[QuantConfig]), lora=LoraConfig(**parts[LoraConfig]),
-                        speculation=SpeculativeConfig(**parts[SpeculativeConfig]),
+        parts[owner[key]][key] = value
+    return EngineConfig(model=model, **{name: cls(**parts[cls]) for name, cls in sections.items()},
                         **parts[EngineConfig])
 
 

@@ -34,23 +34,20 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ruvllm.config import Checked, setting
+
 ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    policy: str = "prefix"
-    load_factor: float = 1.25  # a replica above this x the mean load (the request counted) takes none
-    prefix_memory: int = 65536  # block hashes remembered per replica (LRU)
-    virtual_nodes: int = 64  # points per replica on the consistent-hash ring
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
-        if self.load_factor < 1.0:
-            raise ValueError(f"load_factor must be at least 1, got {self.load_factor}")
-        if self.prefix_memory < 1 or self.virtual_nodes < 1:
-            raise ValueError("prefix_memory and virtual_nodes must be positive")
+class RouterConfig(Checked):
+    policy: str = setting("prefix", "Which replica serves a request: prefix (the one that holds the prompt's prefix, "
+                                    "under a load bound), least_loaded or round_robin.", flag="--routing",
+                          choices=ROUTING_POLICIES, metavar="POLICY")
+    load_factor: float = setting(1.25, "A replica above this x the mean load (the request counted) takes none.",
+                                 minimum=1.0, cli=False)
+    prefix_memory: int = setting(65536, "Block hashes remembered per replica (LRU).", minimum=1, cli=False)
+    virtual_nodes: int = setting(64, "Points per replica on the consistent-hash ring.", minimum=1, cli=False)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: object = None) -> list[int]:

@@ -1,47 +1,56 @@
-"""Settings of learning from feedback (typed, torch-free: the server's config holds them)."""
+"""Settings of learning from feedback (typed, torch-free: the server's config holds them), declared
+as the engine's are: `ruvllm serve --learn` generates its flags from these fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ruvllm.config import Checked, setting
+
 
 @dataclass(frozen=True)
-class InstantConfig:
-    layers: int = 4  # the last n decoder layers learn
-    rank: int = 2
-    alpha: float = 4.0
-    targets: tuple[str, ...] = ("v_proj", "o_proj", "down_proj")
-    lr: float = 1e-2
-    context: str = "full"  # or "frozen" (learning/instant.py; measured in docs/learning.md)
-    candidates: int = 2048  # sampled softmax size; 0: the whole vocabulary
-    seed: int = 0
+class InstantConfig(Checked):
+    layers: int = setting(4, "The last n decoder layers learn.", minimum=1, cli=False)
+    rank: int = setting(2, "The micro-LoRA's rank.", minimum=1, cli=False)
+    alpha: float = setting(4.0, "The micro-LoRA's alpha.", minimum=0, cli=False)
+    targets: tuple[str, ...] = setting(("v_proj", "o_proj", "down_proj"), "Modules learned.", cli=False)
+    lr: float = setting(1e-2, "Learning rate.", minimum=0, cli=False)
+    context: str = setting("full", "learning/instant.py (docs/learning.md).", choices=("full", "frozen"), cli=False)
+    candidates: int = setting(2048, "Sampled softmax size; 0: the whole vocabulary.", minimum=0, cli=False)
+    seed: int = setting(0, "Seeds the sampled softmax.", cli=False)
     # EWC++, applied by the background loop (learning/background.py): the penalty lambda * sum F
     # (theta - theta*)^2, theta* the micro-LoRA's starting point (the base model's behaviour) and F
     # an online diagonal Fisher of the LM loss on the tenant's own recent completions, refreshed
     # after `fisher_every` events (F <- gamma F + (1 - gamma) g^2). lambda 0: off.
-    ewc_lambda: float = 3e6  # the default model's micro-LoRA Fisher is tiny (median 6e-9 a coordinate; docs/learning.md)
-    fisher_every: int = 5
-    fisher_samples: int = 4
-    fisher_gamma: float = 0.5
+    # The default model's micro-LoRA Fisher is tiny (median 6e-9 a coordinate; docs/learning.md).
+    ewc_lambda: float = setting(3e6, "EWC++'s lambda (0: off).", minimum=0, cli=False)
+    fisher_every: int = setting(5, "Events between Fisher refreshes.", minimum=1, cli=False)
+    fisher_samples: int = setting(4, "Completions per Fisher refresh.", minimum=1, cli=False)
+    fisher_gamma: float = setting(0.5, "The Fisher's decay.", minimum=0, maximum=1, cli=False)
 
 
 @dataclass(frozen=True)
-class LearningConfig:
+class LearningConfig(Checked):
     instant: InstantConfig = field(default_factory=InstantConfig)
-    store_count: int = 10_000  # completions kept for feedback
-    store_age_s: float = 3600.0
-    root: str | None = None  # where adapter versions are written (default: a data folder)
-    # Threads of this process's PyTorch for the updates (None: as they are). `ruvllm serve` runs the
-    # engine core in a process of its own and gives the learner 1, so that updates take one core
-    # from serving, not every core.
-    threads: int | None = None
+    store_count: int = setting(10_000, "With --learn: completions kept for feedback, at most.",
+                               flag="--feedback-keep", minimum=1)
+    store_age_s: float = setting(3600.0, "With --learn: seconds a completion takes feedback.",
+                                 flag="--feedback-max-age", minimum=1)
+    root: str | None = setting(None, "With --learn: where adapter versions are written (PEFT folders; default: "
+                                     "a data folder).", flag="--learned-dir", metavar="DIR")
+    # `ruvllm serve` runs the engine core in a process of its own and gives the learner 1, so that
+    # updates take one core from serving, not every core.
+    threads: int | None = setting(None, "This process's PyTorch threads for the updates (None: as they are).",
+                                  minimum=1, cli=False)
     # The background loop consolidates each tenant's instant updates under EWC++ at most this often
     # (seconds) while there are any, on a thread of its own. None: no thread; call
     # Learner.consolidate() (the offline LLM, which is not thread-safe). `ruvllm serve` uses 0.1.
-    background_s: float | None = None
-    # The nice value of the threads that learn (the background loop's; the server's update thread):
-    # on a machine with few cores, updates take what serving leaves. 0: as they are.
-    nice: int = 0
-    # Version folders kept per tenant (the serving one and every deep-loop promotion are kept too);
-    # older ones are deleted with their policy-store rows. 0: keep all.
-    keep_versions: int = 16
+    background_s: float | None = setting(None, "Seconds between consolidations.", minimum=0, cli=False)
+    # The nice value of the threads that learn (the background loop's; the server's update thread,
+    # never the caller's): on a machine with few cores, updates take what serving leaves
+    # (docs/learning.md: serving 1.01x at 10, 0.77x at 0).
+    nice: int = setting(10, "With --learn: the nice value of the threads that learn, so that updates take what "
+                            "serving leaves of the CPU (0: as serving).", flag="--learn-nice", minimum=0, maximum=19,
+                        metavar="N")
+    # Older ones are deleted with their policy-store rows; the serving one and every deep-loop promotion stay.
+    keep_versions: int = setting(16, "Version folders kept per tenant (0: all).", minimum=0, cli=False)

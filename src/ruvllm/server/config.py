@@ -1,47 +1,89 @@
-"""Settings of the HTTP server (the engine's own settings live in ruvllm.config)."""
+"""Settings of the HTTP server and of its Ray Serve deployment (the engine's own settings live in
+ruvllm.config), declared as the engine's are: `ruvllm serve`, `ruvllm ray-serve` and Ray's `serve
+run` take the flags and arguments generated from these fields. No Ray here: the CLI declares its
+flags where Ray is not installed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ruvllm.config import Checked, EngineConfig, setting
+from ruvllm.engine.router import RouterConfig
 from ruvllm.learning.config import LearningConfig
+from ruvllm.tools.parsers import PARSERS
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+class ServerConfig(Checked):
+    host: str = setting("127.0.0.1", "Interface to bind (ray-serve: of Ray Serve's HTTP proxy).")
+    port: int = setting(8000, "Port to bind (ray-serve: of Ray Serve's HTTP proxy).", minimum=0, maximum=65535)
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on every route but /health.",
+                                  envvar="RUVLLM_API_KEY")
     # Keys of tenants (--api-keys FILE): each key admits its requests as its tenant's. With either
     # this or api_key, every route but /health needs a key.
-    api_keys: tuple[tuple[str, str], ...] = ()
-    routes_without_key: tuple[str, ...] = ()  # paths the operator opens without the key (e.g. /metrics)
-    served_model_name: str = "default"
-    # Sequences allowed to wait beyond the engine's running cap (EngineInfo.max_num_seqs) before 429.
-    max_queue: int = 256
-    chat_template: str | None = None  # overrides the model's template
-    tool_parser: str | None = None  # hermes | llama3_json (None: from the chat template; docs/structured.md)
-    graceful_shutdown_s: float = 10.0
-    max_request_bytes: int = 16 * 2**20  # a larger body gets 413 (a 128k-token prompt is ~1 MB)
-    request_read_timeout_s: float = 30.0  # a body that stalls this long between chunks gets 408
+    api_keys: tuple[tuple[str, str], ...] = setting((), "Tenants' (key, tenant) pairs.", cli=False)
+    routes_without_key: tuple[str, ...] = setting(
+        (), "With --api-key: serve PATH without the key (repeatable).", flag="--route-without-key", metavar="PATH")
+    served_model_name: str = setting("default", "Model id clients send (default: MODEL as given).")
+    max_queue: int = setting(256, "Sequences that may wait beyond --max-num-seqs; then 429.", minimum=0)
+    chat_template: str | None = setting(None, "Jinja chat template, or a path to one (default: the model's).")
+    tool_parser: str | None = setting(None, "How tool calls are read from the model's text (default: from the chat "
+                                            "template).", choices=tuple(PARSERS), metavar="NAME")
+    graceful_shutdown_s: float = setting(10.0, "Seconds in-flight requests get to finish after SIGINT/SIGTERM.",
+                                         flag="--drain-timeout", minimum=0)
+    max_request_bytes: int = setting(16 * 2**20, "Largest request body; a larger one gets 413 (a 128k-token prompt "
+                                                 "is ~1 MB).", minimum=1)
+    request_read_timeout_s: float = setting(30.0, "Seconds a request body may stall between chunks; then 408.",
+                                            flag="--request-read-timeout", minimum=0.1)
     # Where POST /v1/load_lora_adapter may read adapters: under these folders, or exactly the paths
     # given at start-up (--lora), or anywhere with allow_any_lora_path.
-    lora_dirs: tuple[str, ...] = ()
-    startup_lora_paths: tuple[str, ...] = ()
-    allow_any_lora_path: bool = False
+    lora_dirs: tuple[str, ...] = setting((), "POST /v1/load_lora_adapter may read adapters under DIR (repeatable).",
+                                         flag="--lora-dir", metavar="DIR")
+    startup_lora_paths: tuple[str, ...] = setting((), "The adapters' paths given at start-up.", cli=False)
+    allow_any_lora_path: bool = setting(False, "POST /v1/load_lora_adapter may read adapters from any path.",
+                                        flag="--allow-any-lora-path")
     # The witness log (SQLite, hash-chained): every completion recorded there; None: not kept.
-    witness_log: str | None = None
-    witness_store_tokens: bool = False  # the prompt and output token ids too, not only their hashes
+    witness_log: str | None = setting(
+        None, "The witness log of every completion (SQLite, hash-chained; default: $RUVLLM_DATA_DIR or "
+              "~/.local/share/ruvllm, witness.sqlite3; `off`: none).", metavar="PATH")
+    witness_store_tokens: bool = setting(False, "Keep prompt and output token ids in the witness log, not only "
+                                                "their hashes.", flag="--witness-store-tokens")
     # Learning from feedback (POST /v1/feedback; None: off). The engine needs LoRA slots of at least
     # the micro-LoRA's rank.
     learning: LearningConfig | None = None
-    feedback_rate: float = 2.0  # events a second per tenant (bursts of feedback_burst); then 429
-    feedback_burst: int = 10
-    max_waiting_updates: int = 32  # feedback events queued for the update thread, all tenants; then 429
-    # The deep loop, triggered: once a tenant's feedback since its last run weighs this much (the sum of
-    # |score|, a correction weighing 1; 0: never), `ruvllm learn run TENANT` in a low-priority process
-    # of its own, with these files (held-out text needed).
-    deep_every: float = 0.0
-    deep_heldout: str | None = None
-    deep_general: str | None = None
-    deep_probes: str | None = None
+    feedback_rate: float = setting(2.0, "With --learn: feedback events a second per tenant (bursts of "
+                                        "feedback_burst); then 429.", minimum=0.001)
+    feedback_burst: int = setting(10, "Feedback events a tenant may send at once.", minimum=1, cli=False)
+    max_waiting_updates: int = setting(32, "Feedback events queued for the update thread, all tenants; then 429.",
+                                       minimum=1, cli=False)
+    deep_every: float = setting(0.0, "With --learn: run the deep loop (ruvllm learn run) for a tenant once its "
+                                     "feedback since the last run weighs WEIGHT (the sum of |score|; a correction "
+                                     "weighs 1; 0: never).", minimum=0, metavar="WEIGHT")
+    deep_heldout: str | None = setting(None, "The deep loop's held-out text.", metavar="FILE")
+    deep_general: str | None = setting(None, "The deep loop's everyday text.", metavar="FILE")
+    deep_probes: str | None = setting(None, "The deep loop's probes (JSON lines).", metavar="FILE")
+
+
+@dataclass(frozen=True)
+class RayServeConfig(Checked):
+    """What `ruvllm ray-serve` deploys (ray_serve/app.py)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    routing: RouterConfig = field(default_factory=RouterConfig)
+    replicas: int = setting(1, "Engine replicas (without autoscaling).", minimum=1)
+    min_replicas: int | None = setting(None, "Autoscale between --min-replicas and --max-replicas on ongoing "
+                                             "requests per replica (Ray Serve's autoscaler).", minimum=0)
+    max_replicas: int | None = setting(None, "With --min-replicas.", minimum=1)
+    target_ongoing_requests: float = setting(16.0, "With autoscaling: the queue depth per replica aimed at.",
+                                             minimum=0.1)
+    cpus_per_replica: float = setting(1.0, "CPUs Ray reserves for each engine replica (set --threads to match).",
+                                      minimum=0.1)
+    max_ongoing_requests: int = setting(256, "Requests one engine replica takes at once; Serve queues the rest.",
+                                        minimum=1, cli=False)
+
+    def check_across(self) -> None:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("autoscaling needs both min_replicas and max_replicas")
+        if self.min_replicas is not None and not self.min_replicas <= self.max_replicas:  # type: ignore[operator]
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
