@@ -55,7 +55,7 @@ class ServerConfig(Checked):
                                         "feedback_burst); then 429.", minimum=0.001)
     feedback_burst: int = setting(10, "Feedback events a tenant may send at once.", minimum=1, cli=False)
     max_waiting_updates: int = setting(32, "Feedback events queued for the update thread, all tenants; then 429.",
-                                       minimum=1, cli=False)
+                                       minimum=0, cli=False)
     deep_every: float = setting(0.0, "With --learn: run the deep loop (ruvllm learn run) for a tenant once its "
                                      "feedback since the last run weighs WEIGHT (the sum of |score|; a correction "
                                      "weighs 1; 0: never).", minimum=0, metavar="WEIGHT")
