@@ -40,7 +40,7 @@ def _words() -> list[str]:
 def _engine(replicas: int, threads: int, policy: str = "prefix", prefix_caching: bool = True,
             pin: bool = True) -> AsyncEngine:
     config = EngineConfig(num_threads=threads, cache=CacheConfig(enable_prefix_caching=prefix_caching))
-    return AsyncEngine(config, DataParallelConfig(replicas, threads, pin_cores=pin, routing=RouterConfig(policy=policy)))
+    return AsyncEngine.launch(config, DataParallelConfig(replicas, threads, pin_cores=pin, routing=RouterConfig(policy=policy)))
 
 
 async def _drain(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams, rid: str) -> tuple[str, int, int]:

@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ruvllm.config import ModelConfig
+from ruvllm.core.adapters import AdapterRun
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.kv_groups import kv_layout
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
@@ -74,8 +75,9 @@ def teacher_forced_logits(kv: KVCacheManager, runner: ModelRunner, prompt: list[
     """Logits after the prompt (prefilled in chunks of `chunk`, or at once) and after each
     teacher-forced continuation token, through a runner and KV manager without the scheduler:
     [1 + len(continuation), V]. `adapter`: a LoRA adapter or X-LoRA model loaded in the runner's worker."""
-    req = Request("r", list(prompt), SamplingParams())
-    req.scaling_pass = adapter is not None and runner.lora.get(adapter).scaling_pass
+    served = runner.lora.get(adapter) if adapter is not None else None
+    run = AdapterRun(adapter, 0, served.num_slots, served.scaling_pass) if served is not None else None
+    req = Request("r", list(prompt), SamplingParams(), adapter=run)
     out = []
     pending = list(prompt)
     for tok in [None] + continuation:

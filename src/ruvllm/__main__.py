@@ -23,7 +23,7 @@ async def _stream(engine: AsyncEngine, prompt: str) -> None:
 
 def main() -> None:
     prompt = " ".join(sys.argv[1:]) or "Explain in three sentences what a paged KV cache is."
-    engine = AsyncEngine()
+    engine = AsyncEngine.launch()
     try:
         asyncio.run(_stream(engine, prompt))
     finally:

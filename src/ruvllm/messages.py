@@ -134,21 +134,44 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
-class Utility(msgspec.Struct, tag=True):
-    """A call answered in order with the other commands: "stats", "reset_prefix_cache", "unload_lora"
-    (args: name), and "load_lora" (args: name, path; the file is read off the core's loop, then
-    installed between two steps)."""
+# The calls a front may make of the core: each answered (CallResult) in order with the other
+# commands, so after an abort a GetStats sees the abort done. The core's loop dispatches on the type.
+class GetStats(msgspec.Struct, tag=True):
+    pass
 
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    pass
+
+
+class LoadAdapter(msgspec.Struct, tag=True):
+    """Read a PEFT folder off the core's loop, then install it between two steps."""
+
+    name: str
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, tag=True):
+    name: str
+
+
+class ListAdapters(msgspec.Struct, tag=True):
+    """The adapter registry's entries (CallResult.adapters): what a restarted replica loads again."""
+
+
+CoreCall = Union[GetStats, ResetPrefixCache, LoadAdapter, UnloadAdapter, ListAdapters]
+
+
+class Call(msgspec.Struct, tag=True):
     call_id: int
-    method: str
-    args: list[str] = []
+    call: CoreCall
 
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-CoreInput = Union[AddRequests, AbortRequests, Utility, Shutdown]
+CoreInput = Union[AddRequests, AbortRequests, Call, Shutdown]
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -161,11 +184,17 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
-class UtilityResult(msgspec.Struct, tag=True):
+class AdapterEntry(msgspec.Struct, array_like=True):
+    name: str
+    path: str
+
+
+class CallResult(msgspec.Struct, tag=True):
     call_id: int
     stats: EngineStats
     error: str | None = None
     error_type: str | None = None  # a ruvllm.errors class (or ValueError): the front raises the same
+    adapters: list[AdapterEntry] = []  # ListAdapters' answer
 
 
 class CoreFailed(msgspec.Struct, tag=True):
@@ -175,4 +204,4 @@ class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
-CoreMessage = Union[Ready, StepOutputs, UtilityResult, CoreFailed]
+CoreMessage = Union[Ready, StepOutputs, CallResult, CoreFailed]

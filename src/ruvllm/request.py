@@ -6,9 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ruvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ruvllm.core.adapters import AdapterRun
 
 
 class Priority(enum.IntEnum):
@@ -66,15 +69,9 @@ class Request:
     # The request this one shares a prompt with (n > 1): it waits until the sibling's prompt is cached.
     prompt_sibling: Request | None = None
     max_total_tokens: int = 1 << 30  # context length cap
-    adapter: str | None = None  # a LoRA adapter's name (None: the base model)
-    # Mixed into the first block's prefix-cache hash: blocks computed under one adapter (one load
-    # of it: a name loaded again is another adapter) are never a hit for another, or for the base.
-    cache_salt: object = None
-    adapter_slots: int = 0  # adapter slots its adapter takes (an X-LoRA model: one per adapter it mixes)
-    # An X-LoRA request runs a scaling pass too, with a KV stream of its own: the base model's
-    # (salted as the base model's requests with its own cache salt are), so it shares their blocks.
-    scaling_pass: bool = False
-    scaling_cache_salt: object = None
+    adapter: AdapterRun | None = None  # its LoRA adapter (None: the base model)
+    # The CoreRequest's cache_salt (a tenant's): requests with different salts share no cached block.
+    salt: str | None = None
     # Structured outputs: the future of its compiled grammar (the core's GrammarCompiler); the
     # scheduler admits it once the core has seen the compile succeed (grammar_ready).
     grammar: Any = None
@@ -96,11 +93,25 @@ class Request:
     queue_time_sent: bool = False
 
     @property
+    def cache_salt(self) -> object:
+        """Mixed into the first block's prefix-cache hash: blocks computed under one adapter (one load
+        of it: a name loaded again is another adapter) are never a hit for another, or for the base."""
+        return _salt(self.adapter.load_id if self.adapter is not None else None, self.salt)
+
+    @property
+    def scaling_pass(self) -> bool:
+        """An X-LoRA request: a scaling pass (the base model) runs before its real pass."""
+        return self.adapter is not None and self.adapter.scaling_pass
+
+    @property
     def kv_streams(self) -> list[tuple[str, object]]:
-        """(key, prefix-cache salt) of each KV block table the request holds: its own, and with a
-        scaling pass the scaling pass's."""
+        """(key, prefix-cache salt) of each KV block table the request holds: its own, and for an
+        X-LoRA request the scaling pass's, salted as the base model's requests with its own salt are
+        (so it shares their blocks)."""
         own = (self.request_id, self.cache_salt)
-        return [own, (scaling_key(self.request_id), self.scaling_cache_salt)] if self.scaling_pass else [own]
+        if not self.scaling_pass:
+            return [own]
+        return [own, (scaling_key(self.request_id), _salt(None, self.salt))]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -135,3 +146,11 @@ class ArrivalCounter:
 
     def next(self) -> int:
         return next(self._it)
+
+
+def _salt(adapter_load: int | None, salt: str | None) -> object:
+    """The prefix cache's salt: an adapter's load and a request's own salt (None when neither
+    applies: the base model's blocks, shared by every unsalted request)."""
+    if adapter_load is None and salt is None:
+        return None
+    return (None if adapter_load is None else ("lora", adapter_load), salt)

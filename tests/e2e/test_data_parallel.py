@@ -17,6 +17,7 @@ from ruvllm import LLM, AsyncEngine, EngineConfig, SamplingParams
 from ruvllm.config import CacheConfig, QuantConfig, SchedulerConfig
 from ruvllm.engine.data_parallel import DataParallelConfig
 from ruvllm.errors import ReplicaLostError
+from ruvllm.messages import AdapterEntry, ListAdapters
 from ruvllm.outputs import OutputKind, RequestOutput
 
 from tests.conftest import novel_prompts
@@ -27,7 +28,7 @@ TIGHT = dict(cache=CacheConfig(num_blocks=20), scheduler=SchedulerConfig(max_num
 
 @pytest.fixture(scope="module")
 def dp_engine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT),  # as `llm`
+    engine = AsyncEngine.launch(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT),  # as `llm`
                          DataParallelConfig(size=2, threads_per_replica=1))
     yield engine
     engine.shutdown()
@@ -147,3 +148,50 @@ def test_zz_a_killed_replica_fails_only_its_requests_and_comes_back(dp_engine: A
     for i, out in enumerate(outs):
         assert _key(out) == _key(llm.generate([prompts[i]], params)[0])
     _settle(engine)
+
+
+def test_a_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(tiny_model_dir, tmp_path) -> None:
+    """The adapter registry is the one record of what a core serves: a restarted replica loads what
+    a running replica's registry holds (issue 33's reload hung for 60 s before the new client's
+    receiving thread ran, and kept a failed load in its list for ever)."""
+    from ruvllm.engine.llm import build_engine_config
+    from ruvllm.errors import AdapterError
+    from tests.lora_fixtures import make_adapter
+
+    make_adapter(tiny_model_dir, tmp_path / "a", seed=40)
+    (tmp_path / "broken").mkdir()
+    engine = AsyncEngine.launch(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2,
+                                                    max_lora_rank=16),
+                                DataParallelConfig(size=2, threads_per_replica=1))
+    try:
+        engine.load_lora("a", str(tmp_path / "a"))
+        with pytest.raises(AdapterError):
+            engine.load_lora("broken", str(tmp_path / "broken"))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        before = [asyncio.run(_run(engine, [5, 6, 7, 8, 9], params, f"before{i}")) for i in range(2)]
+        victim = engine._client._replicas[0].client.process
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while engine.replicas[0].restarts < 1 or engine.replicas[0].status != "up":
+            assert time.monotonic() < deadline, engine.replicas
+            time.sleep(0.1)
+        assert engine._client._replicas[0].client.call(ListAdapters()).adapters == [
+            AdapterEntry("a", str(tmp_path / "a"))]
+        # Each replica serves the adapter and answers as before (the router spreads new prompts).
+        for rep in engine._client._replicas:
+            assert rep.client.latest_stats.adapters == ["a"]
+        after = [asyncio.run(_run(engine, [5, 6, 7, 8, 9], params, f"after{i}")) for i in range(2)]
+        assert [_key(o) for o in after] == [_key(o) for o in before]
+        lora = [asyncio.run(_lora_run(engine, params, f"lora{i}")) for i in range(4)]
+        assert len({tuple(o.outputs[0].token_ids) for o in lora}) == 1
+    finally:
+        engine.shutdown()
+
+
+async def _lora_run(engine: AsyncEngine, params: SamplingParams, rid: str) -> RequestOutput:
+    last = None
+    async for out in engine.generate([5, 6, 7, 8, 9, 10, 11], params, rid, output_kind=OutputKind.FINAL_ONLY,
+                                     lora="a"):
+        last = out
+    assert last is not None and last.finished
+    return last

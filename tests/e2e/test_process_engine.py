@@ -28,7 +28,7 @@ TIGHT = dict(cache=CacheConfig(num_blocks=28), scheduler=SchedulerConfig(max_num
 
 @pytest.fixture(scope="module")
 def process_engine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT))  # as `llm`
+    engine = AsyncEngine.launch(EngineConfig(dtype="float32", quantization=QuantConfig("none"), **TIGHT))  # as `llm`
     yield engine
     engine.shutdown()
     assert engine._client.process.poll() is not None, "the core process outlived shutdown"
@@ -130,7 +130,7 @@ def test_a_load_error_in_the_core_process_is_the_same_error_here(tmp_path) -> No
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(NotAModelError, match="model.gguf"):
-        AsyncEngine(EngineConfig(model=str(bad)))
+        AsyncEngine.launch(EngineConfig(model=str(bad)))
 
 
 def test_zz_a_killed_core_fails_every_open_stream_within_two_seconds(process_engine: AsyncEngine) -> None:

@@ -166,7 +166,7 @@ async def _greedy(engine: AsyncEngine, prompts: list[str]) -> list[str]:
 
 def test_a_core_process_with_tp2_serves_what_one_process_does_and_stops_its_rank(folders: dict[str, Path]) -> None:
     folder = str(folders["gqa"])
-    engine = AsyncEngine(EngineConfig(model=folder, tensor_parallel_size=2, dtype="float32",
+    engine = AsyncEngine.launch(EngineConfig(model=folder, tensor_parallel_size=2, dtype="float32",
                                       cache=CacheConfig(num_blocks=128)))
     try:
         ranks = _rank_processes(engine)
@@ -180,7 +180,7 @@ def test_a_core_process_with_tp2_serves_what_one_process_does_and_stops_its_rank
 
 
 def test_a_killed_core_process_takes_its_rank_with_it(folders: dict[str, Path]) -> None:
-    engine = AsyncEngine(EngineConfig(model=str(folders["gqa"]), tensor_parallel_size=2, dtype="float32",
+    engine = AsyncEngine.launch(EngineConfig(model=str(folders["gqa"]), tensor_parallel_size=2, dtype="float32",
                                       cache=CacheConfig(num_blocks=128)))
     try:
         ranks = _rank_processes(engine)

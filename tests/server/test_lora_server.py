@@ -182,7 +182,7 @@ def test_core_process_loads_serves_and_unloads(tiny_model_dir: Path, adapters: P
     from ruvllm.errors import AdapterError, AdapterNotFoundError
     from ruvllm.outputs import OutputKind
 
-    engine = AsyncEngine(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=16))
+    engine = AsyncEngine.launch(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=16))
     try:
         engine.load_lora("a", str(adapters / "a"))
         assert engine.loras == ["a"]

@@ -212,7 +212,7 @@ def chat(
     resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
     config = engine.to_config(resolve_cli_model(model, cache_dir), **({"enable_lora": True} if lora else {}))
     with console.status("loading model…"):
-        async_engine = AsyncEngine(config)
+        async_engine = AsyncEngine.launch(config)
     try:
         from ruvllm.engine.prompts import has_chat_template
 

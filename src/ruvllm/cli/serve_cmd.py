@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
             if engine.get("max_lora_rank") is None and not adapters:
                 overrides["max_lora_rank"] = 8
         with console.status("loading model"):
-            async_engine = AsyncEngine(engine.to_config(path, **overrides), replicas)
+            async_engine = AsyncEngine.launch(engine.to_config(path, **overrides), replicas)
         try:
             for name, adapter_path in adapters:
                 async_engine.load_lora(name, adapter_path)

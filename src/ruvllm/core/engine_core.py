@@ -9,9 +9,7 @@ sends an abort. The core knows nothing of files, models or devices: the executor
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ruvllm.config import EngineConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
-from ruvllm.errors import AdapterError, AdapterNotFoundError, RequestError
+from ruvllm.core.adapters import AdapterRegistry
+from ruvllm.errors import RequestError
 from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
@@ -60,59 +59,43 @@ class EngineCore:
         self._spec = SpecStats()
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
-        self._adapters: dict[str, int] = {}  # loaded LoRA adapter -> its load number (the prefix-cache salt)
-        self._adapter_runs: dict[str, tuple[int, bool]] = {}  # -> (adapter slots it takes, runs a scaling pass)
-        self._unloading: set[str] = set()  # unloaded while requests still ran with them
-        self._loads = itertools.count()
-        # A load joins the adapters from the thread that read it, while the loop may be stepping.
-        self._adapter_lock = threading.Lock()
+        self.adapter_registry = AdapterRegistry(self.info.max_loras, config.lora.cpu_capacity)
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
 
     # --- adapters --------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> None:
         """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong)."""
-        self.install_adapter(self.read_adapter(name, path))
+        self.install_adapter(self.read_adapter(name, path), path)
 
     def read_adapter(self, name: str, path: str) -> Served:
         """The file work of a load: safe on another thread while the core steps."""
-        if name in self._adapters:
-            raise AdapterError(f"an adapter named {name!r} is already loaded")
+        self.adapter_registry.check_new(name)
         return self.executor.read_adapter(name, path)
 
-    def install_adapter(self, adapter: Served) -> None:
+    def install_adapter(self, adapter: Served, path: str) -> None:
         """Make a read adapter servable (any thread, even while a step runs: it takes a slot when a
         step first uses it)."""
-        with self._adapter_lock:
-            if adapter.name in self._adapters:
-                raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
-            self.executor.install_adapter(adapter)
-            self._adapters[adapter.name] = next(self._loads)
-            self._adapter_runs[adapter.name] = (adapter.num_slots, adapter.scaling_pass)
+        self.adapter_registry.add(adapter.name, path, adapter.num_slots, adapter.scaling_pass,
+                                  lambda: self.executor.install_adapter(adapter))
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter: new requests cannot use it at once; requests running with it finish
         first, then its slot is freed."""
-        with self._adapter_lock:
-            if name not in self._adapters or name in self._unloading:
-                raise AdapterError(f"no adapter named {name!r} is loaded")
-            self._unloading.add(name)
-        self._drop_unused_adapters()
+        if self.adapter_registry.unload(name):
+            self._drop_adapter(name)
 
     def adapters(self) -> list[str]:
-        with self._adapter_lock:
-            return [name for name in self._adapters if name not in self._unloading]
+        return self.adapter_registry.names()
 
-    def _drop_unused_adapters(self) -> None:
-        if not self._unloading:
-            return
-        in_use = {req.adapter for req in self.scheduler.requests.values()}
-        with self._adapter_lock:
-            for name in [n for n in self._unloading if n not in in_use]:
-                self._unloading.discard(name)
-                del self._adapters[name]
-                del self._adapter_runs[name]
-                self.executor.remove_adapter(name)
+    def _drop_adapter(self, name: str) -> None:
+        self.adapter_registry.drop(name)
+        self.executor.remove_adapter(name)
+
+    def _release(self, req: Request) -> None:
+        """A request left the core: its hold on its adapter ends."""
+        if req.adapter is not None and self.adapter_registry.release(req.adapter):
+            self._drop_adapter(req.adapter.name)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, cr: CoreRequest) -> None:
@@ -120,22 +103,17 @@ class EngineCore:
         which the front cannot see (another front's request), is refused here."""
         if cr.request_id in self.scheduler.requests:
             raise RequestError(f"request id {cr.request_id!r} is already in use")
-        if cr.adapter is not None and cr.adapter not in self.adapters():
-            raise AdapterNotFoundError(f"no adapter named {cr.adapter!r} is loaded", param="model")
+        # admitted once _failed_compiles has seen its grammar compiled (a failed compile ends it)
+        grammar = self._grammar_compiler().submit(cr.params.structured) if cr.params.structured else None
+        adapter = self.adapter_registry.acquire(cr.adapter) if cr.adapter is not None else None
         sibling = self.scheduler.requests.get(cr.prompt_sibling) if cr.prompt_sibling else None
         req = Request(request_id=cr.request_id, prompt_token_ids=list(cr.prompt_token_ids), params=cr.params,
                       eos_token_ids=tuple(cr.eos_token_ids), priority=Priority(cr.priority),
-                      arrival=self._arrivals.next(), prompt_sibling=sibling,
-                      max_total_tokens=self.info.max_seq_len, adapter=cr.adapter,
-                      cache_salt=_salt(cr, None if cr.adapter is None else self._adapters[cr.adapter]))
-        if cr.adapter is not None:
-            req.adapter_slots, req.scaling_pass = self._adapter_runs[cr.adapter]
-            req.scaling_cache_salt = _salt(cr, None)
+                      arrival=self._arrivals.next(), prompt_sibling=sibling, max_total_tokens=self.info.max_seq_len,
+                      adapter=adapter, salt=cr.cache_salt, grammar=grammar)
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
-        if cr.params.structured is not None:
-            # admitted once _failed_compiles has seen its grammar compiled (a failed compile ends it)
-            req.grammar = self._grammar_compiler().submit(cr.params.structured)
+        if grammar is not None:
             self._compiling[cr.request_id] = req
         self._core_requests[cr.request_id] = cr
         self.scheduler.add(req)
@@ -149,7 +127,7 @@ class EngineCore:
             self._compiling.pop(rid, None)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
-        self._drop_unused_adapters()
+                self._release(req)
 
     @property
     def has_unfinished(self) -> bool:
@@ -174,8 +152,11 @@ class EngineCore:
         if so.is_empty:
             return failed
         self._spec.count(ro)
-        outputs = [self._output(req, ro) for req in self.scheduler.update(so, ro)]
-        self._drop_unused_adapters()
+        outputs = []
+        for req in self.scheduler.update(so, ro):
+            outputs.append(self._output(req, ro))
+            if req.is_finished:
+                self._release(req)
         return failed + outputs
 
     # --- structured outputs ----------------------------------------------------------------------
@@ -203,6 +184,7 @@ class EngineCore:
                 log.warning("request %s: its grammar did not compile: %s", rid, exc)
                 self._core_requests.pop(rid, None)
                 self.scheduler.finish(req, FinishReason.ABORT)
+                self._release(req)
                 failed.append(CoreOutput(rid, finish_reason=FinishReason.ABORT.value))
         return failed
 
@@ -259,11 +241,3 @@ class SpecStats:
             self.proposed += n
             self.accepted += len(ro.sampled[rid]) - 1
             self.verifications += 1
-
-
-def _salt(cr: CoreRequest, adapter_load: int | None) -> object:
-    """The prefix cache's salt for a request: its adapter's load and its own cache_salt (None when
-    neither applies: the base model's blocks, shared by every unsalted request)."""
-    if adapter_load is None and cr.cache_salt is None:
-        return None
-    return (None if adapter_load is None else ("lora", adapter_load), cr.cache_salt)

@@ -91,7 +91,7 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            adapters = {r.adapter: r.adapter_slots for r in self.running if r.adapter}
+            adapters = {r.adapter.name: r.adapter.slots for r in self.running if r.adapter}
             for req in list(self.waiting):
                 if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                     break
@@ -100,8 +100,8 @@ class Scheduler:
                 if req.grammar is not None and not req.grammar_ready:  # its compile runs beside the loop
                     continue
                 # The slots hold adapters running requests use: this one waits for slots.
-                if req.adapter and req.adapter not in adapters \
-                        and sum(adapters.values()) + req.adapter_slots > self.max_loras:
+                if req.adapter and req.adapter.name not in adapters \
+                        and sum(adapters.values()) + req.adapter.slots > self.max_loras:
                     continue
                 # Prompt logprobs need every prompt position computed: no prefix-cache hits.
                 hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None \
@@ -120,7 +120,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 if req.adapter:
-                    adapters[req.adapter] = req.adapter_slots
+                    adapters[req.adapter.name] = req.adapter.slots
                 scheduled.append((req, n, 0))
                 budget -= n
 
@@ -135,7 +135,7 @@ class Scheduler:
                 group_block_tables=tables[1:],
                 sample=start + n == req.num_tokens,
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
-                adapter=req.adapter,
+                adapter=req.adapter.name if req.adapter else None,
                 scaling_block_table=self.kv.block_table(scaling_key(req.request_id)) if req.scaling_pass else None,
                 num_lookahead=k,
             ))

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ruvllm.config import EngineConfig
@@ -28,7 +28,8 @@ from ruvllm.engine.input_processor import core_requests, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import PromptInput, encode_prompt
 from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError
-from ruvllm.messages import CoreOutput, EngineInfo, EngineStats
+from ruvllm.messages import (CoreOutput, EngineInfo, EngineStats, GetStats, LoadAdapter, ResetPrefixCache,
+                             UnloadAdapter)
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -37,13 +38,33 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Stream:
+class Stream:
+    """One caller's queue on its own event loop, fed from the client's thread (deliver)."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, data_parallel: DataParallelConfig | None = None) -> None:
+    def __init__(self, client: CoreClient, tokenizer: Any) -> None:
+        """This front over a CoreClient whose core is loaded (`launch` starts one in a child
+        process; `in_process` runs one on a thread; the Ray deployment passes its handle's)."""
+        self._client = client
+        self.tokenizer = tokenizer
+        self.info: EngineInfo = client.info
+        self._eos = stop_token_set(self.info, tokenizer)
+        self._processor = OutputProcessor(tokenizer)
+        self._streams: dict[str, Stream] = {}
+        self._ids = itertools.count()
+        # Guards the processor and the streams: callers add and abort on their event loops while
+        # the client's thread hands outputs in.
+        self._lock = threading.Lock()
+        self._closed: EngineDeadError | EngineShutdownError | None = None
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
+        client.start(self._on_outputs, self._fail, self._lose)
+
+    @classmethod
+    def launch(cls, config: EngineConfig | None = None, data_parallel: DataParallelConfig | None = None) -> AsyncEngine:
         """The core in a child process, loading `config`'s model there while the tokenizer loads here.
         `data_parallel` with size N > 1: N core processes, each with its own model copy and KV pool,
         behind this one front (engine/data_parallel.py)."""
@@ -65,34 +86,12 @@ class AsyncEngine:
         except BaseException:
             client.shutdown()
             raise
-        self._attach(client, tokenizer)
+        return cls(client, tokenizer)
 
     @classmethod
     def in_process(cls, core: EngineCore, tokenizer: Any) -> AsyncEngine:
         """The core on a thread of this process (tests, notebooks, models built in memory)."""
-        return cls.over(ThreadCoreClient(core), tokenizer)
-
-    @classmethod
-    def over(cls, client: CoreClient, tokenizer: Any) -> AsyncEngine:
-        """This front over any started-up CoreClient (the Ray deployment's handle, ...)."""
-        engine = object.__new__(cls)
-        engine._attach(client, tokenizer)
-        return engine
-
-    def _attach(self, client: CoreClient, tokenizer: Any) -> None:
-        self._client = client
-        self.tokenizer = tokenizer
-        self.info: EngineInfo = client.info
-        self._eos = stop_token_set(self.info, tokenizer)
-        self._processor = OutputProcessor(tokenizer)
-        self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
-        # Guards the processor and the streams: callers add and abort on their event loops while
-        # the client's thread hands outputs in.
-        self._lock = threading.Lock()
-        self._closed: EngineDeadError | EngineShutdownError | None = None
-        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        client.start(self._on_outputs, self._fail, self._lose)
+        return cls(ThreadCoreClient(core), tokenizer)
 
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
@@ -113,7 +112,7 @@ class AsyncEngine:
         if lora is not None and lora not in self.loras:
             raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
         seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora, cache_salt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop())
         with self._lock:
             if self._closed is not None:
                 raise self._closed
@@ -148,27 +147,27 @@ class AsyncEngine:
         if running:
             self._client.abort(running)
         if stream is not None and last is not None:
-            _deliver(stream, last)
+            deliver(stream, last)
 
     def stats(self) -> EngineStats:
         """The core's load now: answered after every command sent before this call (waits for the
         current step to end)."""
         if self._closed is not None:
             return self._client.latest_stats
-        return self._client.call("stats")
+        return self._client.call(GetStats()).stats
 
     def reset_prefix_cache(self) -> EngineStats:
-        return self._client.call("reset_prefix_cache")
+        return self._client.call(ResetPrefixCache()).stats
 
     # --- LoRA adapters (blocking calls: from a server, run them on a worker thread) ----------------
     def load_lora(self, name: str, path: str) -> EngineStats:
         """Load a PEFT adapter folder under `name`: its file is read off the core's loop, then the
         adapter is installed between two steps. AdapterError names what is wrong with it."""
-        return self._client.call("load_lora", name, str(path))
+        return self._client.call(LoadAdapter(name, str(path))).stats
 
     def unload_lora(self, name: str) -> EngineStats:
         """New requests cannot use it from now; requests running with it finish first."""
-        return self._client.call("unload_lora", name)
+        return self._client.call(UnloadAdapter(name)).stats
 
     @property
     def loras(self) -> list[str]:
@@ -209,7 +208,7 @@ class AsyncEngine:
         if running:
             self._client.abort(running)
         for rid, stream in streams:
-            _deliver(stream, EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
+            deliver(stream, EngineShutdownError(f"request {rid} aborted: the engine is shutting down"))
 
     def shutdown(self) -> None:
         with self._lock:
@@ -227,7 +226,7 @@ class AsyncEngine:
             self._client.abort(aborts)  # stop strings matched: the core frees those sequences
         for stream, result in targets:
             if stream is not None:
-                _deliver(stream, result)
+                deliver(stream, result)
 
     def _lose(self, seq_ids: list[str], error: BaseException) -> None:
         """A data-parallel replica failed: the requests it served end with `error`; the rest go on."""
@@ -238,7 +237,7 @@ class AsyncEngine:
                 self._processor.abort(rid)
         for stream in streams:
             if stream is not None:
-                _deliver(stream, error)
+                deliver(stream, error)
 
     def _fail(self, error: EngineDeadError) -> None:
         log.error("%s; every open request is failed and the engine stops", error)
@@ -249,7 +248,7 @@ class AsyncEngine:
                 self._processor.abort(rid)
             self._streams.clear()
         for _, stream in streams:
-            _deliver(stream, error)
+            deliver(stream, error)
         for callback in self._failure_callbacks:
             try:
                 callback(error)
@@ -257,7 +256,7 @@ class AsyncEngine:
                 log.exception("engine failure callback failed")
 
 
-def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:
+def deliver(stream: Stream, item: Any) -> None:
     """Hand an item to a caller's event loop; a loop that has closed has nobody left to tell."""
     try:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,14 +1,16 @@
-"""How the front reaches the engine core: a thread of this process, or a child process over ZeroMQ.
+"""How the front reaches the engine core: the caller's own thread (`LLM`), a thread of this process,
+or a child process over ZeroMQ.
 
-Both carry the same self-contained messages (ruvllm/messages.py) and give the front the same
-interface: add and abort never block, outputs and failures arrive through callbacks on a thread of
-the client's, and `call` answers in order with the other commands (so after an abort, a "stats"
-call sees the abort done). The process client is what `ruvllm serve` runs: the engine loop then has
+All three run the same loop (core_loop.py) over the same self-contained messages (messages.py) and
+give the front the same interface: add and abort never block, outputs and failures arrive through
+callbacks, and `call` answers in order with the other commands (so after an abort, GetStats sees
+the abort done). The process client is what `ruvllm serve` runs: the engine loop then has
 an interpreter (and its lock) of its own, apart from the HTTP server's event loop and detokenizing.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -30,9 +32,12 @@ import zmq
 from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError
-from ruvllm.messages import (AbortRequests, AddRequests, CoreFailed, CoreMessage, CoreOutput, CoreRequest,
-                             EngineInfo, EngineStats, Ready, Shutdown, StepOutputs, Utility, UtilityResult)
+from ruvllm.engine.core_loop import CoreLoop
+from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreCall, CoreFailed, CoreInput,
+                             CoreMessage, CoreOutput, CoreRequest, EngineInfo, EngineStats, Ready, Shutdown,
+                             StepOutputs)
+from ruvllm.reaping import reap
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ class CoreClient(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
-    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats: ...
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult: ...
 
     @property
     def latest_stats(self) -> EngineStats: ...
@@ -75,56 +80,76 @@ class CoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-def run_utility(core: EngineCore, method: str, args: list[str]) -> EngineStats:
-    """The calls a front may make of the core, answered with the stats after them ("load_lora"
-    goes through AdapterLoads instead: its file is read off the loop)."""
-    if method == "reset_prefix_cache":
-        core.reset_prefix_cache()
-    elif method == "unload_lora" and len(args) == 1:
-        core.remove_adapter(args[0])
-    elif method != "stats":
-        raise ValueError(f"unknown core call {method!r}")
-    return core.stats()
+class _OneCore:
+    """What the clients of one core share: commands out, and the core's messages in (through a
+    dispatch table) as the front's callbacks, the answers of calls, and the stats published last."""
 
+    info: EngineInfo
+    _on_outputs: OnOutputs
 
-Reply = Callable[[BaseException | None], None]
+    def __init__(self) -> None:
+        self._stats = EngineStats()
+        self._calls: dict[int, Future[CallResult]] = {}
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
+        self._messages: dict[type, Callable[[Any], None]] = {
+            StepOutputs: self._step_outputs, CallResult: self._call_result, CoreFailed: self._core_failed}
 
+    def _send(self, msg: CoreInput) -> None:
+        raise NotImplementedError
 
-def load_adapter_beside_the_loop(core: EngineCore, name: str, path: str, reply: Reply) -> None:
-    """Load an adapter on a thread of its own while the loop steps: read and check the file, join
-    the loaded adapters (under the core's lock; a step first using it copies it into a slot), then
-    `reply` from that thread, so the answer waits for no step in flight."""
-    def load() -> None:
-        try:
-            core.install_adapter(core.read_adapter(name, path))
-        except Exception as exc:
-            reply(exc)
+    def _die(self, error: EngineDeadError) -> None:
+        raise NotImplementedError
+
+    def add(self, requests: list[CoreRequest]) -> None:
+        self._send(AddRequests(requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(AbortRequests(request_ids))
+
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
+        return self._request(call).result(timeout=timeout)
+
+    def _request(self, call: CoreCall) -> Future[CallResult]:
+        fut: Future[CallResult] = Future()
+        with self._calls_lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+        self._send(Call(call_id, call))
+        return fut
+
+    def _on_message(self, msg: CoreMessage) -> None:
+        self._messages[type(msg)](msg)
+
+    def _step_outputs(self, msg: StepOutputs) -> None:
+        self._stats = msg.stats
+        if msg.outputs:
+            self._on_outputs(msg.outputs)
+
+    def _call_result(self, msg: CallResult) -> None:
+        self._stats = msg.stats
+        with self._calls_lock:
+            fut = self._calls.pop(msg.call_id, None)
+        if fut is None or not fut.set_running_or_notify_cancel():
+            return
+        if msg.error is None:
+            fut.set_result(msg)
         else:
-            reply(None)
+            fut.set_exception(rebuild_error(CoreFailed(msg.error_type or "ValueError", msg.error)))
 
-    threading.Thread(target=load, name="ruvllm-adapter-load", daemon=True).start()
+    def _core_failed(self, msg: CoreFailed) -> None:
+        self._die(EngineDeadError(f"the engine failed: {msg.message}"))
 
-
-def add_requests(core: EngineCore, requests: list[CoreRequest], on_outputs: OnOutputs) -> None:
-    """Queue requests in the core. One naming an adapter unloaded since the front checked it ends
-    at once (finish reason "abort") rather than failing the core's loop."""
-    refused = []
-    for req in requests:
-        try:
-            core.add_request(req)
-        except AdapterNotFoundError:
-            refused.append(CoreOutput(req.request_id, finish_reason="abort"))
-    if refused:
-        on_outputs(refused)
-
-
-class _PublishedStats:
-    """The stats the core published last (after its latest step or command): read without waiting."""
-
-    _stats: EngineStats
+    def _fail_calls(self, error: Exception) -> None:
+        with self._calls_lock:
+            calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
 
     @property
     def latest_stats(self) -> EngineStats:
+        """The stats the core published last (after its latest step or command): read without waiting."""
         return self._stats
 
     @property
@@ -136,94 +161,89 @@ class _PublishedStats:
         return [ReplicaState(0, "up" if self.is_alive else "stopped", self._stats)]
 
 
-class ThreadCoreClient(_PublishedStats):
-    """The core on one dedicated thread of this process: the only thread that touches the model,
-    the scheduler and the KV cache. For tests, notebooks and models built in memory."""
+class InlineCoreClient(_OneCore):
+    """The core driven by the caller's own thread: each `poll()` is one turn of the loop (`LLM`).
+    Commands wait in a queue until then; a call takes the queued commands itself (no step)."""
 
     def __init__(self, core: EngineCore) -> None:
+        super().__init__()
         self.core = core
         self.info = core.info
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stats = core.stats()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue[CoreInput] = queue.Queue()
+        self._loop = CoreLoop(core, self._on_message)
 
     def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
         # One core: its failure is the engine's, so no sequence is ever lost alone (on_lost unused).
         self._on_outputs, self._on_failure = on_outputs, on_failure
-        self._thread = threading.Thread(target=self._loop, name="ruvllm-engine", daemon=True)
-        self._thread.start()
 
-    def add(self, requests: list[CoreRequest]) -> None:
-        self._commands.put(("add", requests))
+    def _send(self, msg: CoreInput) -> None:
+        self._queue.put(msg)
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._commands.put(("abort", request_ids))
+    def _receive(self, timeout: float | None) -> CoreInput | None:
+        try:
+            return self._queue.get(block=timeout != 0, timeout=timeout)
+        except queue.Empty:
+            return None
 
-    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
-        fut: Future[EngineStats] = Future()
-        self._commands.put(("call", (method, list(args), fut)))
+    def poll(self) -> None:
+        """One turn: the queued commands, then a step if anything is unfinished. A failure raises."""
+        self._loop.run_once(self._receive, 0.0)
+
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
+        fut = self._request(call)
+        self._loop.take_commands(self._receive, 0.0)  # answered without a step
         return fut.result(timeout=timeout)
+
+    def _die(self, error: EngineDeadError) -> None:
+        raise error
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return not self._loop.stopped
 
     def shutdown(self) -> None:
-        self._stopping.set()
-        self._commands.put(("wake", None))
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        self._loop.stopped = True
+        self._loop.close()
 
-    def _loop(self) -> None:
-        core = self.core
+
+class ThreadCoreClient(InlineCoreClient):
+    """The same loop on one dedicated thread of this process: the only thread that touches the
+    model, the scheduler and the KV cache. For tests, notebooks and models built in memory."""
+
+    def __init__(self, core: EngineCore) -> None:
+        super().__init__(core)
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
+        super().start(on_outputs, on_failure)
+        self._thread = threading.Thread(target=self._run, name="ruvllm-engine", daemon=True)
+        self._thread.start()
+
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
+        return self._request(call).result(timeout=timeout)
+
+    def _run(self) -> None:
         try:
-            while not self._stopping.is_set():
-                self._run_commands(block=not core.has_unfinished)
-                if self._stopping.is_set() or not core.has_unfinished:
-                    continue
-                outputs = core.step()
-                self._stats = core.stats()
-                if outputs:
-                    self._on_outputs(outputs)
+            while self._loop.run_once(self._receive, None):
+                pass
         except BaseException as exc:
             log.exception("the engine loop failed")
-            self._on_failure(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            self._loop.stopped = True
+            self._fail_calls(error)
+            self._on_failure(error)
             return
-        # Shut down: whatever is left is aborted, so every block returns to the pool.
-        core.abort(list(core.scheduler.requests))
-        self._stats = core.stats()
+        self._loop.close()
 
-    def _run_commands(self, block: bool) -> None:
-        while True:
-            try:
-                kind, arg = self._commands.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if kind == "add":
-                add_requests(self.core, arg, self._on_outputs)
-            elif kind == "abort":
-                self.core.abort(arg)
-            elif kind == "call":
-                method, args, fut = arg
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                if method == "load_lora" and len(args) == 2:
-                    load_adapter_beside_the_loop(self.core, args[0], args[1], lambda exc, fut=fut: self._answer(fut, exc))
-                    continue
-                try:
-                    fut.set_result(run_utility(self.core, method, args))
-                except Exception as exc:
-                    fut.set_exception(exc)
-            self._stats = self.core.stats()
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._loop.stopped
 
-    def _answer(self, fut: Future[EngineStats], error: BaseException | None) -> None:
-        self._stats = self.core.stats()
-        if error is None:
-            fut.set_result(self._stats)
-        else:
-            fut.set_exception(error)
+    def shutdown(self) -> None:
+        self._send(Shutdown())
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
 
 # --- the core in a child process ---------------------------------------------------------------------
@@ -245,7 +265,7 @@ def rebuild_error(failed: CoreFailed) -> Exception:
         return EngineDeadError(failed.message)
 
 
-class ProcessCoreClient(_PublishedStats):
+class ProcessCoreClient(_OneCore):
     """The core (worker, scheduler, KV cache) in a spawned child process.
 
     The front binds two sockets in a private directory: PUSH for commands, PULL for the child's
@@ -257,6 +277,7 @@ class ProcessCoreClient(_PublishedStats):
     def __init__(self, config: EngineConfig, cpus: set[int] | None = None) -> None:
         """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
         its tokenizer meanwhile). `cpus`: the cores the child (and every thread it starts) may run on."""
+        super().__init__()
         self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
@@ -269,8 +290,6 @@ class ProcessCoreClient(_PublishedStats):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._send_lock = threading.Lock()
-        self._calls: dict[int, Future[EngineStats]] = {}
-        self._next_call = 0
         self._stopping = threading.Event()
         self._dead = False
         self._loaded = False  # set by wait_ready: until then the child reads no command
@@ -337,23 +356,11 @@ class ProcessCoreClient(_PublishedStats):
                 raise EngineDeadError("the engine core process is gone")
             self._in.send(data, copy=False)
 
-    def add(self, requests: list[CoreRequest]) -> None:
-        self._send(AddRequests(requests))
-
     def abort(self, request_ids: list[str]) -> None:
         try:
             self._send(AbortRequests(request_ids))
         except EngineDeadError:
             pass  # nothing left to abort
-
-    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
-        fut: Future[EngineStats] = Future()
-        with self._send_lock:
-            call_id = self._next_call
-            self._next_call += 1
-            self._calls[call_id] = fut
-        self._send(Utility(call_id, method, list(args)))
-        return fut.result(timeout=timeout)
 
     @property
     def is_alive(self) -> bool:
@@ -364,21 +371,8 @@ class ProcessCoreClient(_PublishedStats):
             while True:
                 if self._out.poll(int(_LIVENESS_POLL_S * 1000)):
                     msg = self._decoder.decode(self._out.recv())
-                    if isinstance(msg, StepOutputs):
-                        self._stats = msg.stats
-                        if msg.outputs:
-                            self._on_outputs(msg.outputs)
-                    elif isinstance(msg, UtilityResult):
-                        self._stats = msg.stats
-                        fut = self._calls.pop(msg.call_id, None)
-                        if fut is not None and fut.set_running_or_notify_cancel():
-                            if msg.error is None:
-                                fut.set_result(msg.stats)
-                            else:
-                                fut.set_exception(rebuild_error(CoreFailed(msg.error_type or "ValueError",
-                                                                           msg.error)))
-                    elif isinstance(msg, CoreFailed):
-                        self._die(EngineDeadError(f"the engine failed: {msg.message}"))
+                    self._on_message(msg)
+                    if isinstance(msg, CoreFailed):
                         return
                 elif self.process.poll() is not None:
                     if self._stopping.is_set():
@@ -395,10 +389,7 @@ class ProcessCoreClient(_PublishedStats):
     def _die(self, error: EngineDeadError) -> None:
         with self._send_lock:
             self._dead = True
-            calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
+        self._fail_calls(error)
         self._on_failure(error)
         self._reap()
 
@@ -414,26 +405,12 @@ class ProcessCoreClient(_PublishedStats):
         self._reap()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        with self._send_lock:
-            calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineShutdownError("the engine is shut down"))
+        self._fail_calls(EngineShutdownError("the engine is shut down"))
         self._in.close(0)
         self._out.close(0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _reap(self) -> None:
-        """Join the child however it ends: asked (Shutdown), then SIGTERM, then SIGKILL."""
-        proc = self.process
         # A child still loading reads no command until it is ready: terminate it at once.
-        asked = 10 if self._loaded else 0
-        for stop, wait in ((None, asked), (proc.terminate, 5), (proc.kill, 5)):
-            if stop is not None:
-                stop()
-            try:
-                proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        reap(self.process, 10.0 if self._loaded else 0.0)

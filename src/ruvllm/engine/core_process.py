@@ -18,11 +18,11 @@ import msgspec
 import zmq
 
 from ruvllm.config import EngineConfig
-from ruvllm.errors import EngineDeadError, RuvllmError
+from ruvllm.errors import EngineDeadError
 
 log = logging.getLogger("ruvllm.core")
 
-_IDLE_POLL_MS = 500  # how often an idle core checks that its front still lives
+_IDLE_POLL_S = 0.5  # how often an idle core checks that its front still lives
 
 
 def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
@@ -59,65 +59,31 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         sock.send(msgspec.msgpack.Encoder().encode(msg))
         sock.close()
 
+    decoder = msgspec.msgpack.Decoder(CoreInput)
+
+    def receive(timeout: float | None) -> CoreInput | None:
+        if commands.poll(-1 if timeout is None else int(timeout * 1000)):
+            return decoder.decode(commands.recv())
+        return None
+
+    from ruvllm.engine.core_loop import CoreLoop
+
+    loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread)
+    failed = False
     try:
-        _serve(core, commands, results, encoder, msgspec.msgpack.Decoder(CoreInput), parent_pid, send_from_thread)
+        while loop.run_once(receive, _IDLE_POLL_S):
+            if os.getppid() != parent_pid:
+                log.warning("the front process is gone; the engine core leaves")
+                break
     except Exception as exc:
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
         results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
-        core.close()
-        _close(ctx, commands, results)
-        sys.exit(1)
+        failed = True
     core.close()  # tensor-parallel ranks stop with the core
     _close(ctx, commands, results)
-
-
-def _serve(core, commands, results, encoder, decoder, parent_pid: int, send_from_thread) -> None:  # noqa: ANN001
-    from ruvllm.engine.core_client import add_requests, load_adapter_beside_the_loop, run_utility
-    from ruvllm.messages import AbortRequests, AddRequests, Shutdown, StepOutputs, Utility, UtilityResult
-
-    def result(call_id: int, error: BaseException | None) -> UtilityResult:
-        return UtilityResult(call_id, core.stats(), None if error is None else str(error),
-                             None if error is None else type(error).__name__)
-
-    def answer(call_id: int, error: BaseException | None) -> None:
-        results.send(encoder.encode(result(call_id, error)))
-
-    def send_outputs(outputs: list) -> None:  # noqa: ANN001
-        results.send(encoder.encode(StepOutputs(outputs, core.stats())))
-
-    while True:
-        timeout = 0 if core.has_unfinished else _IDLE_POLL_MS
-        did_something = False
-        while commands.poll(timeout):
-            timeout = 0
-            did_something = True
-            msg = decoder.decode(commands.recv())
-            if isinstance(msg, AddRequests):
-                add_requests(core, msg.requests, send_outputs)
-            elif isinstance(msg, AbortRequests):
-                core.abort(msg.request_ids)
-            elif isinstance(msg, Utility):
-                if msg.method == "load_lora" and len(msg.args) == 2:
-                    load_adapter_beside_the_loop(core, msg.args[0], msg.args[1], lambda exc, call_id=msg.call_id:
-                                                 send_from_thread(result(call_id, exc)))
-                    continue
-                try:
-                    run_utility(core, msg.method, msg.args)
-                except (ValueError, RuvllmError) as exc:
-                    answer(msg.call_id, exc)
-                else:
-                    answer(msg.call_id, None)
-            elif isinstance(msg, Shutdown):
-                return
-        if os.getppid() != parent_pid:
-            log.warning("the front process is gone; the engine core leaves")
-            return
-        if core.has_unfinished:
-            outputs = core.step()
-            results.send(encoder.encode(StepOutputs(outputs, core.stats())))
-        elif did_something:
-            results.send(encoder.encode(StepOutputs([], core.stats())))
+    if failed:
+        sys.exit(1)
 
 
 def _close(ctx, *sockets) -> None:  # noqa: ANN001

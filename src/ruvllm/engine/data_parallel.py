@@ -28,7 +28,8 @@ from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError
-from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats, sum_stats
+from ruvllm.messages import (AdapterEntry, CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats,
+                             ListAdapters, LoadAdapter, sum_stats)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,6 @@ class DataParallelCoreClient:
                           for i in range(dp.size)]
         self._lock = threading.Lock()
         self._where: dict[str, int] = {}  # sequence id -> replica
-        self._adapters: dict[str, str] = {}  # loaded at run time, name -> path: loaded again on restart
         self._stopping = threading.Event()
         self._on_outputs: OnOutputs | None = None
         self._pending: list[ProcessCoreClient] = []
@@ -132,13 +132,11 @@ class DataParallelCoreClient:
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._on_lost = on_lost
         for rep in self._replicas:
-            self._attach(rep)
+            assert rep.client is not None
+            self._attach(rep, rep.client)
 
-    def _attach(self, rep: _Replica) -> None:
-        assert rep.client is not None
-        client = rep.client
-        rep.client.start(lambda outs, rep=rep: self._outputs(rep, outs),
-                         lambda err, rep=rep, client=client: self._replica_failed(rep, client, err))
+    def _attach(self, rep: _Replica, client: ProcessCoreClient) -> None:
+        client.start(lambda outs: self._outputs(rep, outs), lambda err: self._replica_failed(rep, client, err))
 
     # --- the front's calls -------------------------------------------------------------------------
     def add(self, requests: list[CoreRequest]) -> None:
@@ -176,20 +174,18 @@ class DataParallelCoreClient:
             if client is not None:
                 client.abort(ids)
 
-    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
         """Every running replica answers (adapters are loaded into and unloaded from all); the
-        stats returned are their sum."""
-        if method == "load_lora" and len(args) == 2:
-            self._adapters[args[0]] = args[1]
-        elif method == "unload_lora" and len(args) == 1:
-            self._adapters.pop(args[0], None)
+        stats returned are their sum, the adapters (ListAdapters) the first one's."""
+        answers = []
         for rep in self._up():
             assert rep.client is not None
             try:
-                rep.stats = rep.client.call(method, *args, timeout=timeout)
+                answers.append(rep.client.call(call, timeout=timeout))
             except EngineDeadError:
                 continue  # its failure callback takes it out and restarts it
-        return self.latest_stats
+            rep.stats = answers[-1].stats
+        return CallResult(0, self.latest_stats, adapters=answers[0].adapters if answers else [])
 
     def _up(self) -> list[_Replica]:
         with self._lock:
@@ -276,8 +272,11 @@ class DataParallelCoreClient:
                 client = rep.launching = ProcessCoreClient(rep.config, cpus=rep.cpus)
             try:
                 client.wait_ready()
-                for name, path in list(self._adapters.items()):
-                    client.call("load_lora", name, path)
+                # Started first: its receiving thread answers the reload's calls. Until it is up,
+                # nothing is routed to it, and its failure is a stale client's (ignored).
+                self._attach(rep, client)
+                for entry in self._served_adapters():
+                    client.call(LoadAdapter(entry.name, entry.path))
             except Exception as exc:
                 client.shutdown()
                 if self._stopping.is_set():
@@ -300,9 +299,19 @@ class DataParallelCoreClient:
                     return
                 rep.client, rep.status, rep.stats = client, "up", client.latest_stats
                 rep.restarts += 1
-            self._attach(rep)
             log.warning("engine replica %d is serving again (restart %d)", rep.index, rep.restarts)
             return
+
+    def _served_adapters(self) -> list[AdapterEntry]:
+        """The adapters a running replica's registry holds: what a restarted one loads again (none
+        when no replica is running: a failed load was never registered, so it is never replayed)."""
+        for rep in self._up():
+            assert rep.client is not None
+            try:
+                return rep.client.call(ListAdapters()).adapters
+            except EngineDeadError:
+                continue
+        return []
 
     def _count_failure(self, rep: _Replica, error: str) -> bool:
         """Note a failure (under the lock); True when the replica has failed too often to go on."""

@@ -39,16 +39,9 @@ class LoraManager:
         return load_peft_adapter(path, self.cfg, self.config.max_lora_rank, name)
 
     def install(self, adapter: Served) -> None:
-        """Keep a read adapter ready to serve (it takes a slot when a step first uses it)."""
+        """Keep a read adapter's weights ready to serve (it takes a slot when a step first uses it).
+        Whether it may be added (its name, size, the capacity) is the core's AdapterRegistry's call."""
         with self._lock:
-            if adapter.name in self._loaded:
-                raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
-            if adapter.num_slots > self.config.max_loras:
-                raise AdapterError(f"{adapter.name!r} mixes {adapter.num_slots} adapters and this engine has "
-                                   f"{self.config.max_loras} adapter slots (--max-loras)")
-            if len(self._loaded) >= self.config.cpu_capacity:
-                raise AdapterError(f"{len(self._loaded)} adapters are loaded, the most this server keeps "
-                                   "(--max-cpu-loras); unload one first")
             self._loaded[adapter.name] = adapter
 
     def remove(self, name: str) -> None:

@@ -43,6 +43,7 @@ from ruvllm.parallel.shard import LeaderRunner, RankSpec, build_shard_model
 from ruvllm.parallel.sharding import Weights
 from ruvllm.parallel.step_inputs import CommandSender
 from ruvllm.parallel.support import check_tensor_parallel
+from ruvllm.reaping import reap
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +97,7 @@ class _Processes:
                 pass  # a rank already gone: the others are terminated below
         self.running = False
         for p in self.procs:
-            for end, wait in ((None, asked), (p.terminate, 5.0), (p.kill, 5.0)):
-                if end is not None:
-                    end()
-                try:
-                    p.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            reap(p, asked)
         if self.group is not None:
             self.group.close()
         shutil.rmtree(self.folder, ignore_errors=True)

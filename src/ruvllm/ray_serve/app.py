@@ -61,7 +61,7 @@ class RuvllmFront:
 
         info = await self._handle.info.remote()
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(self._config.engine.model))
-        engine = AsyncEngine.over(RayCoreClient(self._handle, info), tokenizer)
+        engine = AsyncEngine(RayCoreClient(self._handle, info), tokenizer)
         return create_app(engine, self._config.server, owns_engine=True)
 
 

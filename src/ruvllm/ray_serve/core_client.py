@@ -17,7 +17,7 @@ from typing import Any
 
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ReplicaState
 from ruvllm.errors import ReplicaLostError
-from ruvllm.messages import CoreRequest, EngineInfo, EngineStats, sum_stats
+from ruvllm.messages import CallResult, CoreCall, CoreRequest, EngineInfo, EngineStats, GetStats, sum_stats
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,11 @@ class RayCoreClient:
         # on the replica they run on (the request router honours `target`).
         self._handle.abort.remote(ids, target=call.replica)
 
-    def call(self, method: str, *args: str, timeout: float = 60.0) -> EngineStats:
-        if method == "stats":  # as of the replicas' latest batches: a replica answers nothing else here
-            return self.latest_stats
-        raise ValueError(f"{method!r} is not available through the Ray deployment (LoRA adapters and "
-                         "prefix-cache resets are `ruvllm serve`'s)")
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
+        if isinstance(call, GetStats):  # as of the replicas' latest batches: a replica answers nothing else here
+            return CallResult(0, self.latest_stats)
+        raise ValueError(f"{type(call).__name__} is not available through the Ray deployment (LoRA adapters "
+                         "and prefix-cache resets are `ruvllm serve`'s)")
 
     @property
     def latest_stats(self) -> EngineStats:

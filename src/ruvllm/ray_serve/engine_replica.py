@@ -17,17 +17,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ruvllm.config import EngineConfig
+from ruvllm.engine.async_engine import Stream, deliver
 from ruvllm.engine.core_client import ProcessCoreClient
 from ruvllm.errors import EngineDeadError
-from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats
+from ruvllm.messages import CoreOutput, CoreRequest, EngineInfo, EngineStats, GetStats
 
 Batch = tuple[list[CoreOutput], EngineStats, str]
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[list[CoreOutput] | BaseException]
+class _Stream(Stream):
+    """A request's sequences' stream, and which of them are still open."""
+
     open: set[str] = field(default_factory=set)
 
 
@@ -52,7 +53,7 @@ class EngineReplica:
         return self.client.info
 
     async def generate(self, requests: list[CoreRequest]) -> AsyncIterator[Batch]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), {r.request_id for r in requests})
+        stream = _Stream(asyncio.get_running_loop(), open={r.request_id for r in requests})
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -87,7 +88,7 @@ class EngineReplica:
         self.client.abort(request_ids)
 
     async def stats(self) -> EngineStats:
-        return self.client.call("stats")
+        return self.client.call(GetStats()).stats
 
     def record_routing_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the request router (kv_usage orders equally loaded replicas)."""
@@ -113,7 +114,7 @@ class EngineReplica:
                 if stream is not None:
                     by_stream.setdefault(id(stream), (stream, []))[1].append(out)
         for stream, outs in by_stream.values():
-            _deliver(stream, outs)
+            deliver(stream, outs)
 
     def _on_failure(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -121,11 +122,4 @@ class EngineReplica:
             streams = {id(s): s for s in self._streams.values()}
             self._streams.clear()
         for stream in streams.values():
-            _deliver(stream, error)
-
-
-def _deliver(stream: _Stream, item: list[CoreOutput] | BaseException) -> None:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # its loop has closed: nobody is reading
-        pass
+            deliver(stream, error)
