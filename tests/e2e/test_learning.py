@@ -13,7 +13,7 @@ import torch
 from ruvllm import LLM, SamplingParams
 from ruvllm.learning.config import InstantConfig, LearningConfig
 from ruvllm.learning.instant import InstantLearner
-from ruvllm.learning.learner import FeedbackError
+from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError
 from ruvllm.learning.tail import LearnedLayers, hidden_before
 from tests.engine_fixtures import write_tiny_model
 from tests.reference import hf_reference
@@ -114,15 +114,16 @@ def test_published_version_is_a_peft_adapter(base: Path, tmp_path: Path) -> None
 def test_bad_feedback_is_refused_by_name(base: Path, tmp_path: Path) -> None:
     llm = learning_llm(base, tmp_path)
     asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
-    cases = [(("nope", 1.0, None, "acme"), 404, "no completion 'nope'"),
-             ((asked.request_id, 1.0, None, "globex"), 404, f"no completion {asked.request_id!r}"),  # not its own
-             ((asked.request_id, 1.5, None, "acme"), 400, "score must be a number from -1 to 1"),
-             ((asked.request_id, 0.0, None, "acme"), 400, "a score of 0 without a correction"),
-             ((asked.request_id, 1.0, "  ", "acme"), 400, "correction is empty")]
-    for (rid, score, correction, tenant), status, message in cases:
+    # typed errors (the server maps them: not found 404, the rest 400), each naming its field
+    cases = [(("nope", 1.0, None, "acme"), True, "id", "no completion 'nope'"),
+             ((asked.request_id, 1.0, None, "globex"), True, "id", f"no completion {asked.request_id!r}"),  # not its own
+             ((asked.request_id, 1.5, None, "acme"), False, "score", "score must be a number from -1 to 1"),
+             ((asked.request_id, 0.0, None, "acme"), False, "score", "a score of 0 without a correction"),
+             ((asked.request_id, 1.0, "  ", "acme"), False, "correction", "correction is empty")]
+    for (rid, score, correction, tenant), not_found, param, message in cases:
         with pytest.raises(FeedbackError, match=message) as err:
             llm.feedback(rid, score, correction, tenant=tenant)
-        assert err.value.status == status
+        assert isinstance(err.value, CompletionNotFoundError) == not_found and err.value.param == param
     assert llm.loras() == []
 
 

@@ -95,7 +95,7 @@ def test_feedback_buttons_teach_when_the_server_learns(browser, tmp_path: Path) 
         page.wait_for_selector("text=👍", timeout=60_000)
         page.click("text=👍")
         page.wait_for_selector(".tools button.chosen", timeout=30_000)  # the API answered 200
-        learner = running.app.state.ruvllm.learner
+        learner = running.app.state.ruvllm.service.learner
         assert learner.adapter_for("default") == "learned:default:v1"
         page.on("dialog", lambda d: d.accept("Hello there, friend."))
         page.click("text=suggest a better answer")

@@ -66,7 +66,7 @@ def test_feedback_teaches_its_tenant_only(server: RunningServer) -> None:
     assert 429 in codes  # 12 events of burst spent, at 0.5 a second
     assert _feedback(server, "key-b", id=_complete(server, "key-b")[0], score=1.0).status_code == 200  # its own bucket
 
-    server.app.state.ruvllm.witness.flush()
+    server.app.state.ruvllm.service.witness.flush()
     path = Path(server.cfg.witness_log)
     assert verify(path).ok
     kinds = [e.kind for e in find(path, rid)]
@@ -87,7 +87,7 @@ def test_the_background_loop_consolidates_on_its_own(lora_llm: LLM, tmp_path: Pa
         _complete(running, "key-a")  # everyday traffic: what the Fisher is made of
         rid = _complete(running, "key-a")[0]
         assert _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7").status_code == 200
-        learner = running.app.state.ruvllm.learner
+        learner = running.app.state.ruvllm.service.learner
         deadline = time.monotonic() + 30
         while not any(v.source == "background" for v in learner.policy.versions("acme")):
             assert time.monotonic() < deadline, "no consolidation within 30 s"
@@ -126,14 +126,14 @@ def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path)
         rid = _complete(running, "key-a")[0]
         for i, body in enumerate([{"score": 0.5}, {"score": -0.5}] + [{"score": 1.0, "correction": "t7 t7 t7"}] * 2):
             assert _feedback(running, "key-a", id=rid, **body).status_code == 200
-            assert len(running.app.state.ruvllm.deep.runs) == (1 if i == 3 else 0)
-        (tenant, proc), = running.app.state.ruvllm.deep.runs
+            assert len(running.app.state.ruvllm.feedback.deep.runs) == (1 if i == 3 else 0)
+        (tenant, proc), = running.app.state.ruvllm.feedback.deep.runs
         code = proc.wait(timeout=300)
-        learner = running.app.state.ruvllm.learner
+        learner = running.app.state.ruvllm.service.learner
         actions = [h[2] for h in learner.policy.history("acme")]
         promoted = any(v.source == "deep" for v in learner.policy.versions("acme"))
         # exit 0 with a deep version, or 1 with a recorded refusal (a crash records neither)
         assert tenant == "acme" and (code, promoted, "refused" in actions) in ((0, True, False), (1, False, True))
-        running.app.state.ruvllm.witness.flush()
+        running.app.state.ruvllm.service.witness.flush()
         (entry,) = find(tmp_path / "w.sqlite3", "deep:acme")
         assert entry.kind == "promotion" and verify(tmp_path / "w.sqlite3").ok  # two writers, one chain

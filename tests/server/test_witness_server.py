@@ -28,7 +28,7 @@ def test_every_completion_is_witnessed(server: RunningServer) -> None:
                                                  stream_options={"include_usage": True}))
     server.wait_idle()
     app_state = server.app.state.ruvllm
-    app_state.witness.flush()
+    app_state.service.witness.flush()
     path = Path(server.cfg.witness_log)
     assert verify(path).ok and verify(path).entries == 4  # chat, two prompts, the stream
     (entry,) = find(path, chat.id)

@@ -13,6 +13,7 @@ from ruvllm.config import (CacheConfig, EngineConfig, LoraConfig, QuantConfig, S
                            declared)
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.engine.generation import GenerationService
 from ruvllm.engine.input_processor import core_requests, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import encode_prompt, normalize_prompts, render_chat
@@ -20,7 +21,7 @@ from ruvllm.messages import EngineInfo, EngineStats
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.tenants import DEFAULT_TENANT, tenant_salt
+from ruvllm.tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from ruvllm.learning.config import LearningConfig
@@ -169,11 +170,12 @@ class LLM:
              prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None,
              tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
         # Every request is checked before any is added: a bad one refuses the whole call.
-        rids = [str(next(self._ids)) for _ in encoded]
-        learned = self.learner.adapter_for(tenant) if self.learner is not None else None
-        adapters = [a or learned for a in (adapters or [None] * len(encoded))]
-        seqs = [core_requests(rid, tokens, p, prio, self.info, self._eos, adapter, tenant_salt(tenant))
-                for rid, (tokens, _), p, prio, adapter in zip(rids, encoded, params, prios, adapters)]
+        service = GenerationService(self.learner)  # tenant, adapter, salt and recorder: as the server decides them
+        calls = [service.open(str(next(self._ids)), tenant, adapter, [tokens], [p])
+                 for (tokens, _), p, adapter in zip(encoded, params, adapters or [None] * len(encoded))]
+        rids = [c.request_id for c in calls]
+        seqs = [core_requests(c.request_id, tokens, p, prio, self.info, self._eos, c.adapter, c.cache_salt)
+                for c, (tokens, _), p, prio in zip(calls, encoded, params, prios)]
         processor = OutputProcessor(self.tokenizer)
         for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
             processor.add(rid, tokens, text, p, [s.request_id for s in group], OutputKind.FINAL_ONLY)
@@ -192,21 +194,16 @@ class LLM:
         finally:
             # Interrupted (Ctrl-C, an error): nothing of this call stays in the engine.
             self.core.abort([s.request_id for group in seqs for s in group])
-        if self.learner is not None:
-            for rid, adapter in zip(rids, adapters):
-                out = results[rid]
-                self.learner.remember(rid, tenant, out.prompt_token_ids, out.outputs[0].token_ids, adapter)
+        for call in calls:
+            call.record(0, results[call.request_id])
         return [results[rid] for rid in rids]
 
     # --- learning from feedback (docs/learning.md) --------------------------------------------------------
     def enable_learning(self, config: LearningConfig | None = None) -> Learner:
         """Keep completions for feedback and learn from it: each tenant's micro-LoRA, served as its
         adapter (needs enable_lora, with a slot rank of at least the micro-LoRA's)."""
-        from ruvllm.learning.learner import Learner
-
         if self.learner is None:
-            eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self._eos[0]
-            self.learner = Learner(self.info.model, self, self.tokenizer, eos, config)
+            self.learner = GenerationService.new_learner(self, self.info.model, self.tokenizer, self._eos, config)
         return self.learner
 
     def feedback(self, request_id: str, score: float, correction: str | None = None,
@@ -215,4 +212,4 @@ class LLM:
         a score from -1 to 1, and optionally the better answer. FeedbackError when refused."""
         if self.learner is None:
             raise RuntimeError("learning is not enabled (LLM.enable_learning())")
-        return self.learner.feedback(request_id, tenant, score, correction)
+        return GenerationService(self.learner).feedback(request_id, tenant, score, correction)

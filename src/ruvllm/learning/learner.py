@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ruvllm.errors import AdapterError
 from ruvllm.learning.config import LearningConfig
+from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
 from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
@@ -47,14 +49,6 @@ class FeedbackResult:
     prepare_ms: float  # hidden states below the learned layers (0 when kept from an earlier event)
     step_ms: float  # the gradient step (forward, backward, optimizer)
     publish_ms: float  # writing the version and loading it into the engine
-
-
-class FeedbackError(ValueError):
-    """Feedback refused: `status` is the HTTP status it means (404 unknown id, 400 bad value)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 class Learner:
@@ -190,21 +184,21 @@ class Learner:
     # --- feedback ----------------------------------------------------------------------------------
     def feedback(self, completion_id: str, tenant: str, score: float, correction: str | None = None) -> FeedbackResult:
         if not isinstance(score, (int, float)) or isinstance(score, bool) or not -1.0 <= score <= 1.0:
-            raise FeedbackError(400, f"score must be a number from -1 to 1, got {score!r}", "score")
+            raise FeedbackError(f"score must be a number from -1 to 1, got {score!r}", "score")
         if correction is not None and not correction.strip():
-            raise FeedbackError(400, "correction is empty", "correction")
+            raise FeedbackError("correction is empty", "correction")
         done = self.store.get(completion_id, tenant)
         if done is None:
-            raise FeedbackError(404, f"no completion {completion_id!r} to give feedback on (unknown or expired)", "id")
+            raise CompletionNotFoundError(f"no completion {completion_id!r} to give feedback on (unknown or expired)", "id")
         if correction is not None:
             target = self.tokenizer.encode(correction, add_special_tokens=False) + [self.eos]
             score = abs(score) if score else 1.0  # a correction is always learned toward
         else:
             target = done.output_ids
             if not target:
-                raise FeedbackError(400, "the completion has no output tokens to learn from", "id")
+                raise FeedbackError("the completion has no output tokens to learn from", "id")
             if score == 0:
-                raise FeedbackError(400, "a score of 0 without a correction teaches nothing", "score")
+                raise FeedbackError("a score of 0 without a correction teaches nothing", "score")
         with self._lock:
             key = (self.config.instant.context, tuple(done.prompt_ids), tuple(target))
             prep = self._prepared.get(key)
@@ -223,7 +217,10 @@ class Learner:
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
-            version = self._publish(tenant, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
+            try:
+                version = self._publish(tenant, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
+            except AdapterError as exc:  # the engine keeps no more adapters (max_cpu_loras)
+                raise UpdateNotServedError(f"the update could not be served: {exc}") from exc
             publish_ms = (time.perf_counter() - t) * 1000
             self._pending[tenant] = self._pending.get(tenant, 0) + 1
         if self._background is not None:

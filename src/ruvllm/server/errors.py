@@ -1,4 +1,5 @@
-"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}; what ruvllm's typed
+errors mean to an HTTP client is said here alone (`api_error`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ruvllm.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError,
+                           RequestError, RuvllmError)
+from ruvllm.learning.errors import CompletionNotFoundError, UpdateNotServedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -22,6 +27,29 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
+
+
+# (type, status, code, param when the error names none): the first that matches; subclasses first
+_MEANINGS: tuple[tuple[type, int, str, str | None], ...] = (
+    (EngineShutdownError, 503, "shutting_down", None),
+    (ReplicaLostError, 503, "replica_failed", None),  # the others serve on: a retry is answered
+    (EngineDeadError, 500, "engine_failed", None),
+    (AdapterNotFoundError, 404, "model_not_found", "model"),  # e.g. unloaded between the check and the start
+    (CompletionNotFoundError, 404, "not_found", "id"),
+    (UpdateNotServedError, 503, "learning_capacity", None),
+    (RequestError, 400, "invalid_value", None),
+    (AdapterError, 400, "invalid_adapter", "lora_path"),
+)
+
+
+def api_error(exc: BaseException) -> APIError | None:
+    """What an error means to the HTTP client; None for one ruvllm did not raise on purpose (a 500)."""
+    if isinstance(exc, APIError):
+        return exc
+    for kind, status, code, param in _MEANINGS:
+        if isinstance(exc, kind):
+            return APIError(status, str(exc), getattr(exc, "param", None) or param, code)
+    return None
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -61,6 +89,11 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RuvllmError)
+    async def _typed(_: Request, exc: RuvllmError) -> JSONResponse:
+        err = api_error(exc) or APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(err.status, err.message, err.param, err.code, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
+from ruvllm.engine.generation import GenerationService
+from ruvllm.learning.background import lower_thread_priority
 from ruvllm.server.config import ServerConfig
+from ruvllm.server.errors import APIError
+from ruvllm.server.generation import ServerState, state
+from ruvllm.server.tenants import tenant_of
+
+router = APIRouter()
 
 
 class FeedbackRequest(BaseModel):
@@ -20,6 +31,40 @@ class FeedbackRequest(BaseModel):
     score: float
     correction: str | None = None
     user: str | None = None  # the tenant, when API keys do not say it
+
+
+class Feedback:
+    """The server's side of learning: a rate per tenant, one update at a time on a thread of its own
+    (at the learner's priority), a bounded backlog, and the deep loop's trigger."""
+
+    def __init__(self, cfg: ServerConfig, model: str, learned_dir: Path, nice: int) -> None:
+        self.cfg, self.limiter = cfg, RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
+        self.updates = ThreadPoolExecutor(1, "ruvllm-learning", lower_thread_priority, (nice,))
+        self.waiting = 0  # feedback requests in the update thread or queued for it (the event loop alone counts)
+        self.deep = DeepTrigger(cfg, model, learned_dir) if cfg.deep_every else None
+
+    async def learn(self, service: GenerationService, who: str, body: FeedbackRequest) -> dict[str, Any]:
+        if not self.limiter.allow(who):
+            raise APIError(429, f"too much feedback: at most {self.cfg.feedback_rate:g} events a second per tenant",
+                           None, "rate_limit_exceeded")
+        if self.waiting >= self.cfg.max_waiting_updates:  # the update thread is behind: say so, queue nothing
+            raise APIError(429, f"learning is behind: {self.waiting} feedback events wait for their update; "
+                                "try again later", None, "rate_limit_exceeded")
+        self.waiting += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self.updates, service.feedback, body.id, who, body.score, body.correction)
+        finally:
+            self.waiting -= 1
+        if self.deep is not None:
+            self.deep.feedback(who, 1.0 if body.correction else abs(body.score))
+        return {"id": body.id, "object": "feedback", "status": "learned", "adapter": result.version,
+                "loss": result.loss, "update_ms": round(result.step_ms, 3), "prepare_ms": round(result.prepare_ms, 3),
+                "publish_ms": round(result.publish_ms, 3)}
+
+    async def close(self) -> None:
+        """An update in progress finishes before the learner's stores close."""
+        await asyncio.to_thread(self.updates.shutdown, True)
 
 
 class RateLimiter:
@@ -77,3 +122,12 @@ class DeepTrigger:
                 args += ["--probes", cfg.deep_probes]
             self.running = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.runs.append((tenant, self.running))
+
+
+@router.post("/v1/feedback")
+async def feedback(request: Request, body: FeedbackRequest, st: ServerState = Depends(state)) -> dict[str, Any]:
+    """Feedback on one of the tenant's completions, learned at once (docs/learning.md)."""
+    if st.feedback is None:
+        raise APIError(400, "this server does not learn from feedback (start it with --learn)", None,
+                       "learning_disabled")
+    return await st.feedback.learn(st.service, tenant_of(request, body.user), body)

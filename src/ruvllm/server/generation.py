@@ -1,18 +1,34 @@
-"""Run one API call's engine requests (several prompts, n completions each) and follow them."""
+"""The HTTP side of the generation service (engine/generation.py), shared by every API dialect's
+router: the server's state, admission (429), context checks, and one API call's run (its engine
+requests followed, measured, collected or streamed as server-sent events)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ruvllm.engine.async_engine import AsyncEngine
-from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError, RequestError
-from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
+from ruvllm.engine.generation import Following, GenerationService
+from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.server.errors import APIError
+from ruvllm.server.config import ServerConfig
+from ruvllm.server.errors import APIError, api_error, error_body
+from ruvllm.server.metrics import RequestTracker, ServerMetrics
+from ruvllm.server.responses import TokenText, sse
+from ruvllm.server.tenants import tenant_of
+from ruvllm.tools.parsers import ToolReader
+
+log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_S = 1  # capacity frees as fast as sequences finish: seconds, not minutes
@@ -68,107 +84,140 @@ def check_context(prompt: EnginePrompt, max_tokens: int | None, max_len: int) ->
     return max_tokens
 
 
-class Accumulated:
-    """One prompt's DELTA outputs gathered into its whole output (pieces are joined once, at the end)."""
+@dataclass
+class ServerState:
+    """What every router reads (`state(request)`)."""
 
-    def __init__(self) -> None:
-        self.first: RequestOutput | None = None
-        self.finished = False
-        self._text: dict[int, list[str]] = {}
-        self._tokens: dict[int, list[int]] = {}
-        self._logprobs: dict[int, list] = {}
-        self._finish: dict[int, tuple] = {}
-
-    def add(self, out: RequestOutput) -> None:
-        if self.first is None:
-            self.first = out
-        self.finished = out.finished
-        for c in out.outputs:
-            self._text.setdefault(c.index, []).append(c.text)
-            self._tokens.setdefault(c.index, []).extend(c.token_ids)
-            if c.logprobs is not None:
-                self._logprobs.setdefault(c.index, []).extend(c.logprobs)
-            if c.finish_reason is not None:
-                self._finish[c.index] = (c.finish_reason, c.stop_reason)
+    engine: AsyncEngine
+    cfg: ServerConfig
+    metrics: ServerMetrics
+    admission: Admission
+    service: GenerationService
+    text_of: TokenText
+    created: int
+    feedback: Any = None  # server/feedback.py's Feedback, with --learn
+    # Read off the chat template once: whether it renders tools itself, and how calls are read back
+    native_tools: bool = False
+    tool_parser: ToolReader | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self._tokens.values())
+    def max_len(self) -> int:
+        return self.engine.info.max_seq_len
 
-    def result(self) -> RequestOutput:
-        first = self.first
-        assert first is not None
-        outs = [CompletionOutput(i, "".join(self._text[i]), self._tokens[i], *self._finish.get(i, (None, None)),
-                                 logprobs=self._logprobs.get(i))
-                for i in sorted(self._text)]
-        return RequestOutput(first.request_id, first.prompt_token_ids, outs, self.finished,
-                             first.num_cached_tokens, first.prompt, first.prompt_logprobs, first.queue_time)
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.cfg.served_model_name:
+            return None
+        loras = self.engine.loras
+        if model in loras:
+            return model
+        served = ", ".join(f"`{m}`" for m in [self.cfg.served_model_name, *loras])
+        raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.", "model",
+                       "model_not_found")
 
-
-# Told, once a prompt's generation has ended however it ended, what it produced: each choice's
-# token ids and finish reason ("abort" when it was cut off).
-Recorder = Callable[[int, list[tuple[list[int], str]]], None]
-
-
-async def follow(engine: AsyncEngine, prompts: list[EnginePrompt], params: list[SamplingParams],
-                 priority: Priority, request_id: str, lora: str | None = None, record: Recorder | None = None,
-                 cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of every prompt as they come (DELTA: only what is new), tagged with the prompt's
-    index. Leaving early (client gone, error) cancels the others, and each cancelled stream aborts
-    its engine request."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        tokens: dict[int, list[int]] = {}
-        reasons: dict[int, str] = {}
+    async def serve(self, request: Request, body: Any, prompts: list[EnginePrompt], params: list[SamplingParams],
+                    kind: str, adapter: str | None, chunks: Callable[[Run], AsyncIterator[str]],
+                    answer: Callable[[Run, list[RequestOutput]], dict[str, Any]]) -> Response:
+        """One API call, whatever its dialect: its sequences (prompts x n) admitted, handed to the
+        service, and answered as `chunks` (server-sent events) when `body.stream`, else as `answer`'s
+        body. `body` gives `user`, `priority` and `stream`; `kind` is its id's prefix."""
+        seqs = params[0].n * len(prompts)
+        self.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
+        tracker = self.metrics.tracker()
         try:
-            async for out in engine.generate(prompts[i].token_ids, params[i], f"{request_id}-{i}", priority,
-                                             OutputKind.DELTA, lora, cache_salt):
-                for c in out.outputs if record is not None else ():
-                    tokens.setdefault(c.index, []).extend(c.token_ids)
-                    if c.finish_reason is not None:
-                        reasons[c.index] = c.finish_reason.value
-                await queue.put((i, out))
-            await queue.put(None)
-        except asyncio.CancelledError:
+            following = await self.service.start(
+                self.engine, self.admission.next_id(kind), tenant_of(request, body.user), adapter,
+                [p.token_ids for p in prompts], params, Priority[(body.priority or "normal").upper()], tracker.on_output)
+        except BaseException:
+            self.admission.release(seqs)
             raise
-        except BaseException as exc:  # forwarded to the caller, which maps it to an HTTP error
-            await queue.put(exc)
+        run = Run(following, tracker)
+        if body.stream:
+            return _Stream(_with_error_event(chunks(run)), release=lambda: self.admission.release(seqs))
+        try:
+            final = await run.collect(request)
         finally:
-            if record is not None and tokens:
-                record(i, [(tokens[k], reasons.get(k, "abort")) for k in sorted(tokens)])
+            self.admission.release(seqs)
+        if final is None:
+            return Response(status_code=499)  # client closed the request; nobody reads this
+        return JSONResponse(answer(run, final))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
-    remaining = len(tasks)
+
+def state(request: Request) -> ServerState:
+    return request.app.state.ruvllm
+
+
+@dataclass
+class Run:
+    """One API call's engine requests (`following`: iterate within `aclosing(run.following)`, so that
+    any exit aborts them), measured as they come and, by `finish`, at the end."""
+
+    following: Following
+    tracker: RequestTracker
+
+    @property
+    def id(self) -> str:
+        return self.following.call.request_id
+
+    def finish(self) -> list[RequestOutput]:
+        self.tracker.on_finish(self.following.results)
+        return self.following.results
+
+    async def collect(self, request: Request) -> list[RequestOutput] | None:
+        """Wait for the final outputs; None if the client went away first (its requests are aborted)."""
+
+        async def consume() -> None:
+            async with aclosing(self.following):
+                async for _ in self.following:
+                    pass
+
+        task = asyncio.create_task(consume())
+        gone = False
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    gone = True
+                    break
+        finally:
+            if not task.done():
+                task.cancel()  # raises inside the output stream, which aborts every engine request
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not gone:
+                    raise
+        return None if gone else self.finish()
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that returns its admission slots however it ends: a client that leaves before
+    the body is first read never starts the body's generator, so its `finally` cannot be relied on."""
+
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the engine requests
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An error mid-stream becomes an error event and [DONE] (the status line is long gone), as
+    OpenAI's streams report them; a stream never just stops."""
     try:
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise api_error(item) from item
-            yield item
+        async for c in chunks:
+            yield c
+    except Exception as exc:
+        err = api_error(exc)
+        if err is None:
+            log.exception("stream failed")
+            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        yield sse(error_body(err.status, err.message, err.param, err.code))
+        yield "data: [DONE]\n\n"
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def api_error(exc: BaseException) -> BaseException:
-    """What an engine-side failure means to the HTTP client."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineShutdownError):
-        return APIError(503, str(exc), None, "shutting_down")
-    if isinstance(exc, ReplicaLostError):  # the others serve on: a retry is answered
-        return APIError(503, str(exc), None, "replica_failed")
-    if isinstance(exc, EngineDeadError):
-        return APIError(500, str(exc), None, "engine_failed")
-    if isinstance(exc, AdapterNotFoundError):  # unloaded between the check and the start
-        return APIError(404, str(exc), "model", "model_not_found")
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc), exc.param, "invalid_value")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), None, "invalid_value")
-    return exc
+        await chunks.aclose()  # type: ignore[attr-defined]

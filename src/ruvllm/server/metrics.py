@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ruvllm.engine.core_client import ReplicaState
+
+if TYPE_CHECKING:
+    from ruvllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -99,17 +102,18 @@ class RequestTracker:
         self.last: float | None = None
         self.tokens = 0
 
-    def on_output(self, new: int, queue_time: float | None) -> None:
-        """`new`: tokens this output added (over all its completions)."""
+    def on_output(self, out: RequestOutput) -> None:
+        """`out`: a DELTA output (what it adds, over all its completions)."""
         now = time.monotonic()
+        new = sum(len(c.token_ids) for c in out.outputs)
         if new <= 0:
             return
         num_tokens = self.tokens + new
         label = self.m.model
         if self.last is None:
             self.m.ttft.labels(label).observe(now - self.start)
-            if queue_time is not None:
-                self.m.queue_time.labels(label).observe(queue_time)
+            if out.queue_time is not None:
+                self.m.queue_time.labels(label).observe(out.queue_time)
             new -= 1
         else:
             # Several tokens can arrive in one output (n > 1); spread the gap over them.
@@ -118,10 +122,10 @@ class RequestTracker:
         self.last = now
         self.tokens = num_tokens
 
-    def on_finish(self, prompt_tokens: int, completion_tokens: int, reasons: list[str]) -> None:
+    def on_finish(self, results: list[RequestOutput]) -> None:
         label = self.m.model
         self.m.e2e.labels(label).observe(time.monotonic() - self.start)
-        self.m.prompt_tokens.labels(label).inc(prompt_tokens)
-        self.m.generation_tokens.labels(label).inc(completion_tokens)
-        for reason in reasons:
-            self.m.request_success.labels(label, reason).inc()
+        self.m.prompt_tokens.labels(label).inc(sum(len(r.prompt_token_ids) for r in results))
+        self.m.generation_tokens.labels(label).inc(sum(len(c.token_ids) for r in results for c in r.outputs))
+        for c in (c for r in results for c in r.outputs if c.finish_reason is not None):
+            self.m.request_success.labels(label, c.finish_reason.value).inc()

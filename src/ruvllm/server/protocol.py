@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from ruvllm.sampling_params import SEED_MAX, SEED_MIN
+from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.structured.spec import StructuredOutputs
 from ruvllm.tools.format import ToolError, ToolUse
 from ruvllm.server.errors import APIError
@@ -125,6 +125,33 @@ class _Sampling(_Body):
             return spec
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", field, "invalid_value") from None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+        structured = self.structured()
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError(400, "a required or named tool call and a response format both constrain the "
+                                    "output: give one", "tool_choice")
+            try:  # the syntax, here where the field is known (as structured() checks its own)
+                tool_constraint.check()
+            except ValueError as exc:
+                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools",
+                               "invalid_value") from None
+            structured = tool_constraint
+        try:
+            return SamplingParams(
+                n=self.n or 1, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+                max_tokens=max_tokens, min_tokens=min(self.min_tokens or 0, max_tokens), logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, structured=structured,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None
 
     @field_validator("stop")
     @classmethod

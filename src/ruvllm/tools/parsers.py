@@ -7,8 +7,8 @@
 
 A parser returns the text outside the calls (None when there is none) and the calls; text that
 only looks like a call (bad JSON, no name) stays text. `hold_from` says where a call may be
-starting in text still streaming, so a stream sends what comes before it at once and the call
-when it is complete.
+starting in text still streaming, so a stream (`CallStream`, whatever the API dialect) sends what
+comes before it at once and the call when it is complete.
 """
 
 from __future__ import annotations
@@ -139,3 +139,31 @@ def parser_for(template: str | None, override: str | None = None) -> HermesParse
     if template and ("<|python_tag|>" in template or "ipython" in template) and "<tool_call>" not in template:
         return Llama3JsonParser()
     return HermesParser()
+
+
+def read_calls(reader: ToolReader | None, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]] | None:
+    """(content, calls) when the text of a completion that ended normally holds tool calls, else None
+    (a completion cut for length may hold half a call: it stays text)."""
+    if reader is None or reason != "stop":
+        return None
+    content, calls = reader.parse(text)
+    return (content, calls) if calls else None
+
+
+class CallStream:
+    """One completion's text as it streams: `feed` each new piece; it answers the content that may go
+    out now and, once the completion has ended holding calls, the calls (else None)."""
+
+    def __init__(self, reader: ToolReader) -> None:
+        self.reader, self.text, self.sent = reader, "", 0
+
+    def feed(self, piece: str, finished: bool, reason: str | None) -> tuple[str, list[ToolCall] | None]:
+        self.text += piece
+        calls = read_calls(self.reader, self.text, reason) if finished else None
+        upto = max(len(self.text) if finished and calls is None else self.reader.hold_from(self.text), self.sent)
+        out, self.sent = self.text[self.sent:upto], upto
+        if calls is None:
+            return out, None
+        # what is left of the text outside the calls (between or after them) goes too
+        rest, _ = self.reader.parse(self.text[self.sent:])
+        return (out + rest if rest and rest.strip() else out), calls[1]

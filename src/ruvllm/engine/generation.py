@@ -1,0 +1,189 @@
+"""The generation service: what a generation call decides once, whichever front it comes through (the
+server's API dialects, the offline `LLM`): its tenant (and with it the prefix-cache salt), its adapter
+(the one named, else the tenant's learned one), and who is told what it produced (the learner keeps
+completions for feedback, the witness log records them). Fronts only translate to and from it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from ruvllm.errors import RequestError, RuvllmError
+from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
+from ruvllm.request import Priority
+from ruvllm.sampling_params import SamplingParams
+from ruvllm.tenants import tenant_salt
+
+if TYPE_CHECKING:
+    from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.learning.config import LearningConfig
+    from ruvllm.learning.learner import AdapterHost, FeedbackResult, Learner
+    from ruvllm.witness.log import WitnessLog
+
+
+@dataclass
+class GenerationService:
+    learner: Learner | None = None
+    witness: WitnessLog | None = None
+    model_name: str = ""  # what the witness log records a completion under, and whether with its token ids
+    witness_store_tokens: bool = False
+
+    @staticmethod
+    def new_learner(host: AdapterHost, model: str | None, tokenizer: Any, eos_token_ids: tuple[int, ...],
+                    config: LearningConfig | None) -> Learner:
+        """A learner that publishes its adapter versions into `host` (an LLM or an AsyncEngine)."""
+        from ruvllm.learning.learner import Learner
+
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_token_ids[0]
+        return Learner(model, host, tokenizer, eos, config)
+
+    def open(self, request_id: str, tenant: str, adapter: str | None, prompts: list[list[int]],
+             params: list[SamplingParams]) -> Call:
+        """The call decided: with learning, a call that names no adapter runs with the tenant's."""
+        if adapter is None and self.learner is not None:
+            adapter = self.learner.adapter_for(tenant)
+        return Call(self, request_id, tenant, adapter, prompts, params)
+
+    async def start(self, engine: AsyncEngine, request_id: str, tenant: str, adapter: str | None,
+                    prompts: list[list[int]], params: list[SamplingParams], priority: Priority,
+                    observe: Callable[[RequestOutput], None] | None = None) -> Following:
+        """A call over an AsyncEngine, not started until its outputs are first read. With learning, off
+        the event loop: after `ruvllm learn rollback` the lookup may wait for an update and load a version."""
+        args = (request_id, tenant, adapter, prompts, params)
+        call = await asyncio.to_thread(self.open, *args) if self.learner is not None else self.open(*args)
+        return Following(engine, call, priority, observe)
+
+    def feedback(self, request_id: str, tenant: str, score: float, correction: str | None) -> FeedbackResult:
+        """Learn from feedback on one of the tenant's completions (typed errors when refused), witnessed."""
+        if self.learner is None:
+            raise RuntimeError("learning is not enabled")
+        result = self.learner.feedback(request_id, tenant, score, correction)
+        if self.witness is not None:
+            from ruvllm.witness.log import token_hash
+
+            ids = self.learner.tokenizer.encode(correction, add_special_tokens=False) if correction else None
+            self.witness.append(request_id, "feedback", tenant, {
+                "score": score, "correction_hash": None if ids is None else token_hash(ids),
+                "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)})
+        return result
+
+
+@dataclass
+class Call:
+    """One generation call as decided: one id, one tenant, one adapter, one or more prompts."""
+
+    service: GenerationService
+    request_id: str
+    tenant: str
+    adapter: str | None
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def cache_salt(self) -> str | None:
+        return tenant_salt(self.tenant)
+
+    def record(self, i: int, out: RequestOutput) -> None:
+        """Prompt i's generation has ended, however it ended (a choice cut off counts as "abort")."""
+        s = self.service
+        choices = [(list(c.token_ids), c.finish_reason.value if c.finish_reason else "abort") for c in out.outputs]
+        if s.witness is not None:
+            from ruvllm.witness.records import completion_record
+
+            s.witness.append(self.request_id, "completion", self.tenant, completion_record(
+                s.model_name, self.adapter, self.params[i], self.prompts[i], choices, s.witness_store_tokens,
+                index=i))
+        if s.learner is not None and i == 0:  # feedback names the call: its first prompt's first choice
+            s.learner.remember(self.request_id, self.tenant, self.prompts[0], choices[0][0], self.adapter)
+
+
+class Accumulated:
+    """One prompt's DELTA outputs gathered into its whole output (text pieces are joined once, at the end)."""
+
+    def __init__(self) -> None:
+        self.first: RequestOutput | None = None
+        self.finished = False
+        self._choices: dict[int, tuple[list[str], CompletionOutput]] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        self.first, self.finished = self.first or out, out.finished
+        for c in out.outputs:
+            pieces, whole = self._choices.setdefault(c.index, ([], CompletionOutput(c.index, "", [])))
+            pieces.append(c.text)
+            whole.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                whole.logprobs = whole.logprobs or []
+                whole.logprobs.extend(c.logprobs)
+            if c.finish_reason is not None:
+                whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
+
+    def result(self) -> RequestOutput:
+        f = self.first
+        assert f is not None
+        outs = [replace(whole, text="".join(pieces)) for _, (pieces, whole) in sorted(self._choices.items())]
+        return RequestOutput(f.request_id, f.prompt_token_ids, outs, self.finished, f.num_cached_tokens, f.prompt,
+                             f.prompt_logprobs, f.queue_time)
+
+
+class Following:
+    """A call's engine requests followed: iterate for each prompt's outputs as they come (DELTA: only
+    what is new; each also shown to `observe`), tagged with the prompt's index. They are gathered once,
+    as they come (`gathered`), into the whole outputs (`results`, once the iteration has ended) that
+    the final bodies, the usage and the recorder read. Leaving early (client gone, error) or `aclose`
+    aborts the requests."""
+
+    def __init__(self, engine: AsyncEngine, call: Call, priority: Priority,
+                 observe: Callable[[RequestOutput], None] | None = None) -> None:
+        self.call, self.observe = call, observe
+        self.gathered = [Accumulated() for _ in call.prompts]
+        self.results: list[RequestOutput] = []
+        self._outputs = self._follow(engine, priority)  # lazy: nothing reaches the engine before it is read
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._outputs
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()  # type: ignore[attr-defined]
+
+    async def _follow(self, engine: AsyncEngine, priority: Priority) -> AsyncIterator[tuple[int, RequestOutput]]:
+        call = self.call
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()  # None: one ended
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in engine.generate(call.prompts[i], call.params[i], f"{call.request_id}-{i}", priority,
+                                                 OutputKind.DELTA, call.adapter, call.cache_salt):
+                    self.gathered[i].add(out)
+                    if self.observe is not None:
+                        self.observe(out)
+                    await queue.put((i, out))
+                await queue.put(None)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # forwarded to the reader
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(call.prompts))]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, ValueError) and not isinstance(item, RuvllmError):
+                    raise RequestError(str(item)) from item  # the core refused the request as given
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            done = [(i, a.result()) for i, a in enumerate(self.gathered) if a.first is not None]
+            self.results = [out for _, out in done]
+            for i, out in done:
+                if out.outputs:
+                    call.record(i, out)

@@ -1,0 +1,41 @@
+"""The chat page, /health and /metrics: what a browser, a load balancer and Prometheus read."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from ruvllm.server.errors import error_response
+from ruvllm.server.generation import ServerState, state
+
+router = APIRouter()
+_PAGE = files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8")
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page() -> Response:
+    """The chat page (docs/chat-page.md): one static file shipped in the package, read once."""
+    return HTMLResponse(_PAGE)
+
+
+@router.get("/health")
+async def health(st: ServerState = Depends(state)) -> Response:
+    engine = st.engine
+    if engine.failure is not None:
+        return error_response(503, f"engine is not running: {engine.failure}", None, "engine_failed")
+    if not engine.is_alive:
+        return error_response(503, "engine is not running")
+    replicas = engine.replicas
+    body: dict[str, Any] = {"status": "ok", "learning": st.service.learner is not None}
+    if len(replicas) > 1:  # data parallel: which replicas serve (a restarting one is not an outage)
+        body["replicas"] = [{"replica": r.index, "status": r.status, "restarts": r.restarts,
+                             **({"last_error": r.last_error} if r.last_error else {})} for r in replicas]
+    return JSONResponse(body)
+
+
+@router.get("/metrics")
+async def metrics(st: ServerState = Depends(state)) -> Response:
+    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

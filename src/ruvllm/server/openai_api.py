@@ -1,0 +1,120 @@
+"""OpenAI's API: chat and text completions, models, and vLLM's tokenize/detokenize. A translation only:
+the request body into prompts and SamplingParams for the generation service, its outputs into
+OpenAI's bodies (responses.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from ruvllm.engine.prompts import render_chat
+from ruvllm.server import responses as R
+from ruvllm.server.errors import APIError
+from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
+from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
+from ruvllm.tools.parsers import JsonCallParser
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(st: ServerState = Depends(state)) -> dict[str, Any]:
+    # The operator's names, never a filesystem path of the host (nor an adapter's).
+    name = st.cfg.served_model_name
+    base = {"id": name, "object": "model", "created": st.created, "owned_by": "ruvllm", "max_model_len": st.max_len,
+            "root": name, "parent": None}
+    adapters = [{**base, "id": lora, "root": lora, "parent": name} for lora in st.engine.loras]
+    return {"object": "list", "data": [base, *adapters]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, st: ServerState = Depends(state)) -> dict[str, Any]:
+    st.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = await _chat_ids(st, body.messages, body.add_generation_prompt)
+    else:
+        ids = await _off_loop(st.engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, st: ServerState = Depends(state)) -> dict[str, Any]:
+    st.check_model(body.model)
+    vocab = st.engine.info.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+    return {"prompt": await _off_loop(st.engine.tokenizer.decode, body.tokens)}
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
+    lora = st.check_model(body.model)
+    body.check_supported()
+    tools = body.tool_use()
+    prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools),
+                          None)
+    max_tokens = check_context(prompt, body.token_limit, st.max_len)
+    top_n = body.top_logprobs or 0
+    params = body.sampling_params(max_tokens, logprobs=top_n if body.logprobs else None,
+                                  tool_constraint=None if tools is None else tools.constraint())
+    reader = None
+    if tools is not None and tools.active:
+        reader = JsonCallParser() if tools.constrained else st.tool_parser
+    return await st.serve(request, body, [prompt], [params], "chatcmpl", lora, partial(R.chat_chunks, st, body, reader),
+                          partial(R.chat_body, st, body, reader))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
+    lora = st.check_model(body.model)
+    body.check_supported()
+    prompts = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            prompts.append(EnginePrompt(await _off_loop(st.engine.tokenizer.encode, p), p))
+        else:
+            prompts.append(EnginePrompt(list(p), None))
+    budgets = [check_context(p, body.token_limit, st.max_len) for p in prompts]
+    echo_lp = body.echo and body.logprobs is not None
+    params = [body.sampling_params(b, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
+              for b in budgets]
+    return await st.serve(request, body, prompts, params, "cmpl", lora, partial(R.completion_chunks, st, body, prompts),
+                          partial(R.completion_body, st, body, prompts))
+
+
+async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tokenizing a long text takes long: on a worker thread the event loop keeps answering meanwhile
+    (the tokenizers library releases the interpreter lock while it works)."""
+    out = await asyncio.to_thread(fn, *args, **kwargs)
+    return list(out) if not isinstance(out, str) else out
+
+
+async def _chat_ids(st: ServerState, messages: list[Any], add_generation_prompt: bool,
+                    template: str | None = None, tools: ToolUse | None = None) -> list[int]:
+    msgs = []
+    for m in messages:
+        msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        extra = m.model_extra or {}
+        for key in ("tool_calls", "tool_call_id"):
+            if extra.get(key):
+                msg[key] = extra[key]
+        msgs.append(msg)
+    native = st.native_tools
+    try:
+        msgs = prepare_messages(msgs, tools, native)
+        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
+        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools)
+    except ToolError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from None
+    except APIError:
+        raise
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
