@@ -13,7 +13,7 @@ from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.messages import CoreRequest
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Request
-from ruvllm.worker.model_runner import hot_blocks_wanted
+from ruvllm.worker.kv_sizing import hot_blocks_wanted
 from tests.conftest import novel_prompts
 from tests.engine_fixtures import more_ids, prompt_ids
 

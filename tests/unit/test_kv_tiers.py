@@ -13,7 +13,7 @@ from ruvllm.engine.llm import build_engine_config
 from ruvllm.loader import load_model_config, resolve_model
 from ruvllm.request import Request
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.worker.model_runner import hot_blocks_wanted, kv_capacity_ratio, kv_tier_blocks, num_kv_blocks
+from ruvllm.worker.kv_sizing import hot_blocks_wanted, kv_capacity_ratio, kv_tier_blocks, num_kv_blocks
 
 BS = 16
 

@@ -236,7 +236,7 @@ def benchmark(
     if config.cache.quantized_kv:
         # A two-tier pool keeps every sequence's hot window and one step's new tokens in 16-bit
         # besides the batch's tokens: size it as that hot tier plus the batch in 16-bit blocks.
-        from ruvllm.worker.model_runner import hot_blocks_wanted
+        from ruvllm.worker.kv_sizing import hot_blocks_wanted
 
         sched = config.scheduler.resolved(device.type)
         hot, _ = hot_blocks_wanted(config.cache, sched, sched.token_budget)

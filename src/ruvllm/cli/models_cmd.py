@@ -358,7 +358,7 @@ def _estimate_rows(path: Path, quant: QuantConfig) -> list[tuple[str, str]]:
     from ruvllm.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, QuantConfig, SchedulerConfig
     from ruvllm.loader import load_model_config, resolve_model
     from ruvllm.models.weight_plan import WeightPlan, weight_plan
-    from ruvllm.worker.model_runner import kv_bytes_per_block, kv_tier_blocks, num_kv_blocks
+    from ruvllm.worker.kv_sizing import kv_bytes_per_block, kv_tier_blocks, num_kv_blocks
 
     src = resolve_model(path)
     cfg = load_model_config(src)

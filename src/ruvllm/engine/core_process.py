@@ -44,7 +44,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         from ruvllm.core.engine_core import EngineCore
         from ruvllm.worker.worker import Worker
 
-        core = EngineCore(Worker(config), config)
+        core = EngineCore(Worker.load(config), config)
     except Exception as exc:
         results.send(encoder.encode(CoreFailed(type(exc).__name__, str(exc))))
         _close(ctx, commands, results)

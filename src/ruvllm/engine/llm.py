@@ -14,10 +14,12 @@ from ruvllm.config import (CacheConfig, EngineConfig, LoraConfig, QuantConfig, S
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.generation import GenerationService
+from ruvllm.engine.core_client import InlineCoreClient
 from ruvllm.engine.input_processor import core_requests, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import encode_prompt, normalize_prompts, render_chat
-from ruvllm.messages import EngineInfo, EngineStats
+from ruvllm.messages import (CoreOutput, EngineInfo, EngineStats, GetStats, LoadAdapter, ResetPrefixCache,
+                             UnloadAdapter)
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -54,42 +56,48 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
 class LLM:
     """Offline generation: the core runs in this process, stepped by the caller's thread."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self._load(build_engine_config(model, **kwargs))
+    def __init__(self, model: str | EngineConfig | EngineCore | None = None, tokenizer: Any = None,
+                 **kwargs: Any) -> None:
+        """`LLM(model, **settings)` loads a model as vLLM's LLM does (a path or name; None: the
+        embedded default; keyword settings as `build_engine_config` takes them). The built parts
+        are taken too: an EngineConfig, or an EngineCore with its tokenizer."""
+        if not isinstance(model, EngineCore):
+            config = model if isinstance(model, EngineConfig) else build_engine_config(model, **kwargs)
+            model, tokenizer = self._load(config)
+        self.core = model
+        self.tokenizer = tokenizer
+        self.info: EngineInfo = model.info
+        self._eos = stop_token_set(self.info, tokenizer)
+        self._ids = itertools.count()
+        self.learner: Learner | None = None
+        # The caller's thread drives the core through the same loop and messages as the other
+        # clients; what each turn emits waits here for the call that drives it.
+        self._outputs: list[CoreOutput] = []
+        self._client = InlineCoreClient(model)
+        self._client.start(self._outputs.extend, _raise)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        llm = object.__new__(cls)
-        llm._load(config)
-        return llm
+        return cls(config)
 
-    def _load(self, config: EngineConfig) -> None:
+    @classmethod
+    def from_core(cls, core: EngineCore, tokenizer: Any) -> LLM:
+        return cls(core, tokenizer)
+
+    @staticmethod
+    def _load(config: EngineConfig) -> tuple[EngineCore, Any]:
         from ruvllm.loader import load_tokenizer, resolve_model
         from ruvllm.worker.worker import Worker
 
         tokenizer = load_tokenizer(resolve_model(config.model))
-        self._attach(EngineCore(Worker(config), config), tokenizer)
-
-    @classmethod
-    def from_core(cls, core: EngineCore, tokenizer: Any) -> LLM:
-        llm = object.__new__(cls)
-        llm._attach(core, tokenizer)
-        return llm
-
-    def _attach(self, core: EngineCore, tokenizer: Any) -> None:
-        self.core = core
-        self.tokenizer = tokenizer
-        self.info: EngineInfo = core.info
-        self._eos = stop_token_set(self.info, tokenizer)
-        self._ids = itertools.count()
-        self.learner: Learner | None = None
+        return EngineCore(Worker.load(config), config), tokenizer
 
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                       speculation: SpeculativeConfig | None = None) -> LLM:
         """Another LLM over the same loaded model, with its own KV pool and scheduler (tests and
         benchmarks compare settings without loading the model again)."""
         worker = self.core.executor.with_settings(cache, scheduler, speculation)  # type: ignore[attr-defined]
-        return LLM.from_core(EngineCore(worker, worker.config), self.tokenizer)
+        return LLM(EngineCore(worker, worker.config), self.tokenizer)
 
     def async_engine(self) -> AsyncEngine:
         """An AsyncEngine over this LLM's core, on a thread of this process (the LLM must not
@@ -97,7 +105,7 @@ class LLM:
         return AsyncEngine.in_process(self.core, self.tokenizer)
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        return self._client.call(GetStats()).stats
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -110,7 +118,7 @@ class LLM:
         return self.core.executor.model  # type: ignore[attr-defined]
 
     def reset_prefix_cache(self) -> None:
-        self.core.reset_prefix_cache()
+        self._client.call(ResetPrefixCache())
 
     def close(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks: they also stop when the
@@ -120,10 +128,10 @@ class LLM:
     # --- LoRA adapters (LLM(..., enable_lora=True)) ---------------------------------------------------
     def load_lora(self, name: str, path: str | Path) -> None:
         """Load a PEFT LoRA adapter folder under `name` (AdapterError names what is wrong with it)."""
-        self.core.add_adapter(name, str(path))
+        self._client.call(LoadAdapter(name, str(path)))
 
     def unload_lora(self, name: str) -> None:
-        self.core.remove_adapter(name)
+        self._client.call(UnloadAdapter(name))
 
     def loras(self) -> list[str]:
         return self.core.adapters()
@@ -179,21 +187,25 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
             processor.add(rid, tokens, text, p, [s.request_id for s in group], OutputKind.FINAL_ONLY)
-            for seq in group:
-                self.core.add_request(seq)
+            self._client.add(group)
         results: dict[str, RequestOutput] = {}
         try:
             with Progress(disable=not show_progress, transient=True) as progress:
                 task = progress.add_task("generating", total=len(rids))
-                while self.core.has_unfinished:
-                    outs, aborts = processor.process(self.core.step())
-                    self.core.abort(aborts)  # stop strings matched: free those sequences now
+                while len(results) < len(rids):
+                    self._client.poll()
+                    outs, aborts = processor.process(self._outputs)
+                    self._outputs.clear()
+                    if aborts:  # stop strings matched: freed before the next step
+                        self._client.abort(aborts)
                     for out in outs:
                         results[out.request_id] = out
                         progress.advance(task)
         finally:
             # Interrupted (Ctrl-C, an error): nothing of this call stays in the engine.
-            self.core.abort([s.request_id for group in seqs for s in group])
+            self._outputs.clear()
+            self._client.abort([s.request_id for group in seqs for s in group])
+            self._client.poll()
         for call in calls:
             call.record(0, results[call.request_id])
         return [results[rid] for rid in rids]
@@ -213,3 +225,7 @@ class LLM:
         if self.learner is None:
             raise RuntimeError("learning is not enabled (LLM.enable_learning())")
         return GenerationService(self.learner).feedback(request_id, tenant, score, correction)
+
+
+def _raise(error: BaseException) -> None:
+    raise error

@@ -11,10 +11,13 @@ not make), in chunks under a token budget, then proposes K tokens in K batched o
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ruvllm.layers.sampler import SamplingState, exponential_race
 from ruvllm.outputs import ScheduledSeq
+from ruvllm.speculative.proposer import Length
 from ruvllm.speculative.verify import Proposal
 from ruvllm.structured.bitmask import apply_grammar_masks, has_grammar
 from ruvllm.worker.model_runner import ModelRunner
@@ -32,6 +35,8 @@ class DraftProposer:
         """The sequence ended, or was preempted (its blocks were freed): its draft K/V is gone."""
         self.computed.pop(request_id, None)
 
+    preempted = forget
+
     def accepted(self, request_id: str, position: int, num_accepted: int) -> None:
         """After verification: of the proposals written after `position`, only the accepted ones hold
         the sequence's real tokens."""
@@ -39,9 +44,12 @@ class DraftProposer:
             self.computed[request_id] = min(self.computed[request_id], position + 1 + num_accepted)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[tuple[ScheduledSeq, SamplingState]]) -> dict[str, Proposal]:
+    def propose(self, seqs: list[tuple[ScheduledSeq, SamplingState]], length: Length) -> dict[str, Proposal]:
         """Proposals for decoding sequences (each ScheduledSeq: one token at start_position, room for
-        num_lookahead more). A sequence still catching up this step proposes nothing."""
+        num_lookahead more, of which `length` takes what its passes are worth: 0 still catches the
+        draft up). A sequence still catching up this step proposes nothing."""
+        seqs = [(dataclasses.replace(seq, num_lookahead=length(seq.request_id, seq.num_lookahead)), state)
+                for seq, state in seqs]
         budget = self.catch_up_budget
         chunks: list[ScheduledSeq] = []
         ready: list[tuple[ScheduledSeq, SamplingState]] = []

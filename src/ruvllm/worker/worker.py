@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,15 +32,17 @@ from ruvllm.models.weight_plan import WeightPlan, float_weight_plan, weight_plan
 from ruvllm.parallel.sharding import FileWeights, Weights
 from ruvllm.structured.bitmask import new_matcher
 from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
-from ruvllm.speculative.ngram import NgramIndex
+from ruvllm.speculative.draft import DraftProposer
+from ruvllm.speculative.proposer import NgramProposer, Proposer
 from ruvllm.speculative.policy import SpeculationPolicy, step_seconds
 from ruvllm.speculative.verify import Proposal
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
-from ruvllm.worker.model_runner import ModelRunner, cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
+from ruvllm.worker.kv_sizing import cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
+from ruvllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from ruvllm.loader import ModelSource
     from ruvllm.parallel.ranks import TensorParallelRanks
-    from ruvllm.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +58,97 @@ def _check_hybrid(config: EngineConfig, architecture: str) -> None:
         raise ValueError(f"{architecture} has sliding-window layers, which ruvllm cannot run with "
                          f"{' or '.join(refused)} yet")
 
+@dataclass
+class LoadedModel:
+    """A model loaded on its device, and what it was loaded from: what workers over it share."""
+
+    model: torch.nn.Module
+    model_config: ModelConfig
+    path: Path
+    source: ModelSource | None  # None: weights that came from code (no tokenizer)
+    device: torch.device
+    dtype: torch.dtype
+    quant: QuantConfig
+    max_model_len: int
+    weight_bytes: int
+    tensor_parallel: TensorParallelRanks | None = None  # rank 0's: the other ranks' processes
+
+    def close(self) -> None:
+        """Stop what loading started outside this process (tensor-parallel ranks); idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
+
+def load_model(config: EngineConfig, mc: ModelConfig, path: Path, source: ModelSource | None,
+               plan_for: Callable[[QuantConfig, str, torch.device], WeightPlan],
+               weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]],
+               rank_weights: Callable[[], Weights]) -> LoadedModel:
+    """The weights' form from the plan (headers only), then the model built once in that form. With
+    tensor parallelism this process holds rank 0's slice and the other ranks load theirs in processes
+    of their own (`rank_weights`: the float weights as a function every rank can call)."""
+    device = resolve_device(config.device)
+    plan = plan_for(config.quantization, config.dtype, device)
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    if config.tensor_parallel_size > 1:
+        from ruvllm.parallel.ranks import TensorParallelRanks, rank_threads
+
+        torch.set_num_threads(rank_threads(config))
+        tp = TensorParallelRanks(config, mc, plan, device, max_model_len, rank_weights(), str(path))
+        loaded = LoadedModel(tp.model, mc, path, source, device, plan.dtype, plan.quant, max_model_len,
+                             tp.weight_bytes, tp)
+        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, %d tensor-parallel ranks, weights %.1f MiB "
+                 "in all", path, mc.architecture, mc.num_layers, max_model_len, str(plan.dtype).removeprefix("torch."),
+                 device, tp.size, tp.weight_bytes / 2**20)
+        return loaded
+    torch.set_num_threads(config.num_threads or default_num_threads())
+    if device.type == "cuda":
+        check_weights_fit(plan.total_bytes, ", ".join(f"{n} {form}" for form, n in plan.linear_forms().items()),
+                          device, config.cache.gpu_memory_utilization)
+    model = build_model(mc, weights(plan), str(path), max_model_len, plan.dtype, device, plan=plan)
+    loaded = LoadedModel(model, mc, path, source, device, plan.dtype, plan.quant, max_model_len, weight_bytes(model))
+    log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
+             mc.architecture, mc.num_layers, max_model_len, str(plan.dtype).removeprefix("torch."), device,
+             plan.quant.method, loaded.weight_bytes / 2**20)
+    return loaded
+
+
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        """A worker over a loaded model, with the KV pool, adapters and speculation `config` asks for
+        (several workers may share one model: with_settings). Loading is `load` / `from_weights`."""
+        self.loaded = loaded
+        self.model_config = mc = loaded.model_config
+        self.tensor_parallel = loaded.tensor_parallel
+        self.device, self.dtype = loaded.device, loaded.dtype
+        if kv_layout(mc).is_hybrid:
+            _check_hybrid(config, mc.architecture)
+        self.config = config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
+        self.runner = self._runner(loaded.model, config)
+        self._states: dict[str, SamplingState] = {}  # each sequence's state, from its first step to its end
+        self.lora: LoraManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoraManager(mc, config.lora, self.dtype, self.device)
+            self.runner.lora = self.lora
+            log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", config.lora.max_loras,
+                     config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
+        spec = config.speculation
+        self.proposer: Proposer | None = None
+        if spec.method == "draft":
+            self.proposer = self._load_draft(config)
+        elif spec.method == "ngram":
+            self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+        # None with speculation on: every sequence takes all the room it is given (K)
+        self.spec_policy = self._speculation_policy(config) if spec.method and spec.adaptive_speculation else None
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Worker:
+        """A worker over the model `config` names (a path, a name, or the embedded default)."""
         src = resolve_model(config.model)
-        self._source = src
-        self._load(config, load_model_config(src), src.path,
-                   lambda quant, dtype, device: weight_plan(src, quant, dtype, device),
-                   lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed),
-                   lambda: FileWeights(src))
+        return cls._over(load_model(
+            config, load_model_config(src), src.path, src,
+            lambda quant, dtype, device: weight_plan(src, quant, dtype, device),
+            lambda plan: iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed),
+            lambda: FileWeights(src)), config)
 
     @classmethod
     def from_weights(cls, model_config: ModelConfig, weights: Callable[[torch.dtype], Iterable[tuple[str, Any]]],
@@ -70,89 +156,26 @@ class Worker:
         """A worker over weights that come from code rather than a file (tests and benchmarks on
         random models): `weights(dtype)` yields Hugging Face-named float tensors. (With tensor
         parallelism every rank's process calls it, so it must pickle.)"""
-        worker = object.__new__(cls)
-        worker._source = None
-        worker._load(config, model_config, Path(name),
-                     lambda quant, dtype, device: float_weight_plan(model_config, quant, dtype, device, name),
-                     lambda plan: weights(plan.dtype), lambda: weights)
-        return worker
+        return cls._over(load_model(
+            config, model_config, Path(name), None,
+            lambda quant, dtype, device: float_weight_plan(model_config, quant, dtype, device, name),
+            lambda plan: weights(plan.dtype), lambda: weights), config)
 
-    def _load(self, config: EngineConfig, mc: ModelConfig, path: Path,
-              plan_for: Callable[[QuantConfig, str, torch.device], WeightPlan],
-              weights: Callable[[WeightPlan], Iterable[tuple[str, Any]]],
-              rank_weights: Callable[[], Weights]) -> None:
-        """`rank_weights`: the float weights as a function every tensor-parallel rank can call."""
-        self.device = resolve_device(config.device)
-        config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
-        # The plan settles the device's quantization and the compute dtype (from headers, before loading).
-        plan = plan_for(config.quantization, config.dtype, self.device)
-        self.quant, self.dtype = plan.quant, plan.dtype
-        self.tensor_parallel: TensorParallelRanks | None = None
-        self.model_config = mc
-        self.model_path = path
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if config.tensor_parallel_size > 1:
-            self._load_tensor_parallel(config, plan, rank_weights())
-            return
-        torch.set_num_threads(config.num_threads or default_num_threads())
-        if self.device.type == "cuda":
-            check_weights_fit(plan.total_bytes, ", ".join(f"{n} {form}" for form, n in plan.linear_forms().items()),
-                              self.device, config.cache.gpu_memory_utilization)
-        model = build_model(mc, weights(plan), str(path), self.max_model_len, self.dtype, self.device, plan=plan)
-        self.weight_bytes = weight_bytes(model)
-        self._start(model, config)
-        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, quantization %s, weights %.1f MiB", path,
-                 mc.architecture, mc.num_layers, self.max_model_len, str(self.dtype).removeprefix("torch."),
-                 self.device, self.quant.method, self.weight_bytes / 2**20)
-
-    def _load_tensor_parallel(self, config: EngineConfig, plan: WeightPlan, weights: Weights) -> None:
-        """Rank 0 of tensor_parallel_size ranks: its slice here, the others' in processes of their
-        own (parallel/ranks.py); the runner announces each model call to them."""
-        from ruvllm.parallel.ranks import TensorParallelRanks, rank_threads
-
-        torch.set_num_threads(rank_threads(config))
-        tp = TensorParallelRanks(config, self.model_config, plan, self.device, self.max_model_len, weights,
-                                 str(self.model_path))
-        self.tensor_parallel = tp
+    @classmethod
+    def _over(cls, loaded: LoadedModel, config: EngineConfig) -> Worker:
         try:
-            self.weight_bytes = tp.weight_bytes
-            self._start(tp.model, config)
+            return cls(loaded, config)
         except BaseException:
-            tp.close()
+            loaded.close()
             raise
-        log.info("model %s: %s, %d layers, max_model_len %d, %s on %s, %d tensor-parallel ranks, weights %.1f MiB "
-                 "in all", self.model_path, self.model_config.architecture, self.model_config.num_layers,
-                 self.max_model_len, str(self.dtype).removeprefix("torch."), self.device, tp.size,
-                 self.weight_bytes / 2**20)
 
     def close(self) -> None:
-        """Stop what this worker started outside its process (tensor-parallel ranks); idempotent."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
-
-    def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
-        if kv_layout(self.model_config).is_hybrid:
-            _check_hybrid(config, self.model_config.architecture)
-        self.config = config
-        self.runner = self._runner(model, config)
-        self._states: dict[str, SamplingState] = {}
-        self.lora: LoraManager | None = None
-        if config.lora.enable_lora:
-            self.lora = LoraManager(self.model_config, config.lora, self.dtype, self.device)
-            self.runner.lora = self.lora
-            log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", config.lora.max_loras,
-                     config.lora.max_lora_rank, self.lora.slots.nbytes / 2**20)
-        self._ngrams: dict[str, NgramIndex] = {}
-        self.draft: DraftProposer | None = self._load_draft(config) if config.speculation.method == "draft" else None
-        # None with speculation on: every sequence takes all the room it is given (K)
-        self.spec_policy = self._speculation_policy(config) \
-            if config.speculation.method and config.speculation.adaptive_speculation else None
+        """Stop what this worker's model started outside its process (tensor-parallel ranks); idempotent."""
+        self.loaded.close()
 
     # --- speculative decoding --------------------------------------------------------------------
     def _load_draft(self, config: EngineConfig) -> DraftProposer:
         """The draft model, on a KV pool of its own with the target's block count (docs/speculative.md)."""
-        from ruvllm.speculative.draft import DraftProposer
-
         spec = config.speculation
         if config.cache.quantized_kv:
             raise ValueError(f"a draft model cannot run beside an {config.cache.kv_cache_dtype} KV cache (its pool "
@@ -165,14 +188,14 @@ class Worker:
         if mc.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) is not the target's "
                              f"({self.model_config.vocab_size}): a draft must share the target's tokenizer")
-        if self._source is not None:
+        if self.loaded.source is not None:
             from ruvllm.loader import load_tokenizer
 
-            if load_tokenizer(src).get_vocab() != load_tokenizer(self._source).get_vocab():
+            if load_tokenizer(src).get_vocab() != load_tokenizer(self.loaded.source).get_vocab():
                 raise ValueError("the draft model's tokenizer is not the target's: a draft must share it")
         plan = weight_plan(src, QuantConfig(method=spec.speculative_quantization), config.dtype, self.device)
         model = build_model(mc, iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed), str(src.path),
-                            self.max_model_len, plan.dtype, self.device, plan=plan)
+                            self.loaded.max_model_len, plan.dtype, self.device, plan=plan)
         runner = ModelRunner(model, mc, config.cache.block_size, self.runner.num_blocks, plan.dtype, self.device,
                              attention=config.attention)
         log.info("draft model %s: %d layers, %s, quantization %s, %d proposals a step", src.path, mc.num_layers,
@@ -186,7 +209,8 @@ class Worker:
         one = step_seconds(self.runner, 1)
         more = step_seconds(self.runner, 1 + k)
         row_cost = max(0.0, (more - one) / (k * one))
-        draft_cost = step_seconds(self.draft.runner, 1) / one if self.draft is not None else 0.0
+        draft = self.proposer if isinstance(self.proposer, DraftProposer) else None
+        draft_cost = step_seconds(draft.runner, 1) / one if draft is not None else 0.0
         log.info("speculation: one more row costs %.3f of a decode step, a draft pass %.3f", row_cost, draft_cost)
         return SpeculationPolicy(row_cost, draft_cost)
 
@@ -194,29 +218,10 @@ class Worker:
         """Proposals for the sequences the scheduler left room for, and the step with their tokens
         appended to those sequences' chunks."""
         room = [(seq, self._states[seq.request_id]) for seq in so.seqs if seq.num_lookahead]
-        if not room:
+        if not room or self.proposer is None:
             return so, {}
         policy = self.spec_policy
-
-        def length(rid: str, offered: int) -> int:
-            return offered if policy is None else policy.length(rid, offered)
-
-        if self.draft is not None:
-            # The draft makes as many as the policy wants (its passes cost); 0 still catches it up.
-            proposals = self.draft.propose([(dataclasses.replace(seq, num_lookahead=length(
-                seq.request_id, seq.num_lookahead)), state) for seq, state in room])
-        else:
-            spec = self.config.speculation
-            proposals = {}
-            for seq, state in room:
-                index = self._ngrams.get(seq.request_id)
-                if index is None:
-                    index = self._ngrams[seq.request_id] = NgramIndex(spec.ngram_min, spec.ngram_max)
-                index.extend(state.token_slice(len(index.tokens)))
-                tokens = index.propose(seq.num_lookahead)
-                tokens = tokens[:length(seq.request_id, len(tokens))]
-                if tokens:
-                    proposals[seq.request_id] = Proposal(tokens)
+        proposals = self.proposer.propose(room, (lambda rid, offered: offered) if policy is None else policy.length)
         proposals = {rid: p for rid, p in proposals.items() if p.tokens}
         if not proposals:
             return so, {}
@@ -240,9 +245,9 @@ class Worker:
         """The model's tokenizer: structured outputs compile against its vocabulary."""
         from ruvllm.loader import load_tokenizer
 
-        if self._source is None:
+        if self.loaded.source is None:
             raise RequestError("structured outputs need the model's tokenizer; this model was built in memory")
-        return load_tokenizer(self._source)
+        return load_tokenizer(self.loaded.source)
 
     def remove_adapter(self, name: str) -> None:
         if self.lora is not None:
@@ -254,7 +259,7 @@ class Worker:
         cache, sched, mc = config.cache, config.scheduler, self.model_config
         check_kv_cache_dtype(cache.kv_cache_dtype, self.dtype, self.device, config.attention)
         profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
-        warm_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        warm_tokens = min(sched.max_num_batched_tokens, self.loaded.max_model_len)
         make: Callable[..., ModelRunner] = ModelRunner
         tp = self.tensor_parallel
         if tp is not None:  # rank 0's slice: its heads' share of the pool, its runner announcing each call
@@ -262,18 +267,18 @@ class Worker:
         if profiled:
             blocks, cold = -(-warm_tokens // cache.block_size), 0
         else:
-            blocks, cold = kv_tier_blocks(mc, cache, sched, self.dtype, self.max_model_len)
+            blocks, cold = kv_tier_blocks(mc, cache, sched, self.dtype, self.loaded.max_model_len)
         runner = make(model, mc, cache.block_size, blocks, self.dtype, self.device,
                       seed=config.seed, attention=config.attention, num_cold_blocks=cold,
                       kv_cache_dtype=cache.kv_cache_dtype, kv_hot_tokens=cache.kv_hot_tokens)
         if profiled:
             profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
             runner.allocate_kv_cache(kv_blocks_from_profile(
-                profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.max_model_len))
+                profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.loaded.max_model_len))
         if self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid and tp is None:
             # (decode graphs hold one block table per sequence: models with KV groups run eagerly;
             # tensor-parallel steps too: rank 0 announces each call, which a replayed graph would skip)
-            runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
+            runner.capture_cuda_graphs(sched.max_num_seqs, self.loaded.max_model_len)
         return runner
 
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
@@ -283,15 +288,9 @@ class Worker:
         if self.tensor_parallel is not None:
             raise ValueError("with_settings cannot share a tensor-parallel model (its ranks hold one KV pool "
                              "each); load another engine instead")
-        clone = object.__new__(Worker)
-        for name in ("device", "quant", "dtype", "model_config", "model_path", "max_model_len", "weight_bytes",
-                     "_source", "tensor_parallel"):
-            setattr(clone, name, getattr(self, name))
-        config = dataclasses.replace(self.config, cache=cache or self.config.cache,
-                                     scheduler=(scheduler or self.config.scheduler).resolved(self.device.type),
-                                     speculation=speculation or self.config.speculation)
-        clone._start(self.runner.model, config)
-        return clone
+        return Worker(self.loaded, dataclasses.replace(self.config, cache=cache or self.config.cache,
+                                                       scheduler=scheduler or self.config.scheduler,
+                                                       speculation=speculation or self.config.speculation))
 
     def info(self) -> EngineInfo:
         runner, cache, sched = self.runner, self.config.cache, self.config.scheduler
@@ -302,19 +301,19 @@ class Worker:
         if self.tensor_parallel is not None:
             ranks, kv_config = self.tensor_parallel.size, self.tensor_parallel.local_config
         return EngineInfo(
-            model=str(self.model_path), architecture=self.model_config.architecture,
-            vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            model=str(self.loaded.path), architecture=self.model_config.architecture,
+            vocab_size=self.model_config.vocab_size, max_model_len=self.loaded.max_model_len,
             # A sequence can never outgrow the pool, so a request running alone always fits.
             max_seq_len=runner.layout.max_tokens(num_blocks, sched.max_num_batched_tokens, cache.block_size,
-                                                 self.max_model_len),
+                                                 self.loaded.max_model_len),
             eos_token_ids=tuple(self.model_config.eos_token_ids), block_size=cache.block_size,
             num_hot_blocks=runner.num_blocks, num_cold_blocks=runner.num_cold_blocks,
             hot_block_bytes=ranks * kv_bytes_per_block(kv_config, cache.block_size, self.dtype),
             cold_block_bytes=(cold_kv_bytes_per_block(self.model_config, cache.block_size, KV_BITS[cache.kv_cache_dtype])
                               if cache.quantized_kv else 0),
             kv_cache_bytes=ranks * runner.kv_cache_bytes, kv_cache_dtype=cache.kv_cache_dtype,
-            weight_bytes=self.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            quantization=self.quant.method, max_num_seqs=sched.max_num_seqs,
+            weight_bytes=self.loaded.weight_bytes, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.loaded.quant.method, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_loras=self.config.lora.max_loras if self.config.lora.enable_lora else 0,
             kv_windows=runner.layout.windows)
@@ -323,14 +322,13 @@ class Worker:
         """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""
         for rid in so.finished_ids:
             self._states.pop(rid, None)
-            self._ngrams.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
             if self.spec_policy is not None:
                 self.spec_policy.forget(rid)
-            if self.draft is not None:
-                self.draft.forget(rid)
-        if self.draft is not None:
-            for rid in so.preempted:  # its blocks, and the draft K/V in them, are gone
-                self.draft.forget(rid)
+        if self.proposer is not None:
+            for rid in so.preempted:
+                self.proposer.preempted(rid)
         for req in so.new_requests:
             grammar = so.grammars.get(req.request_id)
             self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
@@ -348,8 +346,7 @@ class Worker:
                 accepted = len(out.sampled[seq.request_id]) - 1
                 if self.spec_policy is not None:
                     self.spec_policy.observe(seq.request_id, len(prop.tokens), accepted)
-                if self.draft is not None:
-                    self.draft.accepted(seq.request_id, seq.start_position, accepted)
+                self.proposer.accepted(seq.request_id, seq.start_position, accepted)  # type: ignore[union-attr]
         return out
 
     @property
