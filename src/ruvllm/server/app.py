@@ -5,6 +5,7 @@ generation.py). Handlers only validate, submit, await and abort: the engine owns
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,8 +32,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
         service.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
     st = ServerState(engine, cfg, ServerMetrics(lambda: engine.replicas, cfg.served_model_name),
-                     Admission(engine.info.max_num_seqs + cfg.max_queue), service, R.TokenText(engine.tokenizer),
-                     R.now())
+                     Admission(engine.info.max_num_seqs + cfg.max_queue), service, R.token_text(engine.tokenizer),
+                     int(time.time()))
     if cfg.learning is not None:
         service.learner = GenerationService.new_learner(engine, engine.info.model, engine.tokenizer,
                                                         engine.info.eos_token_ids, cfg.learning)
