@@ -14,11 +14,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ruvllm.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError,
                            RequestError, RuvllmError)
 from ruvllm.learning.errors import CompletionNotFoundError, UpdateNotServedError
+from ruvllm.tools.format import ToolError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
-          500: "server_error", 503: "server_error"}
+# any other status: "invalid_request_error"
+_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+          503: "server_error"}
 
 
 class APIError(Exception):
@@ -39,17 +39,18 @@ _MEANINGS: tuple[tuple[type, int, str, str | None], ...] = (
     (UpdateNotServedError, 503, "learning_capacity", None),
     (RequestError, 400, "invalid_value", None),
     (AdapterError, 400, "invalid_adapter", "lora_path"),
+    (ToolError, 400, "invalid_value", None),
 )
 
 
-def api_error(exc: BaseException) -> APIError | None:
-    """What an error means to the HTTP client; None for one ruvllm did not raise on purpose (a 500)."""
+def api_error(exc: BaseException) -> APIError:
+    """What an error means to the HTTP client; a 500 without a code for one ruvllm did not raise on purpose."""
     if isinstance(exc, APIError):
         return exc
     for kind, status, code, param in _MEANINGS:
         if isinstance(exc, kind):
             return APIError(status, str(exc), getattr(exc, "param", None) or param, code)
-    return None
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -86,14 +87,12 @@ def _param_name(loc: tuple[Any, ...]) -> str | None:
 
 
 def install_error_handlers(app: Any) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
-
-    @app.exception_handler(RuvllmError)
-    async def _typed(_: Request, exc: RuvllmError) -> JSONResponse:
-        err = api_error(exc) or APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _typed(_: Request, exc: Exception) -> JSONResponse:
+        err = api_error(exc)
         return error_response(err.status, err.message, err.param, err.code, err.headers)
+
+    for kind in (APIError, RuvllmError, ToolError, Exception):
+        app.add_exception_handler(kind, _typed)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -106,7 +105,3 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

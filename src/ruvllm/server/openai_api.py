@@ -58,7 +58,7 @@ async def detokenize(body: DetokenizeRequest, st: ServerState = Depends(state)) 
 async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
     lora = st.check_model(body.model)
     body.check_supported()
-    tools = body.tool_use()
+    tools = ToolUse.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools),
                           None)
     max_tokens = check_context(prompt, body.token_limit, st.max_len)
@@ -76,12 +76,8 @@ async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = 
 async def completions(body: CompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
     lora = st.check_model(body.model)
     body.check_supported()
-    prompts = []
-    for p in body.prompts():
-        if isinstance(p, str):
-            prompts.append(EnginePrompt(await _off_loop(st.engine.tokenizer.encode, p), p))
-        else:
-            prompts.append(EnginePrompt(list(p), None))
+    prompts = [EnginePrompt(await _off_loop(st.engine.tokenizer.encode, p), p) if isinstance(p, str)
+               else EnginePrompt(list(p), None) for p in body.prompts()]
     budgets = [check_context(p, body.token_limit, st.max_len) for p in prompts]
     echo_lp = body.echo and body.logprobs is not None
     params = [body.sampling_params(b, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
@@ -99,22 +95,15 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 async def _chat_ids(st: ServerState, messages: list[Any], add_generation_prompt: bool,
                     template: str | None = None, tools: ToolUse | None = None) -> list[int]:
-    msgs = []
-    for m in messages:
-        msg = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        extra = m.model_extra or {}
-        for key in ("tool_calls", "tool_call_id"):
-            if extra.get(key):
-                msg[key] = extra[key]
-        msgs.append(msg)
+    msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+             **{key: value for key in ("tool_calls", "tool_call_id") if (value := (m.model_extra or {}).get(key))}}
+            for m in messages]
     native = st.native_tools
     try:
         msgs = prepare_messages(msgs, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
         return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools)
-    except ToolError as exc:
-        raise APIError(400, str(exc), exc.param, "invalid_value") from None
-    except APIError:
+    except ToolError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
         raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None

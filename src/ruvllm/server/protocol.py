@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.structured.spec import StructuredOutputs
-from ruvllm.tools.format import ToolError, ToolUse
 from ruvllm.server.errors import APIError
 
 
@@ -109,10 +108,9 @@ class _Sampling(_Body):
             elif kind not in (None, "text"):
                 raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
                                "response_format")
-        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-            if getattr(self, name) is not None:
-                given.append((name, kind, getattr(self, name)))
+        given += [(name, kind, getattr(self, name)) for name, kind in (
+            ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+            ("guided_grammar", "grammar")) if getattr(self, name) is not None]
         if not given:
             return None
         if len(given) > 1:
@@ -198,12 +196,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-
-    def tool_use(self) -> ToolUse | None:
-        try:
-            return ToolUse.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
-        except ToolError as exc:
-            raise APIError(400, str(exc), exc.param, "invalid_value") from None
 
     def check_supported(self) -> None:
         if self.top_logprobs and not self.logprobs:
