@@ -123,7 +123,7 @@ class ServerState:
         body. `body` gives `user`, `priority` and `stream`; `kind` is its id's prefix."""
         seqs = params[0].n * len(prompts)
         self.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
-        tracker = self.metrics.tracker()
+        tracker = RequestTracker(self.metrics)
         try:
             following = await self.service.start(
                 self.engine, self.admission.next_id(kind), tenant_of(request, body.user), adapter,
@@ -133,7 +133,7 @@ class ServerState:
             raise
         run = Run(following, tracker)
         if body.stream:
-            return _Stream(_with_error_event(chunks(run)), release=lambda: self.admission.release(seqs))
+            return _Stream(chunks(run), release=lambda: self.admission.release(seqs))
         try:
             final = await run.collect(request)
         finally:
@@ -172,22 +172,17 @@ class Run:
                     pass
 
         task = asyncio.create_task(consume())
-        gone = False
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=0.25)
                 if not task.done() and await request.is_disconnected():
-                    gone = True
-                    break
+                    return None
+            await task  # raises what the engine raised
+            return self.finish()
         finally:
-            if not task.done():
+            if not task.done():  # the client is gone, or this wait was cancelled
                 task.cancel()  # raises inside the output stream, which aborts every engine request
-            try:
-                await task
-            except asyncio.CancelledError:
-                if not gone:
-                    raise
-        return None if gone else self.finish()
+                await asyncio.gather(task, return_exceptions=True)
 
 
 class _Stream(StreamingResponse):
@@ -195,7 +190,7 @@ class _Stream(StreamingResponse):
     the body is first read never starts the body's generator, so its `finally` cannot be relied on."""
 
     def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(chunks, media_type="text/event-stream")
+        super().__init__(self._with_error_event(chunks), media_type="text/event-stream")
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -205,19 +200,18 @@ class _Stream(StreamingResponse):
             self._release()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the engine requests
 
-
-async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An error mid-stream becomes an error event and [DONE] (the status line is long gone), as
-    OpenAI's streams report them; a stream never just stops."""
-    try:
-        async for c in chunks:
-            yield c
-    except Exception as exc:
-        err = api_error(exc)
-        if err is None:
-            log.exception("stream failed")
-            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-        yield sse(error_body(err.status, err.message, err.param, err.code))
-        yield "data: [DONE]\n\n"
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+    @staticmethod
+    async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """An error mid-stream becomes an error event and [DONE] (the status line is long gone), as
+        OpenAI's streams report them; a stream never just stops."""
+        try:
+            async for c in chunks:
+                yield c
+        except Exception as exc:
+            err = api_error(exc)
+            if err.status == 500 and err.code is None:  # not raised on purpose
+                log.exception("stream failed")
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import generate_latest
 
 from ruvllm.server.errors import error_response
 from ruvllm.server.generation import ServerState, state
@@ -38,4 +39,4 @@ async def health(st: ServerState = Depends(state)) -> Response:
 
 @router.get("/metrics")
 async def metrics(st: ServerState = Depends(state)) -> Response:
-    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(generate_latest(st.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -26,7 +26,7 @@ class _EngineCollector(Collector):
     def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
         self._replicas, self._model = replicas, model
 
-    _FAMILIES = (
+    _FAMILIES = (  # (kind, name, help, a replica's value)
         (GaugeMetricFamily, "ruvllm:num_requests_running", "Requests in the running batch.", "running"),
         (GaugeMetricFamily, "ruvllm:num_requests_waiting", "Requests waiting (incl. preempted).", "waiting"),
         (GaugeMetricFamily, "ruvllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage"),
@@ -46,32 +46,27 @@ class _EngineCollector(Collector):
         (GaugeMetricFamily, "ruvllm:spec_decode_mean_accepted_length",
          "Speculative decoding: tokens per verification step (accepted proposals + 1).",
          "spec_mean_accepted_length"),
+        (GaugeMetricFamily, "ruvllm:replica_up", "1 while the engine core serves (0: restarting or failed).",
+         lambda rep: 1.0 if rep.status == "up" else 0.0),
+        (CounterMetricFamily, "ruvllm:replica_restarts", "Times the engine core was started again after it failed.",
+         lambda rep: rep.restarts),
     )
 
     def collect(self) -> Iterator[Any]:
         replicas = self._replicas()
-        for family, name, doc, key in self._FAMILIES:
+        for family, name, doc, value in self._FAMILIES:
             metric = family(name, doc, labels=["model_name", "replica"])
             for rep in replicas:
-                metric.add_metric([self._model, str(rep.index)], float(getattr(rep.stats, key)))
+                v = value(rep) if callable(value) else getattr(rep.stats, value)
+                metric.add_metric([self._model, str(rep.index)], float(v))
             yield metric
-        up = GaugeMetricFamily("ruvllm:replica_up", "1 while the engine core serves (0: restarting or failed).",
-                               labels=["model_name", "replica"])
-        restarts = CounterMetricFamily("ruvllm:replica_restarts", "Times the engine core was started again "
-                                       "after it failed.", labels=["model_name", "replica"])
-        for rep in replicas:
-            up.add_metric([self._model, str(rep.index)], 1.0 if rep.status == "up" else 0.0)
-            restarts.add_metric([self._model, str(rep.index)], float(rep.restarts))
-        yield up
-        yield restarts
 
 
 class ServerMetrics:
     def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = r = CollectorRegistry()
         self.model = model
-        r = self.registry
-        self.registry.register(_EngineCollector(replicas, model))
+        r.register(_EngineCollector(replicas, model))
         lab = ["model_name"]
         self.prompt_tokens = Counter("ruvllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("ruvllm:generation_tokens", "Tokens generated.", lab, registry=r)
@@ -86,21 +81,14 @@ class ServerMetrics:
         self.queue_time = Histogram("ruvllm:request_queue_time_seconds", "Arrival to first scheduled.", lab,
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
 
 
 class RequestTracker:
     """Latency bookkeeping of one HTTP request across its stream of engine outputs."""
 
     def __init__(self, m: ServerMetrics) -> None:
-        self.m = m
-        self.start = time.monotonic()
+        self.m, self.start = m, time.monotonic()
         self.last: float | None = None
-        self.tokens = 0
 
     def on_output(self, out: RequestOutput) -> None:
         """`out`: a DELTA output (what it adds, over all its completions)."""
@@ -108,19 +96,16 @@ class RequestTracker:
         new = sum(len(c.token_ids) for c in out.outputs)
         if new <= 0:
             return
-        num_tokens = self.tokens + new
         label = self.m.model
         if self.last is None:
             self.m.ttft.labels(label).observe(now - self.start)
             if out.queue_time is not None:
                 self.m.queue_time.labels(label).observe(out.queue_time)
-            new -= 1
         else:
             # Several tokens can arrive in one output (n > 1); spread the gap over them.
             for _ in range(new):
                 self.m.itl.labels(label).observe((now - self.last) / new)
         self.last = now
-        self.tokens = num_tokens
 
     def on_finish(self, results: list[RequestOutput]) -> None:
         label = self.m.model
