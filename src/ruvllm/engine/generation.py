@@ -1,7 +1,7 @@
 """The generation service: what a generation call decides once, whichever front it comes through (the
 server's API dialects, the offline `LLM`): its tenant (and with it the prefix-cache salt), its adapter
 (the one named, else the tenant's learned one), and who is told what it produced (the learner keeps
-completions for feedback, the witness log records them). Fronts only translate to and from it."""
+completions for feedback, the witness log records them)."""
 
 from __future__ import annotations
 
@@ -120,19 +120,16 @@ class Accumulated:
                 whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
 
     def result(self) -> RequestOutput:
-        f = self.first
-        assert f is not None
+        assert self.first is not None
         outs = [replace(whole, text="".join(pieces)) for _, (pieces, whole) in sorted(self._choices.items())]
-        return RequestOutput(f.request_id, f.prompt_token_ids, outs, self.finished, f.num_cached_tokens, f.prompt,
-                             f.prompt_logprobs, f.queue_time)
+        return replace(self.first, outputs=outs, finished=self.finished)
 
 
 class Following:
-    """A call's engine requests followed: iterate for each prompt's outputs as they come (DELTA: only
-    what is new; each also shown to `observe`), tagged with the prompt's index. They are gathered once,
-    as they come (`gathered`), into the whole outputs (`results`, once the iteration has ended) that
-    the final bodies, the usage and the recorder read. Leaving early (client gone, error) or `aclose`
-    aborts the requests."""
+    """A call's engine requests followed: iterate for each prompt's DELTA outputs, tagged with its index
+    (each also shown to `observe`). Gathered once, as they come (`gathered`), into the whole outputs
+    (`results`, once the iteration has ended) that the final bodies, the usage and the recorder read.
+    Leaving early (client gone, error) or `aclose` aborts the requests."""
 
     def __init__(self, engine: AsyncEngine, call: Call, priority: Priority,
                  observe: Callable[[RequestOutput], None] | None = None) -> None:

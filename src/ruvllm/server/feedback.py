@@ -88,12 +88,11 @@ class RateLimiter:
 
 
 class DeepTrigger:
-    """Starts `ruvllm learn run TENANT` (the deep loop, at low priority, in a process of its own)
-    once a tenant's feedback since its last run weighs `deep_every`: each event by how much it says
-    (|score|; a correction, the strongest signal, 1), so a few firm corrections trigger it sooner than
-    many lukewarm ratings. One run at a time (a tenant that reaches the weight meanwhile waits for
-    its next event). The server serves what it promotes at its next request (the policy store's
-    change)."""
+    """Starts `ruvllm learn run TENANT` (the deep loop, at low priority, in a process of its own) once a
+    tenant's feedback since its last run weighs `deep_every`: each event by how much it says (|score|; a
+    correction, the strongest signal, 1), so a few firm corrections trigger it sooner than many lukewarm
+    ratings. One run at a time (a tenant that reaches the weight meanwhile waits for its next event).
+    The server serves what it promotes at its next request (the policy store's change)."""
 
     def __init__(self, cfg: ServerConfig, model: str, learned_dir: Path) -> None:
         if not cfg.deep_heldout:
@@ -114,12 +113,10 @@ class DeepTrigger:
             self.weights[tenant] = 0.0
             cfg = self.cfg
             args = [sys.executable, "-m", "ruvllm.cli.main", "learn", "run", tenant, "--heldout", str(cfg.deep_heldout),
-                    "--model", self.model, "--dir", str(self.dir),
-                    "--witness-log", cfg.witness_log or "off"]
-            if cfg.deep_general:
-                args += ["--general", cfg.deep_general]
-            if cfg.deep_probes:
-                args += ["--probes", cfg.deep_probes]
+                    "--model", self.model, "--dir", str(self.dir), "--witness-log", cfg.witness_log or "off"]
+            for flag, value in (("--general", cfg.deep_general), ("--probes", cfg.deep_probes)):
+                if value:
+                    args += [flag, value]
             self.running = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.runs.append((tenant, self.running))
 

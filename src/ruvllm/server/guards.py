@@ -20,6 +20,10 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope.get("headers") or () if key.lower() == name), None)
+
+
 class APIKeyMiddleware:
     """Every path needs `Authorization: Bearer <key>` except those in `open_paths` (/health, and what
     the operator opened). The scheme is case-insensitive (RFC 9110); keys are compared as digests in
@@ -33,12 +37,7 @@ class APIKeyMiddleware:
         self.open_paths = frozenset(open_paths)
 
     def _tenant(self, scope: Scope) -> tuple[bool, str | None]:
-        auth = b""
-        for name, value in scope.get("headers") or ():
-            if name.lower() == b"authorization":
-                auth = value
-                break
-        scheme, _, token = auth.strip().partition(b" ")
+        scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
         given = _digest(token.strip())
         found, tenant = False, None
         for digest, owner in self.expected:
@@ -72,8 +71,12 @@ class RequestLimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared < 0:
+        declared = _header(scope, b"content-length")
+        try:
+            bad_length = declared is not None and int(declared) < 0
+        except ValueError:
+            bad_length = True
+        if bad_length:
             await error_response(400, "Content-Length is not a number", None, "invalid_value")(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -110,13 +113,3 @@ class RequestLimitsMiddleware:
             return await receive()
 
         await self.app(scope, buffered, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers") or ():
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return -1
-    return None

@@ -11,10 +11,7 @@ from ruvllm.tenants import DEFAULT_TENANT
 
 
 def tenant_of(request: Request, user: str | None) -> str:
-    keyed = getattr(request.state, "tenant", None)
-    if keyed:
-        return keyed
-    return user or DEFAULT_TENANT
+    return getattr(request.state, "tenant", None) or user or DEFAULT_TENANT
 
 
 def read_api_keys(path: str | Path) -> tuple[tuple[str, str], ...]:

@@ -41,7 +41,6 @@ def _call(obj: Any) -> ToolCall | None:
 
 
 class HermesParser:
-    name = "hermes"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
     _open = "<tool_call>"
 
@@ -72,7 +71,6 @@ class HermesParser:
 
 
 class Llama3JsonParser:
-    name = "llama3_json"
     _tag = "<|python_tag|>"
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -108,8 +106,6 @@ class Llama3JsonParser:
 class JsonCallParser:
     """The output of a required or named call: the grammar made it {"name", "arguments"} or a list
     of those."""
-
-    name = "json"
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
