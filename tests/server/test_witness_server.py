@@ -1,5 +1,5 @@
 """The server records every completion in the witness log (the real `openai` client; streamed,
-n > 1, several prompts), and the chain verifies."""
+n > 1, several prompts), and the chain verifies; with a key file, against the head it signs."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import openai
 import pytest
 
 from ruvllm import LLM
-from ruvllm.witness.log import find, token_hash, verify
+from ruvllm.witness.log import find, head_path, read_key, token_hash, verify
 from tests.server.conftest import MODEL, RunningServer, start_server
 
 
 @pytest.fixture
 def server(_shared_llm: LLM, tmp_path: Path) -> Iterator[RunningServer]:
-    yield from start_server(_shared_llm, witness_log=str(tmp_path / "w.sqlite3"), witness_store_tokens=True)
+    (tmp_path / "key").write_bytes(b"the witness key")
+    yield from start_server(_shared_llm, witness_log=str(tmp_path / "w.sqlite3"), witness_store_tokens=True,
+                            witness_key_file=str(tmp_path / "key"))
 
 
 def test_every_completion_is_witnessed(server: RunningServer) -> None:
@@ -31,6 +33,9 @@ def test_every_completion_is_witnessed(server: RunningServer) -> None:
     app_state.service.witness.flush()
     path = Path(server.cfg.witness_log)
     assert verify(path).ok and verify(path).entries == 4  # chat, two prompts, the stream
+    assert head_path(path).is_file()
+    v = verify(path, read_key(server.cfg.witness_key_file))
+    assert v.ok and v.tail.startswith("matches the signed head of ") and v.tail.endswith(" (4 entries)")
     (entry,) = find(path, chat.id)
     body = entry.body
     assert entry.kind == "completion" and entry.tenant == "default"

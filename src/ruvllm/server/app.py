@@ -30,7 +30,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         from ruvllm.witness.log import WitnessLog
         from ruvllm.witness.records import model_digest
 
-        service.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model))
+        service.witness = WitnessLog(cfg.witness_log, model_digest=lambda: model_digest(engine.info.model),
+                                     key_file=cfg.witness_key_file)
     st = ServerState(engine, cfg, ServerMetrics(lambda: engine.replicas, cfg.served_model_name),
                      Admission(engine.info.max_num_seqs + cfg.max_queue), service, R.token_text(engine.tokenizer),
                      int(time.time()))

@@ -48,6 +48,10 @@ class ServerConfig(Checked):
               "~/.local/share/ruvllm, witness.sqlite3; `off`: none).", metavar="PATH")
     witness_store_tokens: bool = setting(False, "Keep prompt and output token ids in the witness log, not only "
                                                 "their hashes.", flag="--witness-store-tokens")
+    witness_key_file: str | None = setting(None, "Sign the witness log's head (its entry count and last hash) "
+                                                 "after every commit with the HMAC key in FILE, written beside the "
+                                                 "log as LOG.head, so a cut or rewritten tail is caught (`ruvllm "
+                                                 "witness verify --key-file`).", metavar="FILE")
     # Learning from feedback (POST /v1/feedback; None: off). The engine needs LoRA slots of at least
     # the micro-LoRA's rank.
     learning: LearningConfig | None = None
