@@ -185,6 +185,16 @@ def _add_tensor(folder: Path, key: str, tensor: torch.Tensor) -> None:
     ("dora", "DoRA"),
     ("modules_to_save", "modules_to_save"),
     ("embedding", "LoRA on embeddings"),
+    # issue 33: each of these loaded (200) or failed as an internal error ("EngineDeadError: division by zero")
+    ("alpha-nan", "lora_alpha must be a positive finite number, got nan"),
+    ("alpha-inf", "lora_alpha must be a positive finite number, got inf"),
+    ("alpha-huge", "scaling .* is 1e\\+29, over 10000"),
+    ("alpha-pattern-nan", "alpha_pattern\\['q_proj'\\] must be a positive finite number"),
+    ("alpha-pattern-string", "alpha_pattern must map module names to numbers"),
+    ("target-number", "target_modules must be a module name or a list of them, got \\[5\\]"),
+    ("rank-zero", "has rank 0"),
+    ("nul-path", "no such folder"),
+    ("long-name", "is not usable"),
 ])
 def test_bad_adapters_are_refused_by_name(base: Path, tmp_path: Path, case: str, message: str) -> None:
     folder = tmp_path / "bad"
@@ -203,6 +213,19 @@ def test_bad_adapters_are_refused_by_name(base: Path, tmp_path: Path, case: str,
         _edit_config(folder, modules_to_save=["lm_head"])
     elif case == "embedding":
         _add_tensor(folder, "base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(8, 512))
+    elif case.startswith("alpha"):
+        _edit_config(folder, **{"alpha-nan": {"lora_alpha": float("nan")}, "alpha-inf": {"lora_alpha": float("inf")},
+                                "alpha-huge": {"lora_alpha": 8e29}, "alpha-pattern-string": {"alpha_pattern": "q_proj"},
+                                "alpha-pattern-nan": {"alpha_pattern": {"q_proj": float("nan")}}}[case])
+    elif case == "target-number":
+        _edit_config(folder, target_modules=[5])
+    elif case == "rank-zero":
+        tensors = {k: v[:0] if "lora_A" in k else v[:, :0] for k, v in load_file(str(folder / "adapter_model.safetensors")).items()}
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    elif case == "nul-path":
+        folder = tmp_path / "bad\x00adapter"
+    elif case == "long-name":
+        folder = tmp_path / ("x" * 300)
     llm = engine(base)
     with pytest.raises(AdapterError, match=message):
         llm.load_lora("bad", folder)

@@ -33,7 +33,7 @@ from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.core_loop import CoreLoop
-from ruvllm.errors import EngineDeadError, EngineShutdownError
+from ruvllm.errors import EngineDeadError, EngineShutdownError, RuvllmError
 from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreCall, CoreFailed, CoreInput,
                              CoreMessage, CoreOutput, CoreRequest, EngineInfo, EngineStats, Ready, Shutdown,
                              StepOutputs)
@@ -135,7 +135,8 @@ class _OneCore:
         if msg.error is None:
             fut.set_result(msg)
         else:
-            fut.set_exception(rebuild_error(CoreFailed(msg.error_type or "ValueError", msg.error)))
+            # A call's error leaves the core running: never EngineDeadError for a type we do not know.
+            fut.set_exception(rebuild_error(CoreFailed(msg.error_type or "ValueError", msg.error), RuvllmError))
 
     def _core_failed(self, msg: CoreFailed) -> None:
         self._die(EngineDeadError(f"the engine failed: {msg.message}"))
@@ -256,13 +257,13 @@ _ERROR_TYPES.update(ValueError=ValueError, FileNotFoundError=FileNotFoundError)
 _LIVENESS_POLL_S = 0.2
 
 
-def rebuild_error(failed: CoreFailed) -> Exception:
-    """The child's exception as the same type here (ruvllm's own, ValueError), else EngineDeadError."""
-    cls = _ERROR_TYPES.get(failed.error_type, EngineDeadError)
+def rebuild_error(failed: CoreFailed, other: type[Exception] = EngineDeadError) -> Exception:
+    """The child's exception as the same type here (ruvllm's own, ValueError), else `other`."""
+    cls = _ERROR_TYPES.get(failed.error_type, other)
     try:
         return cls(failed.message)
     except TypeError:
-        return EngineDeadError(failed.message)
+        return other(failed.message)
 
 
 class ProcessCoreClient(_OneCore):

@@ -60,6 +60,18 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+def checked_folder(path: str | Path) -> Path:
+    """An adapter folder that exists, or AdapterError naming why not (a NUL byte or a name over the
+    file system's limit included: those make the OS calls raise, not answer no)."""
+    folder = Path(path).expanduser()
+    try:
+        if folder.is_dir():
+            return folder
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"adapter path {str(path)[:200]!r} is not usable ({e})") from None
+    raise AdapterError(f"adapter {folder}: no such folder")
+
+
 def read_adapter_config(folder: Path) -> dict:
     path = folder / "adapter_config.json"
     if not path.is_file():
@@ -90,23 +102,39 @@ def check_lora_config(config: dict, where: Path) -> None:
     if config.get("layer_replication"):
         raise AdapterError(f"{where}: layer_replication is not supported")
     targets = config.get("target_modules")
+    if not (targets is None or isinstance(targets, str)
+            or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise AdapterError(f"{where}: target_modules must be a module name or a list of them, got {targets!r}")
     if isinstance(targets, list):
         unknown = [t for t in targets if t.split(".")[-1] not in TARGETS]
         if unknown:
             raise AdapterError(f"{where}: target modules {', '.join(map(str, unknown))} do not exist in this model "
                                f"(LoRA can target {', '.join(TARGETS)})")
     for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key, 8), (int, float)) or config.get(key, 8) <= 0:
-            raise AdapterError(f"{where}: {key} must be a positive number, got {config.get(key)!r}")
+        _check_number(config.get(key, 8), f"{where}: {key}")
+    for key in ("alpha_pattern", "rank_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(isinstance(k, str) for k in patterns):
+            raise AdapterError(f"{where}: {key} must map module names to numbers, got {patterns!r}")
+        for module, value in patterns.items():
+            _check_number(value, f"{where}: {key}[{module!r}]")
+
+
+# A LoRA delta is B A x * scaling; trained adapters use scalings of about 0.1 to 100. Past this, 16-bit
+# activations overflow (fp16's largest is 65504) and outputs turn to NaN instead of failing the load.
+MAX_SCALING = 1e4
+
+
+def _check_number(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise AdapterError(f"{what} must be a positive finite number, got {value!r}")
 
 
 def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None) -> LoraAdapter:
     """Read and check a PEFT LoRA adapter for a model of shape `cfg`. Raises AdapterError naming the
     problem: missing or corrupt files, an unsupported feature, a rank over `max_rank`, a target this
     model does not have, or shapes made for another model."""
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise AdapterError(f"adapter {folder}: no such folder")
+    folder = checked_folder(folder)
     config = read_adapter_config(folder)
     check_lora_config(config, folder / "adapter_config.json")
     weights_path = folder / "adapter_model.safetensors"
@@ -170,6 +198,8 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], config: dict, cfg: Mo
             raise AdapterError(f"{weights_path}: {module} maps {a.shape[1]} -> {b.shape[0]} features, and this "
                                f"model's {target} maps {k} -> {n} (an adapter for another base model)")
         rank = a.shape[0]
+        if rank < 1:
+            raise AdapterError(f"{weights_path}: {module} has rank 0 (empty lora_A/lora_B)")
         if rank > max_rank:
             raise AdapterError(f"{weights_path}: {module} has rank {rank}, over the maximum {max_rank} "
                                "(--max-lora-rank)")
@@ -177,6 +207,9 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], config: dict, cfg: Mo
             raise AdapterError(f"{weights_path}: {module} has non-finite weights")
         alpha = _pattern_value(alphas, module, alpha_default)
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        if scaling > MAX_SCALING:
+            raise AdapterError(f"{weights_path}: {module}'s scaling (lora_alpha {alpha} / rank) is {scaling:g}, over "
+                               f"{MAX_SCALING:g}: its activations would overflow")
         out[(layer, target)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
     return LoraAdapter(name=name, path=folder, rank=max(a.shape[0] for a, _ in out.values()),
                        weights=out, base_model=config.get("base_model_name_or_path"))

@@ -19,6 +19,8 @@ reads too (peft's own save alone does not reload the first linear).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +31,8 @@ from ruvllm.config import ModelConfig
 from ruvllm.errors import AdapterError
 from ruvllm.layers.dense import dense_linear
 from ruvllm.lora.slots import FUSED
-from ruvllm.lora.peft_adapter import TARGETS, LoraAdapter, load_peft_adapter, read_adapter_config, read_adapter_tensors
+from ruvllm.lora.peft_adapter import (TARGETS, LoraAdapter, checked_folder, load_peft_adapter, read_adapter_config,
+                                      read_adapter_tensors)
 
 _CLASSIFIER = "base_model.internal_xlora_classifier.layers."
 
@@ -57,6 +60,15 @@ class XLoraSettings:
             settings = cls(**{k: v for k, v in config.items() if k in names and v is not None or k == "top_k_lora"})
         except TypeError as e:
             raise AdapterError(f"{where}: {e}") from None
+        for f in dataclasses.fields(cls):  # each value of its declared type (a finite number where numeric)
+            value, kind = getattr(settings, f.name), f.type.split(" | ")[0]
+            ok = isinstance(value, bool) if kind == "bool" else not isinstance(value, bool) and isinstance(
+                value, int if kind == "int" else (int, float)) and math.isfinite(value)
+            if not ok and not (value is None and "None" in f.type):
+                raise AdapterError(f"{where}: {f.name} must be {'a finite number' if kind == 'float' else kind}, "
+                                   f"got {value!r}")
+        if settings.softmax_temperature <= 0:
+            raise AdapterError(f"{where}: softmax_temperature must be positive, got {settings.softmax_temperature}")
         if settings.scaling_pass_value != 0:
             raise AdapterError(f"{where}: scaling_pass_value {settings.scaling_pass_value} is not supported (only 0: "
                                "the scaling pass is the base model, whose KV cache it shares)")
@@ -132,8 +144,8 @@ def gather_index(modules: list[tuple[int, str]], num_layers: int) -> torch.Tenso
 
 
 def is_xlora_folder(folder: str | Path) -> bool:
-    path = Path(folder).expanduser() / "adapter_config.json"
     try:
+        path = checked_folder(folder) / "adapter_config.json"
         return path.is_file() and read_adapter_config(path.parent).get("peft_type") == "XLORA"
     except AdapterError:
         return False
@@ -185,9 +197,7 @@ def expert_paths(folder: Path, config: dict, must_exist: bool = True) -> list[Pa
 
 def load_xlora(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None) -> XLoraAdapter:
     """Read and check a peft X-LoRA checkpoint for a model of shape `cfg` (AdapterError names what is wrong)."""
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise AdapterError(f"adapter {folder}: no such folder")
+    folder = checked_folder(folder)
     config = read_adapter_config(folder)
     where = folder / "adapter_config.json"
     if config.get("peft_type") != "XLORA":

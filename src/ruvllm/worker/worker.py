@@ -21,7 +21,7 @@ import torch
 from ruvllm.attention.kv_quant import KV_BITS, check_kv_cache_dtype
 from ruvllm.config import CacheConfig, EngineConfig, ModelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from ruvllm.device import default_num_threads, resolve_device
-from ruvllm.errors import AdapterError, RequestError
+from ruvllm.errors import AdapterError, RequestError, RuvllmError
 from ruvllm.kv_groups import kv_layout
 from ruvllm.layers.sampler import SamplingState
 from ruvllm.lora.manager import LoraManager, Served
@@ -236,7 +236,13 @@ class Worker:
         return self.lora
 
     def read_adapter(self, name: str, path: str) -> Served:
-        return self._lora().read(name, path)
+        lora = self._lora()
+        try:
+            return lora.read(name, path)
+        except RuvllmError:
+            raise
+        except Exception as e:  # a file we did not foresee: the adapter is bad, the engine is fine
+            raise AdapterError(f"adapter {path[:200]}: cannot be read ({type(e).__name__}: {e})") from None
 
     def install_adapter(self, adapter: Served) -> None:
         self._lora().install(adapter)
