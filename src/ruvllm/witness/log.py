@@ -12,10 +12,11 @@ whole because an entry's hash is computed from the last committed one when it is
 when it is queued. `synchronous=NORMAL` makes a commit durable against the process dying (the WAL
 is in the OS's hands), not against the machine losing power: that would need an fsync per entry.
 
-The signed head (with a key): after each commit the writer replaces LOG.head (a temp file renamed
-over it) with the entry count and the last entry's hash, HMAC-signed, so a log cut short or
-rewritten no longer matches it. Commit first, head second: a process killed between the two leaves
-rows the head does not cover yet (verify reports them), never a head ahead of the log.
+The signed head (with a key): after each commit that leaves nothing queued, the writer replaces
+LOG.head (a temp file renamed over it) with the entry count and the last entry's hash, HMAC-signed,
+so a log cut short or rewritten no longer matches it. Commit first, head second: a process killed
+between the two leaves rows the head does not cover yet (verify reports them), never a head ahead
+of the log.
 """
 
 from __future__ import annotations
@@ -217,18 +218,23 @@ class WitnessLog:
         self._conn.close()
 
     def _write_loop(self) -> None:
+        head = None  # (count, hash) of the last commit, until the signed head says it
         while True:
             item = self._queue.get()
             try:
-                if item is None:
-                    return
-                self._write(*item)
+                head = self._write(*item) if item is not None else head
+                # in a burst the head is written once, at its end (a head write costs ~1 ms, an entry ~0.2)
+                if head is not None and self._key is not None and (item is None or self._queue.empty()):
+                    write_head(self.path, self._key, *head)
+                    head = None
             except (sqlite3.Error, OSError):
-                log.exception("witness log: an entry could not be written")
+                log.exception("witness log: an entry or its signed head could not be written")
             finally:
                 self._queue.task_done()
+            if item is None:
+                return
 
-    def _write(self, id: str, kind: str, tenant: str, body: dict[str, Any], t: float) -> None:
+    def _write(self, id: str, kind: str, tenant: str, body: dict[str, Any], t: float) -> tuple[int, str]:
         if kind == "completion" and self._digest_fn is not None:
             if self._digest is None:
                 self._digest = self._digest_fn()
@@ -246,8 +252,7 @@ class WitnessLog:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        if self._key is not None:
-            write_head(self.path, self._key, seq, h)
+        return seq, h
 
 
 # --- reading -------------------------------------------------------------------------------------
