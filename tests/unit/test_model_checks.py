@@ -187,6 +187,9 @@ GGUF_CASES: dict[str, tuple[Callable[[GGUFBase], tuple[dict[int, bytes], int | N
         lambda b: ({b.tensor_info_offset("blk.4.ffn_down.weight") + 4 + 16 + 4: struct.pack("<Q", 2**40)}, None),
         ("truncated in tensor blk.4.ffn_down.weight",)),
     "version 7": (lambda b: ({4: struct.pack("<I", 7)}, None), ("GGUF.version: 7 is not supported",)),
+    "block_count stored as a float": (  # the type u32 -> f32, the value 30.0: a count must be an integer
+        lambda b: ({b.value_offset("llama.block_count", U32) - 4: struct.pack("<If", F32, 30.0)}, None),
+        ("llama.block_count: must be an integer, got 30.0",)),
 }
 
 
@@ -423,12 +426,25 @@ HF_CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
     "hidden_size mismatch": (_then(_setting(hidden_size=80, head_dim=16), _weights_file),
                              ("model.embed_tokens.weight: shape [128, 64]", "80 (hidden_size)")),
     "intermediate_size missing": (_setting(intermediate_size=None), ("intermediate_size: missing",)),
-    "hidden_size not a number": (_setting(hidden_size="wide"), ("hidden_size: expected a whole number, got 'wide'",)),
-    "hidden_size a fraction": (_setting(hidden_size=63.5), ("hidden_size: expected a whole number",)),
+    "hidden_size not a number": (_setting(hidden_size="wide"), ("hidden_size: must be an integer, got 'wide'",)),
+    "hidden_size a fraction": (_setting(hidden_size=63.5), ("hidden_size: must be an integer",)),
+    # Issue 33: each type transformers refuses when the tokenizer is built, refused by the checks first.
+    "hidden_size a string": (_setting(hidden_size="64"), ("hidden_size: must be an integer, got '64'",)),
+    "hidden_size a float": (_setting(hidden_size=64.0), ("hidden_size: must be an integer, got 64.0",)),
+    "hidden_size a bool": (_setting(hidden_size=True), ("hidden_size: must be an integer, got True",)),
+    "head_dim a string": (_setting(head_dim="16"), ("head_dim: must be an integer, got '16'",)),
+    "bos_token_id a string": (_setting(bos_token_id="1"), ("bos_token_id: must be an integer, got '1'",)),
+    "rms_norm_eps a string": (_setting(rms_norm_eps="1e-5"), ("rms_norm_eps: must be a number, got '1e-5'",)),
+    "rope_theta a string": (_setting(rope_theta="1e4", rope_parameters=None), ("rope_theta: must be a number",)),
+    "tie_word_embeddings a string": (_setting(tie_word_embeddings="false"),
+                                     ("tie_word_embeddings: must be true or false, got 'false'",)),
+    "attention_bias 0": (_setting(attention_bias=0), ("attention_bias: must be true or false, got 0",)),
+    "model_type a list": (_setting(model_type=["llama"]), ("model_type: must be a string, got ['llama']",)),
+    "rope_parameters a string": (_setting(rope_parameters="linear"), ("rope_parameters: expected an object",)),
     "rms_norm_eps 0": (_setting(rms_norm_eps=0), ("rms_norm_eps: 0.0 is not a small positive number",)),
     "rope scaling without factor": (_setting(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
-                                    ("rope_scaling.factor: expected a number, got None",)),
-    "eos_token_id not an id": (_setting(eos_token_id=["end"]), ("eos_token_id: expected a whole number",)),
+                                    ("rope_scaling.factor: must be a number, got None",)),
+    "eos_token_id not an id": (_setting(eos_token_id=["end"]), ("eos_token_id: must be an integer, got 'end'",)),
     "config.json cut": (_cut_to("config.json", lambda f: 30), ("not valid JSON",)),
     "index lists a missing shard": (_then(_shard, _delete("model-2.safetensors")),
                                     ("listed in model.safetensors.index.json but missing",)),
@@ -542,6 +558,35 @@ def test_info_says_supported_only_after_the_checks(hf_base: Path) -> None:
     result = runner.invoke(cli_main.app, ["info", str(hf_base)])
     assert result.exit_code == 0, result.output
     assert "supported:      yes" in result.output
+
+
+def test_info_serve_and_llm_agree_on_a_string_hidden_size(hf_base: Path, tmp_path: Path) -> None:
+    """Issue 33: `hidden_size: "64"` was "supported: yes" to `info`, and `serve` then failed with
+    "cannot load tokenizer (... hidden_size ...)". One check now refuses it everywhere, naming the field."""
+    from ruvllm import LLM
+
+    folder = _folder(hf_base, tmp_path)
+    file = _config(folder, hidden_size="64")
+    needle = "hidden_size: must be an integer, got '64'"
+    result = runner.invoke(cli_main.app, ["info", str(folder)])
+    assert result.exit_code == 1, result.output
+    _one_line_error(result.output, str(file), needle)
+    assert_names(str(refused(lambda: LLM(str(folder)))), file, needle)
+    proc = subprocess.run([sys.executable, "-m", "ruvllm.cli.main", "serve", str(folder), "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    _one_line_error(proc.stderr, str(file), needle)
+
+
+def test_gemma_numbers_must_be_positive() -> None:
+    from dataclasses import replace
+
+    from ruvllm.loader.limits import check_config
+
+    for field, value in (("sliding_window", 0), ("query_pre_attn_scalar", -1.0),
+                         ("final_logit_softcapping", float("nan")), ("rope_local_theta", 0.0)):
+        with pytest.raises(ModelLoadError, match=f"^f.json: {field}: {value} is not a positive number$"):
+            check_config(replace(TINY, **{field: value}), "f.json", {})
 
 
 def test_serve_fails_before_starting(gguf_base: GGUFBase, tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ headers (safetensors_header.py), never tensor data, and checks that
 - every tensor the model needs is present with the shape the config implies, and none is left over
   (GPTQ/AWQ: every quantized linear has all its packed parts);
 - every tensor's data lies inside its file, and the shards an index lists exist and hold their tensors;
-- the tokenizer is there (HF: its files exist and parse; GGUF: a token list no longer than the vocabulary).
+- the tokenizer is there (HF: its files exist and parse; GGUF: a token list no longer than the vocabulary);
+- every config value the loader reads has its type (an integer is never "576" or 64.0, a flag never
+  "false": transformers refuses those when it builds the tokenizer, so these checks refuse them first).
 The loader (load_model_config) and `ruvllm info` both call it, so they agree on what loads.
 Every failure is a ModelLoadError of one line: "<file>: <field or tensor>: <what is wrong>".
 """
@@ -86,6 +88,8 @@ def check_tokenizer(src: ModelSource) -> None:
                                     f"{vocab} embeddings of {key}")
         return
     folder = src.path
+    if (folder / hf_folder.CONFIG_FILE).is_file():  # transformers reads it too, and refuses a wrong type
+        hf_folder.load_config(folder)  # there, naming the tokenizer (LLM loads the tokenizer first)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{folder / TOKENIZER_FILES[0]}: missing, and no {' or '.join(TOKENIZER_FILES[1:])} "
                              "either: the folder has no tokenizer")

@@ -189,7 +189,8 @@ def field_names(header: GGUFHeader) -> dict[str, str]:
         "head_dim": head_dim, "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
         "rope_theta": f"{arch}.rope.freq_base", "max_position_embeddings": f"{arch}.context_length",
         "rope_scaling": f"{arch}.rope.scaling", "bos_token_id": "tokenizer.ggml.bos_token_id",
-        "eos_token_ids": "tokenizer.ggml.eos_token_id",
+        "eos_token_ids": "tokenizer.ggml.eos_token_id", "sliding_window": f"{arch}.attention.sliding_window",
+        "final_logit_softcapping": f"{arch}.final_logit_softcapping",
     }  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ruvllm.errors import CorruptModelError, ModelLoadError, NotAModelError, UnsupportedArchitectureError
-from ruvllm.loader.limits import check_config, real_number, whole_number
+from ruvllm.loader.limits import check_config, flag, real_number, whole_number
 from ruvllm.loader.safetensors_header import read_safetensors_header
 from ruvllm.quant.checkpoints import assemble, checkpoint_quant
 from ruvllm.quant.weights import QuantizedWeight
@@ -54,6 +54,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
 
 def _model_type(cfg: dict[str, Any], path: Path) -> str:
     model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CorruptModelError(f"{path}: model_type: must be a string, got {model_type!r}")
     if model_type == "gemma3":  # Gemma3ForConditionalGeneration: text plus a vision tower
         raise UnsupportedArchitectureError(
             f"{path}: model_type gemma3 is Gemma 3 with its vision tower, which ruvllm does not run; "
@@ -79,7 +81,7 @@ FIELD_NAMES: Mapping[str, str] = MappingProxyType({
     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
     "max_position_embeddings": "max_position_embeddings", "rope_scaling": "rope_scaling",
-    "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id",
+    "bos_token_id": "bos_token_id", "eos_token_ids": "eos_token_id", "rope_local_theta": "rope_local_base_freq",
 })  # fmt: skip
 
 
@@ -102,7 +104,9 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
     theta = cfg.get("rope_theta")
-    if isinstance(params, dict):
+    if params is not None and not isinstance(params, dict):
+        raise CorruptModelError(f"{path}: rope_parameters: expected an object, got {params!r}")
+    if params:
         theta = params.get("rope_theta", theta)
         if scaling is None:
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -143,6 +147,9 @@ def load_config(folder: Path) -> ModelConfig:
         """None (or absent) means "derive it", as transformers reads these keys."""
         return otherwise if cfg.get(key) is None else whole_number(cfg[key], path, key)
 
+    def boolean(key: str) -> bool:
+        return flag(cfg.get(key, False), path, key)
+
     hidden = number("hidden_size")
     heads = number("num_attention_heads")
     if heads < 1:  # checked here, before head_dim is derived from it
@@ -166,9 +173,9 @@ def load_config(folder: Path) -> ModelConfig:
         rms_norm_eps=real_number(cfg.get("rms_norm_eps", 1e-6), path, "rms_norm_eps"),
         rope_theta=rope_theta,
         max_position_embeddings=number("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=boolean("tie_word_embeddings"),
         # Qwen2 always has q/k/v biases and its config carries no flag for it.
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        attention_bias=True if arch == "qwen2" else boolean("attention_bias"),
         qk_norm=arch in ("qwen3", "gemma3"),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else whole_number(bos, path, "bos_token_id"),
@@ -185,21 +192,22 @@ def _gemma3_fields(cfg: dict[str, Any], path: Path, num_layers: int) -> dict[str
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise UnsupportedArchitectureError(f"{path}: hidden_activation {activation!r} (only gelu_pytorch_tanh is supported)")
-    if cfg.get("use_bidirectional_attention"):
+    if flag(cfg.get("use_bidirectional_attention", False), path, "use_bidirectional_attention"):
         raise UnsupportedArchitectureError(f"{path}: use_bidirectional_attention: an encoder, not a causal LM")
     types = cfg.get("layer_types")
     if types is None:
         every = whole_number(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)), path,
                              "sliding_window_pattern")
+        if every < 1:
+            raise CorruptModelError(f"{path}: sliding_window_pattern: must be at least 1, got {every}")
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers or \
             any(t not in ("sliding_attention", "full_attention") for t in types):
         raise CorruptModelError(f"{path}: layer_types: expected {num_layers} of sliding_attention/full_attention")
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
-        full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
-        theta, scaling = _rope({"rope_parameters": full}, path)
-        local_theta, local_scaling = _rope({"rope_parameters": local}, path)
+        theta, scaling = _rope({"rope_parameters": params["full_attention"]}, path)
+        local_theta, local_scaling = _rope({"rope_parameters": params.get("sliding_attention")}, path)
     else:
         theta, scaling = _rope(cfg, path)
         local_theta, local_scaling = real_number(cfg.get("rope_local_base_freq", 10000.0), path, "rope_local_base_freq"), None

@@ -34,30 +34,23 @@ ROPE_TYPES = ("linear", "llama3")  # what layers/rotary.py implements besides th
 
 
 def whole_number(value: Any, file: Path | str, name: str) -> int:
-    """An integer-valued header number (JSON writes 64 or 64.0; a bool or a fraction is corrupt)."""
-    if isinstance(value, bool) or value is None:
-        raise CorruptModelError(f"{file}: {name}: expected a whole number, got {value!r}")
-    if isinstance(value, int):
+    """An integer header number. Strings ("576"), bools and floats (64.0) are refused, as
+    transformers refuses them when the tokenizer is built: `info` and a load agree."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise CorruptModelError(f"{file}: {name}: expected a whole number, got {value!r}")
+    raise CorruptModelError(f"{file}: {name}: must be an integer, got {value!r}")
 
 
 def real_number(value: Any, file: Path | str, name: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise CorruptModelError(f"{file}: {name}: expected a number, got {value!r}")
+    raise CorruptModelError(f"{file}: {name}: must be a number, got {value!r}")
+
+
+def flag(value: Any, file: Path | str, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise CorruptModelError(f"{file}: {name}: must be true or false, got {value!r}")
 
 
 def check_config(cfg: ModelConfig, file: Path | str, names: Mapping[str, str]) -> ModelConfig:
@@ -83,6 +76,10 @@ def check_config(cfg: ModelConfig, file: Path | str, names: Mapping[str, str]) -
     if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
         raise fail("rope_theta", f"{cfg.rope_theta} is not a positive number")
     _check_rope_scaling(cfg, file, names.get("rope_scaling", "rope_scaling"))
+    for field in ("sliding_window", "query_pre_attn_scalar", "final_logit_softcapping", "rope_local_theta"):
+        value = getattr(cfg, field)  # Gemma 3's: None where the family has none
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise fail(field, f"{value} is not a positive number")
     for field, ids in (("bos_token_id", () if cfg.bos_token_id is None else (cfg.bos_token_id,)),
                        ("eos_token_ids", cfg.eos_token_ids)):
         for token in ids:
