@@ -4,11 +4,14 @@ with the machine's compiler.
 They are one extension: compiling torch's headers is most of a build, so one build serves all. It
 is built once per source version, path and CPU (torch's extension cache, ~28 s on 2 cores; needs a
 C++ compiler, and ninja, which is a dependency), then loaded in well under a second. Callers get
-None where it cannot be built, and keep their plain PyTorch paths.
+None where it cannot be built, and keep their plain PyTorch paths. Set-up (`python -I
+src/ruvllm/cpu_build.py`) and a first use build with the same command, so either reuses the other's
+build (TORCH_EXTENSIONS_DIR moves the cache).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -17,6 +20,7 @@ import platform
 import shutil
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,9 @@ log = logging.getLogger(__name__)
 # -march=native: the CPU's own vector instructions (AVX2, AVX-512, VNNI) are chosen at build time.
 # -ffast-math lets float loops vectorize; the kernels keep inf and NaN out of them.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# How long a start waits for another process's build before it runs the PyTorch paths: no build
+# takes 15 minutes, so a holder past this is hung.
+BUILD_WAIT_S = 900.0
 
 
 _ROOT = Path(__file__).resolve().parent
@@ -61,10 +68,10 @@ def kernels() -> Any:
     log.info("loading the C++ kernels (compiled on first use: ~30 s once per version and CPU)")
     name = f"ruvllm_cpu_kernels_{build_tag(SOURCES)}"
     try:
-        _find_ninja()
-        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        _use_our_ninja()
+        with _build_lock(Path(_get_build_directory(name, verbose=False))):
+            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
         ops = getattr(torch.ops, name)
         for op in _FAKES:
             getattr(ops, op)  # registered, or raise here (inside the fallback) rather than at a call
@@ -97,12 +104,56 @@ _FAKES: dict[str, Any] = {
 }
 
 
-def _find_ninja() -> None:
-    """torch looks for ninja on PATH only; a virtual environment's own (ninja is our dependency) is
-    not on it unless the environment is activated."""
+def _use_our_ninja() -> None:
+    """torch runs the first `ninja` on PATH, and two ninja versions rebuild everything in turn (each
+    discards the other's build log): with a system ninja 1.11 beside our dependency's 1.13, set-up
+    and the server rebuilt all 8 objects whenever their PATHs differed. Ours goes first, always."""
     scripts = sysconfig.get_path("scripts")
-    if shutil.which("ninja") is None and scripts and (Path(scripts) / "ninja").exists():
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    if scripts and (Path(scripts) / "ninja").exists() and not path.startswith(scripts + os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + path
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Held around torch's build and load. torch's lock (build_dir/lock) is a file a killed build
+    leaves behind, and every later load waits on it without end. Ours is an flock on lock.owner
+    beside it, which holds the owner's pid and which the kernel frees when that process dies: who
+    takes it knows a lock file still there is a dead build's, and clears it at once. A start that
+    finds a live build waits for it, saying so once (docs/decisions.md), at most BUILD_WAIT_S."""
+    lock = build_dir / "lock"
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the age rule alone
+        _drop_stale_lock(lock)
+        yield
+        return
+    with open(build_dir / "lock.owner", "a+") as owner:
+        waited_since = None
+        while True:
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                owner.seek(0)
+                who = f"process {owner.read().strip() or '?'}"
+                if waited_since is None:
+                    waited_since = time.monotonic()
+                    log.warning("the C++ kernels are being built by %s (%s); waiting for it (at most %.0f min)",
+                                who, lock.parent, BUILD_WAIT_S / 60)
+                elif time.monotonic() - waited_since > BUILD_WAIT_S:
+                    raise TimeoutError(f"{who} has held the build of {lock.parent} for over "
+                                       f"{BUILD_WAIT_S / 60:.0f} min") from None
+                time.sleep(0.2)
+        owner.seek(0)
+        dead = owner.read().strip() or "?"
+        if lock.exists():
+            log.warning("removing the build lock %s of a killed build (its process %s is gone)", lock, dead)
+            lock.unlink(missing_ok=True)
+        owner.truncate(0)
+        owner.write(str(os.getpid()))
+        owner.flush()
+        yield
 
 
 def _drop_stale_lock(lock: Path, max_age_s: float = 900.0) -> None:

@@ -1,0 +1,100 @@
+"""The kernels' build cache (issue 33, item 9): a build killed mid-way does not block the next start,
+a live build is waited for with one message, and set-up's command and a first use share one build.
+
+The full build runs once here (~30-110 s on 2 cores), in a fresh cache (TORCH_EXTENSIONS_DIR), never
+in the one the environment uses.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ruvllm import cpu_build
+
+ROOT = Path(__file__).resolve().parents[2]
+SETUP = [sys.executable, "-I", "-W", "ignore", str(ROOT / "src" / "ruvllm" / "cpu_build.py")]  # bootstrap.sh's
+FIRST_USE = [sys.executable, "-c", "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s');"
+             "from ruvllm.cpu_build import kernels; sys.exit(kernels() is None)"]
+
+
+def _hold(folder: Path, pid: str) -> object:
+    """A live builder: the owner flock held (by another open file, as another process would) and torch's lock."""
+    owner = open(folder / "lock.owner", "a+")
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    owner.truncate(0)
+    owner.write(pid)
+    owner.flush()
+    (folder / "lock").touch()
+    return owner
+
+
+def test_a_live_build_is_waited_for_with_one_message(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    owner = _hold(tmp_path, "4242")
+
+    def finish() -> None:  # the builder's end: torch removes its lock, the flock goes
+        (tmp_path / "lock").unlink()
+        owner.close()
+
+    threading.Timer(1.0, finish).start()
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="ruvllm.cpu_build"), cpu_build._build_lock(tmp_path):
+        waited = time.monotonic() - start
+        assert (tmp_path / "lock.owner").read_text() == str(os.getpid())
+    assert waited >= 0.9
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "being built by process 4242" in said[0] and "waiting for it" in said[0], said
+
+    # A holder that never finishes: the start gives up after BUILD_WAIT_S (kernels() then falls back).
+    monkeypatch.setattr(cpu_build, "BUILD_WAIT_S", 0.5)
+    owner = _hold(tmp_path, "4343")
+    try:
+        with pytest.raises(TimeoutError, match="process 4343 has held the build"), cpu_build._build_lock(tmp_path):
+            pass
+        assert (tmp_path / "lock").exists()  # a live builder's lock is never removed
+    finally:
+        owner.close()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler: the kernels cannot be built")
+def test_a_killed_build_does_not_block_and_setup_and_first_use_share_the_build(tmp_path: Path) -> None:
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(FIRST_USE, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/lock")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the build never took its lock"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # the interpreter, ninja and the compilers
+    proc.wait()
+    (lock,) = tmp_path.glob("*/lock")  # left behind, as torch leaves it
+    build_dir = lock.parent
+
+    # Set-up's command after the kill, with PATH as a login shell has it (a system ninja may come
+    # first), then a first use with the environment's bin folder first (its own ninja): one build.
+    start = time.monotonic()
+    setup = subprocess.run(SETUP, env=env, capture_output=True, text=True, timeout=600)
+    assert setup.returncode == 0, setup.stderr
+    assert "of a killed build (its process " in setup.stderr and "stale" not in setup.stderr, setup.stderr
+    assert time.monotonic() - start < 300  # built, not waiting on the dead lock
+    built = {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")}
+    assert len(built) == len(cpu_build.SOURCES) + 1, built
+    scripts = sysconfig.get_path("scripts")
+    first = subprocess.run(FIRST_USE, env={**env, "PATH": scripts + os.pathsep + env.get("PATH", "")},
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")} == built
+    assert not lock.exists()
