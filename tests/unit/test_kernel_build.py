@@ -85,11 +85,10 @@ def test_a_killed_build_does_not_block_and_setup_and_first_use_share_the_build(t
 
     # Set-up's command after the kill, with PATH as a login shell has it (a system ninja may come
     # first), then a first use with the environment's bin folder first (its own ninja): one build.
-    start = time.monotonic()
+    # timeout: a build under load (~30-200 s), well short of the 15 minutes a dead lock used to cost.
     setup = subprocess.run(SETUP, env=env, capture_output=True, text=True, timeout=600)
     assert setup.returncode == 0, setup.stderr
     assert "of a killed build (its process " in setup.stderr and "stale" not in setup.stderr, setup.stderr
-    assert time.monotonic() - start < 300  # built, not waiting on the dead lock
     built = {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")}
     assert len(built) == len(cpu_build.SOURCES) + 1, built
     scripts = sysconfig.get_path("scripts")
