@@ -58,5 +58,9 @@ class AdapterError(RuvllmError, ValueError):
     """A LoRA adapter cannot be loaded or used: the message names the file and the problem."""
 
 
+class AdapterCapacityError(AdapterError):
+    """The engine holds as many adapters as it keeps (--max-cpu-loras): one must be unloaded first."""
+
+
 class AdapterNotFoundError(RequestError):
     """A request names an adapter that is not loaded (HTTP 404 at the server)."""

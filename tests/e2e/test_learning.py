@@ -331,3 +331,25 @@ def test_learn_run_cli_refuses_and_names_why(base: Path, tmp_path: Path, wide_te
     (entry,) = find(tmp_path / "w.sqlite3", "deep:*")
     assert entry.kind == "promotion" and entry.body["promoted"] is False and entry.body["failed"]
     assert verify(tmp_path / "w.sqlite3").ok
+
+
+def test_tenants_beyond_the_adapter_capacity_all_learn(base: Path, tmp_path: Path) -> None:
+    """Issue 33: once max_cpu_loras tenants had learned, every new tenant's feedback was refused for
+    good. Now the least recently served tenants' versions leave the engine and come back from their
+    folders when next served, bitwise the same."""
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=4, num_blocks=64,
+              quantization="none")
+    cfg = InstantConfig(layers=1, lr=5e-2, context="full", candidates=0)
+    llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
+    tenants = [f"t{i}" for i in range(5)]
+    after = {}
+    for t in tenants:
+        asked = llm.generate([PROMPT], GREEDY, tenant=t)[0]
+        assert llm.feedback(asked.request_id, 1.0, "t7 t7", tenant=t).version == f"learned:{t}:v1"
+        after[t] = _result(llm.generate([PROMPT], GREEDY, tenant=t)[0])
+        assert len(llm.loras()) <= 2
+    for t in tenants:  # each served again by its own version, loaded again where it was evicted
+        assert _result(llm.generate([PROMPT], GREEDY, tenant=t)[0]) == after[t]
+        assert f"learned:{t}:v1" in llm.loras()
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ruvllm.errors import AdapterError, AdapterNotFoundError
+from ruvllm.errors import AdapterCapacityError, AdapterError, AdapterNotFoundError
 from ruvllm.messages import AdapterEntry
 
 
@@ -53,7 +53,7 @@ class AdapterRegistry:
         if name in self._entries:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
         if len(self._entries) >= self.cpu_capacity:
-            raise AdapterError(f"{len(self._entries)} adapters are loaded, the most this server keeps "
+            raise AdapterCapacityError(f"{len(self._entries)} adapters are loaded, the most this server keeps "
                                "(--max-cpu-loras); unload one first")
 
     def add(self, name: str, path: str, slots: int, scaling_pass: bool,

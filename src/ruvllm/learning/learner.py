@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ruvllm.errors import AdapterError
+from ruvllm.errors import AdapterCapacityError, AdapterError
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
@@ -75,7 +75,12 @@ class Learner:
         self.bank = PatternBank(self.root / "bank.sqlite3")
         self._tenants: dict[str, TenantState] = {}
         self._versions: dict[str, int] = {}  # the version serving each tenant
-        self._loaded: dict[str, list[int]] = {}  # versions loaded in the engine, per tenant, oldest first
+        # Versions loaded in the engine, per tenant, oldest first; tenants least recently served
+        # first. When the engine holds all it keeps (max_cpu_loras), the least recently served
+        # tenants' versions are unloaded, and loaded again from their folders when next served: no
+        # tenant is refused because others learned. Its own lock: serving never waits for an update.
+        self._loaded: OrderedDict[str, list[int]] = OrderedDict()
+        self._loads = threading.RLock()
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
         self._pending: dict[str, int] = {}  # instant updates since each tenant's last consolidation
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
@@ -105,8 +110,32 @@ class Learner:
         for scope in (tenant, GLOBAL):
             n = self._versions.get(scope)
             if n is not None:
+                with self._loads:
+                    if n not in self._loaded.get(scope, ()):  # evicted: loaded again from its folder
+                        row = self.policy.version(scope, n)
+                        if row is None:
+                            return None
+                        self._load(scope, n, row.path)
+                    self._loaded.move_to_end(scope)
                 return _name(scope, n)
         return None
+
+    def _load(self, tenant: str, version: int, path: str | Path) -> None:
+        """Load a version into the engine, unloading the least recently served other tenants'
+        versions while the engine holds all it keeps."""
+        with self._loads:
+            while True:
+                try:
+                    self.host.load_lora(_name(tenant, version), path)
+                    break
+                except AdapterCapacityError:
+                    victim = next((t for t, loaded in self._loaded.items() if t != tenant and loaded), None)
+                    if victim is None:
+                        raise
+                    for v in self._loaded.pop(victim):
+                        self.host.unload_lora(_name(victim, v))
+            self._loaded.setdefault(tenant, []).append(version)
+            self._loaded.move_to_end(tenant)
 
     # --- the deep loop -----------------------------------------------------------------------------
     def deep_run(self, scope: str, heldout: list[int], probes: list[tuple[list[int], list[int]]],
@@ -156,10 +185,8 @@ class Learner:
         row = self.policy.version(tenant, version)
         if row is None:
             return
-        loaded = self._loaded.setdefault(tenant, [])
-        if version not in loaded:
-            self.host.load_lora(_name(tenant, version), row.path)
-            loaded.append(version)
+        if version not in self._loaded.get(tenant, ()):
+            self._load(tenant, version, row.path)
         self._versions[tenant] = version
         try:
             self._tenants[tenant] = self.instant.new_tenant(
@@ -172,14 +199,15 @@ class Learner:
     def _trim(self, tenant: str, keep: int) -> None:
         """Unload all but the tenant's `keep` most recently loaded versions (the serving one stays):
         a request routed to the one before still finds it; running requests finish on theirs."""
-        loaded = self._loaded.get(tenant, [])
-        serving = self._versions.get(tenant)
-        while len(loaded) > keep:
-            victim = next((v for v in loaded if v != serving), None)
-            if victim is None:
-                break
-            loaded.remove(victim)
-            self.host.unload_lora(_name(tenant, victim))
+        with self._loads:
+            loaded = self._loaded.get(tenant, [])
+            serving = self._versions.get(tenant)
+            while len(loaded) > keep:
+                victim = next((v for v in loaded if v != serving), None)
+                if victim is None:
+                    break
+                loaded.remove(victim)
+                self.host.unload_lora(_name(tenant, victim))
 
     # --- feedback ----------------------------------------------------------------------------------
     def feedback(self, completion_id: str, tenant: str, score: float, correction: str | None = None) -> FeedbackResult:
@@ -308,8 +336,7 @@ class Learner:
             "target_modules": targets, "layers_to_transform": self.layers.layers, "bias": "none",
             "base_model_name_or_path": None}))
         name = _name(tenant, n)
-        self.host.load_lora(name, folder)
-        self._loaded.setdefault(tenant, []).append(n)
+        self._load(tenant, n, folder)
         self.policy.publish(tenant, n, folder, source, checks)
         if source == "deep":  # the tenant's instant updates continue from the promoted weights
             self._tenants[tenant] = self.instant.new_tenant(_seed(tenant), lora.peft_tensors())
