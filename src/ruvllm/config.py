@@ -327,6 +327,9 @@ class EngineConfig(Checked):
     num_threads: int | None = setting(None, "CPU threads (default: $OMP_NUM_THREADS, else every core this "
                                             "process may use).", flag="--threads", minimum=1)
     seed: int = setting(0, "Seeds the sampling of requests that bring no seed of their own.")
+    grammar_compile_timeout: float = setting(
+        10.0, "Seconds a structured-output constraint may take to compile; past it the compile is stopped and the "
+             "request gets a 400 (docs/structured.md).", minimum=0.01)
     quantization: QuantConfig = field(default_factory=QuantConfig)
     # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it
     # builds); "torch" plain PyTorch ops; "triton" forces the Triton kernel (on CPU: interpreted, tests only).

@@ -43,6 +43,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled (sent once)
+    error: str | None = None  # why the core refused it (its constraint did not compile): a RequestError at the front
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -100,6 +100,7 @@ def test_a_compiling_grammar_holds_no_other_request(default_llm: LLM) -> None:
         f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}-[0-9]{{{i % 5 + 2}}}$"}
         for i in range(200)}}
     core, info, eos = default_llm.core, default_llm.info, tuple(default_llm.info.eos_token_ids)
+    core._grammar_compiler().timeout = 120.0  # a loaded machine takes several times the 1.6 s (and 14 MB to send back)
     ask = _ask(default_llm, "Fill the form.")
     slow = core_requests("slow", ask, SamplingParams(max_tokens=8, structured=StructuredOutputs(json_schema=schema)),
                          Priority.NORMAL, info, eos)
@@ -114,6 +115,7 @@ def test_a_compiling_grammar_holds_no_other_request(default_llm: LLM) -> None:
             if out.finish_reason is not None:
                 order.append(out.request_id + " done")
     assert order.index("fast done") < order.index("slow") and order[-1] == "slow done"
+    core._grammar_compiler().timeout = core._compile_timeout
 
 
 def test_a_model_without_a_tokenizer_ends_a_constrained_request_and_lives_on(_tiny_llm: LLM) -> None:
@@ -124,3 +126,79 @@ def test_a_model_without_a_tokenizer_ends_a_constrained_request_and_lives_on(_ti
     assert len(_tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
     stats = _tiny_llm.stats()
     assert stats.idle and stats.free_blocks == stats.total_blocks
+
+
+RUNAWAY = {"type": "string", "maxLength": 200000}  # 36 bytes that xgrammar takes about a minute to compile here
+
+
+def test_a_compile_past_its_deadline_is_stopped_and_refused(default_llm: LLM) -> None:
+    """The runaway compile is killed at grammar_compile_timeout: its request gets a RequestError naming
+    response_format; a plain request finishes while it runs; the next constraint compiles in the new child."""
+    import time
+
+    compiler = default_llm.core._grammar_compiler()
+    compiler.timeout, timeout = 3.0, compiler.timeout
+    try:
+        default_llm.generate([_ask(default_llm, "Hi")], SamplingParams(max_tokens=2, structured=StructuredOutputs(
+            regex="[a-z]+")))  # the child is up: the deadline below times only the compile
+        started = time.monotonic()
+        with pytest.raises(RequestError, match="response_format: .*within 3 s") as err:
+            default_llm.generate([_ask(default_llm, "Hi")], SamplingParams(
+                max_tokens=4, structured=StructuredOutputs(json_schema=RUNAWAY)))
+        assert time.monotonic() - started < 3.0 + 5.0 and err.value.param == "response_format"
+        out = default_llm.generate([_ask(default_llm, "Hi")], SamplingParams(
+            max_tokens=8, structured=StructuredOutputs(choice=["yes", "no"])))
+        assert out[0].outputs[0].text in ("yes", "no")
+    finally:
+        compiler.timeout = timeout
+
+
+def test_a_plain_request_keeps_its_pace_beside_a_runaway_compile(default_llm: LLM) -> None:
+    """Driven at the core: the runaway compile sits in the child while a plain request runs to its
+    end; aborting the constrained request kills the child at once (nobody else waits for it)."""
+    import time
+
+    from ruvllm.engine.input_processor import core_requests
+    from ruvllm.request import Priority
+
+    core, info, eos = default_llm.core, default_llm.info, tuple(default_llm.info.eos_token_ids)
+    ask = _ask(default_llm, "Hi")
+    compiler = core._grammar_compiler()
+    for cr in core_requests("runaway", ask, SamplingParams(max_tokens=4, structured=StructuredOutputs(
+            json_schema=RUNAWAY)), Priority.NORMAL, info, eos):
+        core.add_request(cr)
+    started = time.monotonic()
+    for cr in core_requests("plain", ask, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            Priority.NORMAL, info, eos):
+        core.add_request(cr)
+    done = False
+    while not done:
+        done = any(o.request_id == "plain" and o.finish_reason for o in core.step())
+    assert time.monotonic() - started < 4.0  # 16 tokens; the compile alone would take a minute
+    child = compiler._child
+    assert child is not None and child.poll() is None and compiler._running is not None
+    core.abort(["runaway"])
+    child.wait(timeout=5)  # killed, not left to run
+    while core.has_unfinished:
+        core.step()
+    stats = default_llm.stats()
+    assert stats.idle and stats.free_blocks == stats.total_blocks
+
+
+def test_the_compiled_grammar_cache_is_bounded_in_bytes(default_llm: LLM) -> None:
+    import time
+
+    compiler = default_llm.core._grammar_compiler()
+    budget, compiler.cache.max_bytes = compiler.cache.max_bytes, 1 << 20
+    try:
+        for i in range(12):  # about 170 kB each compiled
+            enum = [f"value_{i}_{j}_{'x' * (j % 13)}" for j in range(1000)]
+            compiler.submit(StructuredOutputs(json_schema={"enum": enum})).result(timeout=60)
+            deadline = time.monotonic() + 5  # trimmed by the compile thread just after the result is out
+            while compiler.cache.nbytes > 1 << 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert compiler.cache.nbytes <= 1 << 20
+        kept = [k for k in compiler.cache.entries if k[1].startswith('{"enum"')]
+        assert 2 <= len(kept) < 12  # all 12 kept by count alone
+    finally:
+        compiler.cache.max_bytes = budget

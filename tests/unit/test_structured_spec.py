@@ -51,3 +51,44 @@ def test_the_core_message_round_trips() -> None:
     cr = CoreRequest("r1", [1, 2, 3], params, [0])
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(cr), type=CoreRequest)
     assert back.params.structured == params.structured
+
+
+@pytest.mark.parametrize("spec, words", [
+    (dict(json_schema={"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(100_000)]}}}),
+     "JSON schema is \\d+ bytes; at most 65536"),
+    (dict(json_schema={"enum": [f"v{i}" for i in range(2000)]}), "enum of 2000 entries; at most 1024"),
+    (dict(choice=[f"c{i}" for i in range(2000)]), "2000 entries; at most 1024"),
+    (dict(regex="a" * 5000), "regex is 5000 bytes; at most 4096"),
+    (dict(grammar='root ::= "' + "a" * 70000 + '"'), "grammar is 70011 bytes; at most 65536"),
+    (dict(json_schema='{"type": "array", "items": ' * 100 + "{}" + "}" * 100), "nests more than 64 levels"),
+    (dict(json_schema='{"items": ' * 5000 + "{}" + "}" * 5000), "not valid JSON"),
+    (dict(json_schema={"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}), "matches no string"),
+    (dict(json_schema={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), "matches no string"),
+    (dict(grammar="root ::= x\nx ::= root"), "grammar matches no string"),
+    (dict(grammar='root ::= "a" root'), "grammar matches no string"),
+])
+def test_too_large_and_unsatisfiable_constraints_are_refused_at_once(spec, words) -> None:
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=words):
+        StructuredOutputs(**spec).check()
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("spec", [
+    dict(json_schema={"type": "object", "properties": {"n": {"$ref": "#"}}}),  # recursion with a way out
+    dict(json_schema={"type": "array", "items": {"$ref": "#"}}),
+    dict(grammar='root ::= "a" root | "b"'), dict(grammar="root ::= x{0,3}\nx ::= x"),
+    dict(grammar="root ::= " + "(" * 500 + '"a"' + ")" * 500), dict(regex="[a-z]+"), dict(json_object=True),
+])
+def test_recursion_that_can_end_is_taken(spec) -> None:
+    StructuredOutputs(**spec).check()
+
+
+def test_the_check_cache_is_bounded_in_bytes() -> None:
+    from ruvllm.structured import spec as module
+
+    for i in range(400):  # 400 distinct schemas of ~60 kB: 24 MB of keys against the 16 MiB budget
+        StructuredOutputs(json_schema={"type": "string", "description": f"{i}" + "x" * 60_000}).check()
+    assert module._CHECKED.nbytes <= module._CHECKED.max_bytes

@@ -61,6 +61,7 @@ class EngineCore:
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self.adapter_registry = AdapterRegistry(self.info.max_loras, config.lora.cpu_capacity)
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._compile_timeout = config.grammar_compile_timeout
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
 
     # --- adapters --------------------------------------------------------------------------------
@@ -124,7 +125,9 @@ class EngineCore:
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
             self._core_requests.pop(rid, None)
-            self._compiling.pop(rid, None)
+            compiling = self._compiling.pop(rid, None)
+            if compiling is not None and all(r.grammar is not compiling.grammar for r in self._compiling.values()):
+                self._grammar_compiler().abandon(compiling.grammar)  # nobody else waits for it: stopped
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
                 self._release(req)
@@ -165,19 +168,22 @@ class EngineCore:
             from ruvllm.structured.compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.executor.load_tokenizer, self.info.vocab_size,
-                                             self.info.eos_token_ids)
+                                             self.info.eos_token_ids, self._compile_timeout)
         return self._grammars
 
     def _failed_compiles(self) -> list[CoreOutput]:
-        """Requests whose grammar compiled: ready to be admitted; those whose compile failed (the
-        front checked the syntax, so this is rare; or the model has no tokenizer): ended as
-        aborted. Checked before each schedule, so the scheduler only ever admits a compiled one."""
+        """Requests whose grammar compiled: ready to be admitted; those whose compile failed or passed
+        grammar_compile_timeout: ended with the reason (CoreOutput.error, a 400 at the front); a
+        model without a tokenizer: ended as aborted. Checked before each schedule, so the scheduler
+        only ever admits a compiled one."""
+        from ruvllm.structured.compiler import CompileError
+
         failed = []
         for rid, req in list(self._compiling.items()):
             if not req.grammar.done():
                 continue
             del self._compiling[rid]
-            exc = req.grammar.exception()
+            exc = req.grammar.exception() if not req.grammar.cancelled() else CompileError("the compile was dropped")
             if exc is None:
                 req.grammar_ready = True
             elif not req.is_finished:
@@ -185,7 +191,8 @@ class EngineCore:
                 self._core_requests.pop(rid, None)
                 self.scheduler.finish(req, FinishReason.ABORT)
                 self._release(req)
-                failed.append(CoreOutput(rid, finish_reason=FinishReason.ABORT.value))
+                failed.append(CoreOutput(rid, finish_reason=FinishReason.ABORT.value,
+                                         error=str(exc) if isinstance(exc, CompileError) else None))
         return failed
 
     @staticmethod
@@ -222,6 +229,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Release what the executor holds outside this process (a worker's tensor-parallel ranks)."""
+        if self._grammars is not None:
+            self._grammars.close()
         close = getattr(self.executor, "close", None)  # an optional part of the Executor protocol
         if close is not None:
             close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ruvllm.engine.detokenizer import IncrementalDetokenizer
+from ruvllm.errors import RequestError
 from ruvllm.messages import CoreOutput
 from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import FinishReason, Logprob
@@ -114,15 +115,25 @@ class OutputProcessor:
             group.completions[sid].finish_reason = FinishReason.ABORT
         return running, self._result(group)
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput | RequestError], list[str]]:
         """Apply one step's deltas. Returns the caller outputs due now, and the sequences the core
-        must abort (their stop string matched)."""
-        changed: dict[str, _Group] = {}
+        must abort (their stop string matched, or a sibling's request failed). A request the core
+        refused (CoreOutput.error) ends with a RequestError in the outputs (its `request_id` set), or
+        raised here for a call that waits for all its requests at once (FINAL_ONLY: LLM.generate)."""
+        changed: dict[str, _Group | RequestError] = {}
         aborts: list[str] = []
         for out in outputs:
             group = self._seq_to_group.get(out.request_id)
             if group is None:
                 continue  # aborted by its caller while this step ran
+            if out.error is not None:
+                error = RequestError(f"response_format: {out.error}", "response_format")
+                if group.kind is OutputKind.FINAL_ONLY:
+                    raise error
+                error.request_id = group.request_id  # type: ignore[attr-defined]
+                aborts += self.abort(group.request_id)
+                changed[group.request_id] = error
+                continue
             comp = group.completions[out.request_id]
             if comp.finish_reason is not None:
                 continue  # finished here by a stop string; the core's abort is on the way
@@ -135,9 +146,9 @@ class OutputProcessor:
             if self._apply(comp, out):
                 aborts.append(out.request_id)
             changed[group.request_id] = group
-        results = []
+        results: list[RequestOutput | RequestError] = []
         for group in changed.values():
-            result = self._result(group)
+            result = group if isinstance(group, RequestError) else self._result(group)
             if result is not None:
                 results.append(result)
         return results, aborts

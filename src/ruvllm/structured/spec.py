@@ -3,13 +3,18 @@ message), and the syntax check the front runs before a request is accepted. Torc
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Generic, Hashable, TypeVar
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# What a constraint may be, checked before xgrammar sees it: far beyond real schemas, each well under
+# a second to compile here (the measurements: docs/structured.md, "Limits").
+LIMITS = {"json_schema": 64 << 10, "regex": 4 << 10, "ebnf": 64 << 10}  # bytes of text
+MAX_ENUM, MAX_CHOICES, MAX_DEPTH = 1024, 1024, 64  # enum entries, choice entries, JSON nesting levels
 
 
 @dataclass
@@ -35,7 +40,7 @@ class StructuredOutputs:
                 self.json_schema = json.dumps(self.json_schema)
             try:
                 schema = json.loads(self.json_schema)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("json_schema must be a JSON object (a schema)")
@@ -43,6 +48,8 @@ class StructuredOutputs:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or \
                     any(not isinstance(c, str) or not c for c in self.choice):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"choice has {len(self.choice)} entries; at most {MAX_CHOICES} are taken")
             self.choice = list(self.choice)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -70,8 +77,21 @@ class StructuredOutputs:
         return ("ebnf" if kind == "grammar" else kind), text
 
     def check(self) -> None:
-        """Parse it as the engine will (without a tokenizer): ValueError naming the problem."""
-        _check(*self.ebnf_or_source())
+        """Its size, then parse it as the engine will (without a tokenizer): ValueError naming the
+        problem, or the limit it passes."""
+        kind, text = self.ebnf_or_source()
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > LIMITS[kind]:
+            what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
+            raise ValueError(f"the {what} is {size} bytes; at most {LIMITS[kind]} are taken")
+        if self.json_schema is not None:
+            _check_schema(json.loads(self.json_schema))
+        error = _CHECKED.get((kind, text))
+        if error is None:
+            error = _syntax_error(kind, text)
+            _CHECKED.put((kind, text), error)
+        if error:
+            raise ValueError(error)
 
     def to_grammar(self) -> Any:
         """The xgrammar Grammar (no tokenizer yet): what the front checks and the core compiles."""
@@ -94,12 +114,104 @@ def _grammar(kind: str, text: str) -> Any:
     return xgr.Grammar.from_ebnf(text)
 
 
-@functools.lru_cache(maxsize=256)
-def _check(kind: str, text: str) -> None:
+def _check_schema(schema: Any) -> None:
+    """Nesting and enums, walked without recursion (a schema nested 1,000 levels takes xgrammar's
+    converter minutes: it never gets there)."""
+    todo = [(schema, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the JSON schema nests more than {MAX_DEPTH} levels deep; at most {MAX_DEPTH} are taken")
+        if isinstance(node, dict):
+            if isinstance(node.get("enum"), list) and len(node["enum"]) > MAX_ENUM:
+                raise ValueError(f"the JSON schema has an enum of {len(node['enum'])} entries; at most {MAX_ENUM} "
+                                 "are taken")
+            node = list(node.values())
+        if isinstance(node, list):
+            todo += [(v, depth + 1) for v in node]
+
+
+def _syntax_error(kind: str, text: str) -> str:
+    """Why xgrammar cannot use it ("" when it can)."""
+    what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
     try:
-        _grammar(kind, text)
+        grammar = _grammar(kind, text)
     except Exception as exc:  # noqa: BLE001  # xgrammar raises RuntimeError and its own kinds
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)  # xgrammar's time and C++ source line
-        what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
-        raise ValueError(f"the {what} cannot be compiled: {message}") from None
+        return f"the {what} cannot be compiled: {message}"
+    if not _matches_some_string(json.loads(grammar.serialize_json())):
+        return (f"the {what} matches no string: its rules never end (a rule or $ref that always leads back "
+                "to itself)")
+    return ""
+
+
+# xgrammar's expression kinds (Grammar.serialize_json: each expression is [kind, length, data...])
+_RULE_REF, _SEQUENCE, _CHOICES, _REPEAT = 4, 5, 6, 8
+
+
+def _matches_some_string(data: dict[str, Any]) -> bool:
+    """Whether the grammar's root derives any string, propagated from the literals up (linear in the
+    grammar): a sequence finishes once all its parts do, choices once one does, a rule once its body
+    does, a repeat at once when it may repeat 0 times, else once its rule does."""
+    flat, ptr, rules = data["grammar_expr_data"], data["grammar_expr_indptr"], data["rules"]
+    n = len(ptr)  # expressions (each starts at ptr[e]) are nodes 0..n-1; rule r is node n + r
+    need, parents = [], defaultdict(list)
+    for e, (start, end) in enumerate(zip(ptr, [*ptr[1:], len(flat)])):
+        kind, _, *args = flat[start:end]
+        kids = args if kind in (_SEQUENCE, _CHOICES) else [n + args[0]] if kind == _RULE_REF or (
+            kind == _REPEAT and args[1] > 0) else []  # literals and unknown kinds: finished
+        need.append(min(len(kids), 1) if kind == _CHOICES else len(kids))
+        for k in kids:
+            parents[k].append(e)
+    for r, rule in enumerate(rules):
+        need.append(1)
+        parents[rule[1]].append(n + r)
+    todo = [node for node, k in enumerate(need) if k == 0]
+    finished = set(todo)
+    while todo:
+        for p in parents[todo.pop()]:
+            need[p] -= 1
+            if need[p] == 0:
+                finished.add(p)
+                todo.append(p)
+    return n + data["root_rule_id"] in finished
+
+
+K, V = TypeVar("K", bound=Hashable), TypeVar("V")
+
+
+class ByteBudget(Generic[K, V]):
+    """Least recently used entries, bounded in count and in bytes (`size` of each entry, asked again at
+    each trim: a compile's size is known once it is done); the newest entry is dropped too when it
+    alone passes the budget."""
+
+    def __init__(self, max_bytes: int, size: Callable[[K, V], int], max_entries: int = 256) -> None:
+        self.max_bytes, self.size, self.max_entries = max_bytes, size, max_entries
+        self.entries: OrderedDict[K, V] = OrderedDict()
+        self.lock = threading.RLock()
+
+    def get(self, key: K) -> V | None:
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+            return self.entries.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        with self.lock:
+            self.entries[key] = value
+            self.entries.move_to_end(key)
+            self.trim()
+
+    def trim(self) -> None:
+        with self.lock:
+            while self.entries and (len(self.entries) > self.max_entries or self.nbytes > self.max_bytes):
+                self.entries.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.size(k, v) for k, v in self.entries.items())
+
+
+# the front's checks, by constraint: its text is most of an entry (64 KiB at most)
+_CHECKED: ByteBudget[tuple[str, str], str] = ByteBudget(16 << 20, lambda key, error: len(key[1]) + len(error))
