@@ -46,6 +46,8 @@ CASES = [
     ("/v1/completions", {**COMP, "min_p": 2}, 400, "min_p"),
     ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
     ("/detokenize", {"tokens": [HUGE]}, 400, "tokens"),
+    ("/v1/completions", {**COMP, "user": "u" * 4_000_000}, 400, "user"),  # 40 of these grew the witness log 160 MB
+    ("/v1/chat/completions", {**CHAT, "user": "u" * 257}, 400, "user"),
 ]
 
 

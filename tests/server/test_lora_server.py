@@ -64,6 +64,9 @@ def test_adapter_served_by_name_equals_offline(server: RunningServer, lora_llm: 
     assert set(models) == {MODEL, "a"}
     assert models["a"].model_extra["parent"] == MODEL and models["a"].model_extra["root"] == "a"
     got = client(server).completions.create(model="a", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert got.model == "a"  # what the client asked for, as vLLM echoes it (the adapter is applied)
+    assert all(c.model == "a" for c in client(server).chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True))
     params = SamplingParams(temperature=0, max_tokens=10)
     expected = lora_llm.generate([PROMPT], params, lora=str(adapters / "a"))[0].outputs[0]
     assert got.choices[0].text == expected.text

@@ -5,11 +5,11 @@ requests followed, measured, collected or streamed as server-sent events)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -40,7 +40,6 @@ class Admission:
 
     limit: int
     in_flight: int = 0
-    _ids: itertools.count = field(default_factory=itertools.count)
 
     def acquire(self, n: int, param: str | None) -> None:
         """`param`: the field that asked for the `n` sequences (n, or prompt for a list of prompts)."""
@@ -57,8 +56,11 @@ class Admission:
     def release(self, n: int) -> None:
         self.in_flight -= n
 
-    def next_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+    @staticmethod
+    def next_id(prefix: str) -> str:
+        """OpenAI's shape (`chatcmpl-...`) with 128 random bits: unique across restarts and processes
+        (feedback, the learned store and the witness log name a completion by it) and unguessable."""
+        return f"{prefix}-{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -131,7 +133,7 @@ class ServerState:
         except BaseException:
             self.admission.release(seqs)
             raise
-        run = Run(following, tracker)
+        run = Run(following, tracker, adapter or self.cfg.served_model_name)
         if body.stream:
             return _Stream(chunks(run), release=lambda: self.admission.release(seqs))
         try:
@@ -154,6 +156,7 @@ class Run:
 
     following: Following
     tracker: RequestTracker
+    model: str  # echoed in every body and chunk: what the client asked for (an adapter's name), as vLLM does
 
     @property
     def id(self) -> str:

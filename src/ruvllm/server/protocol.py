@@ -14,6 +14,8 @@ from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.structured.spec import StructuredOutputs
 from ruvllm.server.errors import APIError
 
+USER_MAX_CHARS = 256  # OpenAI's own `user` ids are short hashes; 4 MB ones filled the witness log
+
 
 def _lone_surrogate_at(value: Any) -> str | None:
     """The path of the first string holding a lone UTF-16 surrogate (JSON allows "\\udfff"
@@ -74,7 +76,8 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    user: str | None = None
+    # Names a tenant (a label, a cache salt, a witness field): bounded, as every stored free string is
+    user: str | None = Field(None, max_length=USER_MAX_CHARS)
     # Extensions (vLLM / llama.cpp clients): not in OpenAI's schema.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)

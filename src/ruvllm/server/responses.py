@@ -80,7 +80,7 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 
 
 def _head(st: ServerState, run: Run, obj: str) -> dict[str, Any]:
-    return {"id": run.id, "object": obj, "created": int(time.time()), "model": st.cfg.served_model_name}
+    return {"id": run.id, "object": obj, "created": int(time.time()), "model": run.model}
 
 
 def _body(st: ServerState, run: Run, obj: str, results: list[RequestOutput],
