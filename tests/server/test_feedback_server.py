@@ -137,3 +137,54 @@ def test_the_deep_loop_runs_after_enough_feedback(lora_llm: LLM, tmp_path: Path)
         running.app.state.ruvllm.service.witness.flush()
         (entry,) = find(tmp_path / "w.sqlite3", "deep:acme")
         assert entry.kind == "promotion" and verify(tmp_path / "w.sqlite3").ok  # two writers, one chain
+
+
+def test_learned_adapters_belong_to_their_tenant(lora_llm: LLM, tmp_path: Path) -> None:
+    """Issue 33, item 13, as the attack went: globex's key must not list, use, unload or replace
+    acme's learned adapter, and the admin key with `user: acme` is not acme."""
+    (tmp_path / "keys").write_text("key-a acme\nkey-b globex\n")
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0), root=str(tmp_path / "learned"))
+    for running in start_server(lora_llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
+                                admin_key="admin"):
+        base = _complete(running, "admin")[1:]
+        rid = _complete(running, "key-a")[0]
+        for _ in range(2):
+            r = _feedback(running, "key-a", id=rid, score=1.0, correction="t7 t7 t7 t7")
+        assert r.status_code == 200 and r.json()["adapter"] == "learned:acme:v2"
+        taught = _complete(running, "key-a")[1:]
+        assert taught != base
+
+        def models(key: str) -> set[str]:
+            return {m.id for m in openai.OpenAI(base_url=running.url + "/v1", api_key=key).models.list()}
+
+        assert "learned:acme:v2" in models("key-a")
+        assert not any(m.startswith("learned:") for m in models("key-b") | models("admin"))
+
+        def ask(key: str, model: str) -> httpx.Response:
+            return httpx.post(running.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": model, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+
+        absent = ask("key-b", "learned:acme:v99")
+        for key in ("key-b", "admin"):
+            r = ask(key, "learned:acme:v2")
+            assert r.status_code == 404
+            assert r.json() == absent.json() | {"error": {**absent.json()["error"], "message": absent.json()[
+                "error"]["message"].replace("v99", "v2")}}  # the same answer as a name nobody loaded
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=running.url + "/v1", api_key="key-b", max_retries=0).completions.create(
+                model="learned:acme:v2", prompt=PROMPT, max_tokens=2)
+
+        def admin_route(key: str, path: str, **body: str) -> httpx.Response:
+            return httpx.post(running.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+        assert admin_route("key-b", "/v1/unload_lora_adapter", lora_name="learned:acme:v2").status_code == 403
+        for path, body in (("/v1/unload_lora_adapter", {}), ("/v1/load_lora_adapter", {"lora_path": str(tmp_path)})):
+            r = admin_route("admin", path, lora_name="learned:acme:v2", **body)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "reserved_name"
+        assert "learned:acme:v2" in running.engine.loras
+
+        admin_as_acme = openai.OpenAI(base_url=running.url + "/v1", api_key="admin", max_retries=0).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, user="acme",
+            extra_body={"ignore_eos": True}).choices[0].logprobs
+        assert [admin_as_acme.tokens, admin_as_acme.token_logprobs] == list(base)  # the base model, not acme's
+        assert _complete(running, "key-a")[1:] == taught

@@ -56,3 +56,15 @@ def test_bad_key_files_name_the_problem(tmp_path: Path, text: str, message: str)
     (tmp_path / "keys").write_text(text)
     with pytest.raises(ValueError, match=message):
         read_api_keys(tmp_path / "keys")
+
+
+def test_admin_key_is_no_tenant_whatever_its_user(_shared_llm: LLM, tmp_path: Path) -> None:
+    """Issue 33, item 13: the admin key (and a shared --api-key beside tenants' keys) with `user: acme`
+    is not acme: it never hits acme's prefix cache (nor gets acme's learned adapter)."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a acme\n")
+    for running in start_server(_shared_llm, api_keys=read_api_keys(keys), admin_key="admin", api_key="shared"):
+        assert _cached(running, "key-a") == 0
+        assert _cached(running, "key-a") > 0
+        assert _cached(running, "admin", user="acme") == 0  # the default tenant's first time
+        assert _cached(running, "shared", user="acme") > 0  # the default tenant's too: it shares with admin

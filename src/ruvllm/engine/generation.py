@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ruvllm.errors import RequestError, RuvllmError
+from ruvllm.errors import AdapterNotFoundError, RequestError, RuvllmError
 from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.tenants import tenant_salt
+from ruvllm.tenants import may_use, tenant_salt
 
 if TYPE_CHECKING:
     from ruvllm.engine.async_engine import AsyncEngine
@@ -41,7 +41,10 @@ class GenerationService:
 
     def open(self, request_id: str, tenant: str, adapter: str | None, prompts: list[list[int]],
              params: list[SamplingParams]) -> Call:
-        """The call decided: with learning, a call that names no adapter runs with the tenant's."""
+        """The call decided: with learning, a call that names no adapter runs with the tenant's; one
+        that names another tenant's learned adapter is refused as if it were not loaded."""
+        if adapter is not None and not may_use(tenant, adapter):
+            raise AdapterNotFoundError(f"no adapter named {adapter!r} is loaded", "model")
         if adapter is None and self.learner is not None:
             adapter = self.learner.adapter_for(tenant)
         return Call(self, request_id, tenant, adapter, prompts, params)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from ruvllm.errors import AdapterError, AdapterNotFoundError
@@ -14,12 +14,31 @@ from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState, state
 from ruvllm.server.protocol import LoadLoraRequest, UnloadLoraRequest
+from ruvllm.tenants import LEARNED_PREFIX
 
-router = APIRouter()
+def operator_only(request: Request, st: ServerState = Depends(state)) -> None:
+    """What changes the server for everyone is the operator's: with keys, only the admin key
+    (--admin-key, else --api-key) may; a server with tenants' keys and no admin key refuses all."""
+    cfg = st.cfg
+    if getattr(request.state, "admin", False) or not (cfg.admin_key or cfg.api_key or cfg.api_keys):
+        return
+    why = ": it needs the admin key" if cfg.admin_key or cfg.api_key else \
+        ", and this server has no admin key (start it with --admin-key)"
+    raise APIError(403, f"this route is the operator's{why}", None, "admin_only")
+
+
+def _not_reserved(name: str) -> None:
+    if name.startswith(LEARNED_PREFIX):
+        raise APIError(403, f"adapter names starting with {LEARNED_PREFIX!r} are reserved for learned adapters, "
+                            "which only the server loads and unloads", "lora_name", "reserved_name")
+
+
+router = APIRouter(dependencies=[Depends(operator_only)])
 
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, st: ServerState = Depends(state)) -> Response:
+    _not_reserved(body.lora_name)
     if not st.engine.info.max_loras:
         raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora or "
                             "--lora NAME=PATH)", None, "lora_disabled")
@@ -35,6 +54,7 @@ async def load_lora_adapter(body: LoadLoraRequest, st: ServerState = Depends(sta
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoraRequest, st: ServerState = Depends(state)) -> Response:
+    _not_reserved(body.lora_name)
     if body.lora_name not in st.engine.loras:
         raise AdapterNotFoundError(f"no adapter named {body.lora_name!r} is loaded", "lora_name")
     try:

@@ -20,6 +20,7 @@ from ruvllm.server.errors import install_error_handlers
 from ruvllm.server.generation import Admission, ServerState
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
 from ruvllm.server.metrics import ServerMetrics
+from ruvllm.tenants import DEFAULT_TENANT
 from ruvllm.tools.format import template_knows_tools
 from ruvllm.tools.parsers import parser_for
 
@@ -60,12 +61,16 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=cfg.max_request_bytes,
                        read_timeout_s=cfg.request_read_timeout_s)
-    if cfg.api_key or cfg.api_keys:
-        keys: dict[str, str | None] = dict(cfg.api_keys)
-        if cfg.api_key:
-            keys[cfg.api_key] = None
-        # the chat page holds no data: it asks for the key and sends it with its API calls
-        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key))
+    # Roles: a tenant's key is its tenant's; a shared --api-key lets the `user` field say (with tenants'
+    # keys, it is the default tenant's: `user` never names a key's tenant); the admin key is no tenant's.
+    keys = {key: (tenant, False) for key, tenant in cfg.api_keys}
+    if cfg.api_key:
+        keys[cfg.api_key] = (DEFAULT_TENANT if cfg.api_keys else None, False)
+    if cfg.admin_key or cfg.api_key:
+        keys[cfg.admin_key or cfg.api_key] = (DEFAULT_TENANT, True)
+    if keys:  # the chat page holds no data: it asks for the key and sends it with its API calls
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key),
+                           required=bool(cfg.api_key or cfg.api_keys))
     for module in (health, adapters, feedback, openai_api):
         app.include_router(module.router)
     return app

@@ -19,6 +19,9 @@ class ServerConfig(Checked):
     port: int = setting(8000, "Port to bind (ray-serve: of Ray Serve's HTTP proxy).", minimum=0, maximum=65535)
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on every route but /health.",
                                   envvar="RUVLLM_API_KEY")
+    admin_key: str | None = setting(None, "The operator's key: loading and unloading adapters need it (default: "
+                                          "--api-key); its requests are no tenant's.",
+                                    envvar="RUVLLM_ADMIN_KEY")
     # Keys of tenants (--api-keys FILE): each key admits its requests as its tenant's. With either
     # this or api_key, every route but /health needs a key.
     api_keys: tuple[tuple[str, str], ...] = setting((), "Tenants' (key, tenant) pairs.", cli=False)

@@ -26,6 +26,7 @@ from ruvllm.server.errors import APIError, api_error, error_body
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.responses import TokenText, sse
 from ruvllm.server.tenants import tenant_of
+from ruvllm.tenants import may_use
 from ruvllm.tools.parsers import ToolReader
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,12 @@ class ServerState:
     def max_len(self) -> int:
         return self.engine.info.max_seq_len
 
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+    def check_model(self, model: str | None, tenant: str) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown name and
+        for another tenant's learned adapter alike (nobody learns that it exists)."""
         if model is None or model == self.cfg.served_model_name:
             return None
-        loras = self.engine.loras
+        loras = [a for a in self.engine.loras if may_use(tenant, a)]
         if model in loras:
             return model
         served = ", ".join(f"`{m}`" for m in [self.cfg.served_model_name, *loras])

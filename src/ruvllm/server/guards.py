@@ -25,36 +25,38 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """Every path needs `Authorization: Bearer <key>` except those in `open_paths` (/health, and what
-    the operator opened). The scheme is case-insensitive (RFC 9110); keys are compared as digests in
-    constant time (against every key, whichever matches), so neither their content nor their length
-    leaks through timing. `keys` maps each key to its tenant, which the request carries on
-    (`request.state.tenant`); None for the single --api-key."""
+    """With `required`, every path needs `Authorization: Bearer <key>` except those in `open_paths`
+    (/health, and what the operator opened); without, a request with no or an unknown key goes on as
+    nobody's. The scheme is case-insensitive (RFC 9110); keys are compared as digests in constant
+    time (against every key, whichever matches), so neither their content nor their length leaks
+    through timing. `keys` maps each key to (its tenant, or None: the `user` field says; whether it
+    is the admin's), which the request carries on (`request.state.tenant`, `request.state.admin`)."""
 
-    def __init__(self, app: ASGIApp, keys: dict[str, str | None], open_paths: Iterable[str] = ("/health",)) -> None:
-        self.app = app
-        self.expected = [(_digest(k.encode()), tenant) for k, tenant in keys.items()]
+    def __init__(self, app: ASGIApp, keys: dict[str, tuple[str | None, bool]], open_paths: Iterable[str] = ("/health",),
+                 required: bool = True) -> None:
+        self.app, self.required = app, required
+        self.expected = [(_digest(k.encode()), role) for k, role in keys.items()]
         self.open_paths = frozenset(open_paths)
 
-    def _tenant(self, scope: Scope) -> tuple[bool, str | None]:
+    def _role(self, scope: Scope) -> tuple[str | None, bool] | None:
         scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
         given = _digest(token.strip())
-        found, tenant = False, None
-        for digest, owner in self.expected:
+        found = None
+        for digest, role in self.expected:
             if hmac.compare_digest(given, digest):
-                found, tenant = True, owner
-        return scheme.lower() == b"bearer" and found, tenant
+                found = role
+        return found if scheme.lower() == b"bearer" else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            ok, tenant = self._tenant(scope)
-            if not ok:
+        if scope["type"] == "http":
+            role = self._role(scope)
+            if role is None and self.required and scope["path"] not in self.open_paths:
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'})
                 await resp(scope, receive, send)
                 return
-            if tenant is not None:
-                scope.setdefault("state", {})["tenant"] = tenant
+            if role is not None:
+                scope.setdefault("state", {}).update(zip(("tenant", "admin"), role))
         await self.app(scope, receive, send)
 
 

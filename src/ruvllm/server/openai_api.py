@@ -16,6 +16,8 @@ from ruvllm.server import responses as R
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
 from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ruvllm.server.tenants import tenant_of
+from ruvllm.tenants import may_use
 from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
 from ruvllm.tools.parsers import JsonCallParser
 
@@ -23,18 +25,20 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(st: ServerState = Depends(state)) -> dict[str, Any]:
-    # The operator's names, never a filesystem path of the host (nor an adapter's).
+async def models(request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
+    # The operator's names, never a filesystem path of the host (nor an adapter's); of learned
+    # adapters, only the asking tenant's own.
     name = st.cfg.served_model_name
     base = {"id": name, "object": "model", "created": st.created, "owned_by": "ruvllm", "max_model_len": st.max_len,
             "root": name, "parent": None}
-    adapters = [{**base, "id": lora, "root": lora, "parent": name} for lora in st.engine.loras]
+    adapters = [{**base, "id": lora, "root": lora, "parent": name} for lora in st.engine.loras
+                if may_use(tenant_of(request, None), lora)]
     return {"object": "list", "data": [base, *adapters]}
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, st: ServerState = Depends(state)) -> dict[str, Any]:
-    st.check_model(body.model)
+async def tokenize(body: TokenizeRequest, request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
+    st.check_model(body.model, tenant_of(request, None))
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -45,8 +49,8 @@ async def tokenize(body: TokenizeRequest, st: ServerState = Depends(state)) -> d
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, st: ServerState = Depends(state)) -> dict[str, Any]:
-    st.check_model(body.model)
+async def detokenize(body: DetokenizeRequest, request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
+    st.check_model(body.model, tenant_of(request, None))
     vocab = st.engine.info.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
@@ -56,7 +60,7 @@ async def detokenize(body: DetokenizeRequest, st: ServerState = Depends(state)) 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
-    lora = st.check_model(body.model)
+    lora = st.check_model(body.model, tenant_of(request, body.user))
     body.check_supported()
     tools = ToolUse.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools),
@@ -74,7 +78,7 @@ async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, st: ServerState = Depends(state)) -> Response:
-    lora = st.check_model(body.model)
+    lora = st.check_model(body.model, tenant_of(request, body.user))
     body.check_supported()
     prompts = [EnginePrompt(await _off_loop(st.engine.tokenizer.encode, p), p) if isinstance(p, str)
                else EnginePrompt(list(p), None) for p in body.prompts()]
