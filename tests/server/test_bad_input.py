@@ -70,6 +70,18 @@ def test_bad_input_is_4xx_naming_the_field(server: RunningServer, path, body, st
     assert server.engine.is_alive
 
 
+STREAMED = [c for c in CASES if c[1] is not None and isinstance(c[1], dict) and c[2] == 400
+            and c[3] in ("prompt", "logit_bias", "stop_token_ids", "top_k")]
+
+
+@pytest.mark.parametrize("path,body,status,param", STREAMED, ids=[f"{c[3]}-{i}" for i, c in enumerate(STREAMED)])
+def test_streamed_bad_input_is_the_same_4xx(server: RunningServer, path, body, status, param) -> None:
+    """Everything a plain request checks is checked before a stream's 200 (issue 33: out-of-vocabulary
+    ids got 200 and then an error event when streamed)."""
+    r = httpx.post(server.url + path, json={**body, "stream": True}, timeout=30)
+    _check(r.status_code, dict(r.headers), r.content, status, param)
+
+
 def test_a_bad_request_does_not_touch_the_ones_beside_it(server: RunningServer) -> None:
     """The overflow that once failed the whole step: with it refused at admission, a concurrent
     stream runs to its end."""

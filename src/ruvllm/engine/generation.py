@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ruvllm.engine.input_processor import check_request
 from ruvllm.errors import AdapterNotFoundError, RequestError, RuvllmError
 from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
@@ -54,6 +55,8 @@ class GenerationService:
                     observe: Callable[[RequestOutput], None] | None = None) -> Following:
         """A call over an AsyncEngine, not started until its outputs are first read. With learning, off
         the event loop: after `ruvllm learn rollback` the lookup may wait for an update and load a version."""
+        for ids, p in zip(prompts, params):  # now, so a stream's bad input is its 4xx, never a 200 then an error
+            check_request(ids, p, engine.info)
         args = (request_id, tenant, adapter, prompts, params)
         call = await asyncio.to_thread(self.open, *args) if self.learner is not None else self.open(*args)
         return Following(engine, call, priority, observe)
