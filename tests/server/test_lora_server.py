@@ -234,6 +234,65 @@ def test_xlora_model_served_by_name(server: RunningServer, lora_llm: LLM, adapte
                                  lora=str(adapters / "x"))[0].outputs[0]
     assert got.choices[0].text == expected.text
     r = load(server, "x-out", adapters / "x-out")
-    assert r.status_code == 403 and "mixes an adapter from a path" in r.text
+    assert r.status_code == 403 and "mixes an adapter from, or links to, a path" in r.text
     assert unload(server, "x").status_code == 200
     assert client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _linked(adapters: Path, name: str, target: Path, link=Path.symlink_to) -> Path:
+    """A folder inside --lora-dir whose files are links (`link`) to `target`'s."""
+    folder = adapters / name
+    folder.mkdir()
+    for f in FILES:
+        if link is Path.symlink_to:
+            (folder / f).symlink_to(target / f)
+        else:
+            (folder / f).hardlink_to(target / f)
+    return folder
+
+
+def test_symlinked_files_cannot_lead_out(server: RunningServer, adapters: Path, tmp_path: Path) -> None:
+    """Issue 33, item 4: a folder inside --lora-dir whose files are symlinks to files outside it is
+    403 (each file is resolved, not only the folder); links that stay inside (a Hub cache's
+    snapshot -> blob layout) load."""
+    import shutil
+
+    shutil.copytree(adapters / "b", tmp_path / "outside")
+    r = load(server, "escape", _linked(adapters, "escape", tmp_path / "outside"))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
+    assert "escape" not in server.engine.loras
+    assert load(server, "inside", _linked(adapters, "inside", adapters / "b")).status_code == 200
+
+
+def test_hard_links_are_the_operators_doing(server: RunningServer, adapters: Path, tmp_path: Path) -> None:
+    """The policy is about paths: a hard link inside --lora-dir is a name there for the same file
+    (it cannot be told from a copy), made by whoever may write there: it loads (docs/decisions.md)."""
+    import shutil
+
+    shutil.copytree(adapters / "b", tmp_path / "outside")
+    assert load(server, "hard", _linked(adapters, "hard", tmp_path / "outside", Path.hardlink_to)).status_code == 200
+
+
+def test_a_file_swapped_for_a_link_after_the_check_is_refused(server: RunningServer, adapters: Path,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the check and the read, the weights become a symlink to a file outside: the load is
+    undone and refused (403), as if the link had been there at the check."""
+    import shutil
+
+    shutil.copytree(adapters / "b", tmp_path / "outside")
+    shutil.copytree(adapters / "a", adapters / "swapped")
+    real_load = server.engine.load_lora
+
+    def swap_then_load(name: str, path: str):
+        weights = Path(path) / "adapter_model.safetensors"
+        weights.unlink()
+        weights.symlink_to(tmp_path / "outside" / "adapter_model.safetensors")
+        return real_load(name, path)
+
+    monkeypatch.setattr(server.engine, "load_lora", swap_then_load)
+    r = load(server, "swapped", adapters / "swapped")
+    assert r.status_code == 403 and "changed while they were read" in r.json()["error"]["message"], r.text
+    assert "swapped" not in server.engine.loras

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,12 +73,19 @@ def checked_folder(path: str | Path) -> Path:
     raise AdapterError(f"adapter {folder}: no such folder")
 
 
+def read_resolved(path: Path) -> bytes:
+    """A file's bytes read through the path it resolves to, opened once and without following a link
+    put there since it was resolved: what is read is the file the resolved path names."""
+    with open(os.open(os.path.realpath(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        return f.read()
+
+
 def read_adapter_config(folder: Path) -> dict:
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise AdapterError(f"{folder}: no adapter_config.json (not a PEFT adapter folder)")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(read_resolved(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(config, dict):
@@ -145,7 +153,7 @@ def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name:
 def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The tensors of a PEFT folder's adapter_model.safetensors (AdapterError when missing or corrupt)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
@@ -154,7 +162,7 @@ def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
                                "save the adapter with safetensors (PEFT's default)")
         raise AdapterError(f"{folder}: no adapter_model.safetensors")
     try:
-        return load_file(str(weights_path))
+        return load(read_resolved(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from None
 

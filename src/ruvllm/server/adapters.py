@@ -4,6 +4,7 @@ policy of where adapters may be read from (docs/adapters.md)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
@@ -44,11 +45,15 @@ async def load_lora_adapter(body: LoadLoraRequest, st: ServerState = Depends(sta
                             "--lora NAME=PATH)", None, "lora_disabled")
     if body.lora_name == st.cfg.served_model_name or body.lora_name in st.engine.loras:
         raise APIError(400, f"the name {body.lora_name!r} is already in use", "lora_name", "name_in_use")
-    _check_lora_path(st.cfg, body.lora_path)
-    try:
-        await asyncio.to_thread(st.engine.load_lora, body.lora_name, body.lora_path)
+    folder, files = _check_lora_path(st.cfg, body.lora_path)
+    try:  # the folder as checked (resolved), so a link swapped in above it since leads nowhere new
+        await asyncio.to_thread(st.engine.load_lora, body.lora_name, str(folder))
     except AdapterError as exc:  # told as the client gave the path, not as this host resolved it
-        raise AdapterError(_without_host_paths(str(exc), body.lora_path)) from None
+        raise AdapterError(str(exc).replace(str(folder), body.lora_path)) from None
+    if _identities(folder) != files:  # a file replaced (by a link, say) between the check and the read
+        await asyncio.to_thread(st.engine.unload_lora, body.lora_name)
+        raise APIError(403, "the adapter's files changed while they were read; not loaded", "lora_path",
+                       "path_not_allowed")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -64,31 +69,37 @@ async def unload_lora_adapter(body: UnloadLoraRequest, st: ServerState = Depends
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _check_lora_path(cfg: ServerConfig, path: str) -> None:
-    """403 unless the operator allowed adapters to be read from there (the folder resolved, links
-    followed, so `..` and symlinks cannot lead out)."""
-    if cfg.allow_any_lora_path:
-        return
-
-    def allowed(target: Path) -> bool:
-        return any(target == Path(p).expanduser().resolve() for p in cfg.startup_lora_paths) or any(
-            target.is_relative_to(Path(d).expanduser().resolve()) for d in cfg.lora_dirs)
-
-    folder = Path(path).expanduser().resolve()
-    if not allowed(folder):
-        raise APIError(403, "this server does not load adapters from that path (the operator allows "
-                            "--lora-dir folders and the paths given at start-up)", "lora_path", "path_not_allowed")
-    # An X-LoRA checkpoint names the adapters it mixes: each of those must be allowed too (a load
-    # that fails to read them reports that itself).
+def _identities(folder: Path) -> dict[str, tuple[str, int, int]]:
+    """Each folder and file that loading the adapter at `folder` reads (an X-LoRA model's sub-folders'
+    and mixed adapters' too), as what it resolves to: (real path, device, inode; -1 where nothing is)."""
     from ruvllm.lora.xlora import xlora_expert_paths
 
-    for expert in xlora_expert_paths(folder):
-        if not (expert.resolve().is_relative_to(folder) or allowed(expert.resolve())):
-            raise APIError(403, f"the X-LoRA model at {path} mixes an adapter from a path this server does not "
-                                "load adapters from", "lora_path", "path_not_allowed")
+    experts = xlora_expert_paths(folder)
+    folders = [folder, *(folder / str(i) for i in range(len(experts))), *experts]
+    found = {}
+    for f in [*folders, *(d / name for d in folders for name in ("adapter_config.json", "adapter_model.safetensors"))]:
+        if f in folders or os.path.lexists(f):
+            real = os.path.realpath(f)
+            st = os.stat(real) if os.path.exists(real) else None
+            found[str(f)] = (real, st.st_dev, st.st_ino) if st else (real, -1, -1)
+    return found
 
 
-def _without_host_paths(message: str, given: str) -> str:
-    """An adapter error as the client may see it: the resolved host path replaced by the one given."""
-    resolved = str(Path(given).expanduser())
-    return message.replace(resolved, given) if resolved != given else message
+def _check_lora_path(cfg: ServerConfig, path: str) -> tuple[Path, dict[str, tuple[str, int, int]]]:
+    """The folder resolved and the files the load reads (`_identities`); 403 unless the operator allowed
+    adapters to be read from there: the folder and every file resolved, links followed, so neither
+    `..` nor a symlinked folder or file can lead out."""
+    folder = Path(path).expanduser().resolve()
+    if cfg.allow_any_lora_path:
+        return folder, _identities(folder)
+    roots = [Path(p).expanduser().resolve() for p in (*cfg.startup_lora_paths, *cfg.lora_dirs)]
+    startup = roots[:len(cfg.startup_lora_paths)]
+    if not (folder in startup or any(folder.is_relative_to(d) for d in roots[len(startup):])):
+        raise APIError(403, "this server does not load adapters from that path (the operator allows "
+                            "--lora-dir folders and the paths given at start-up)", "lora_path", "path_not_allowed")
+    # Every folder and file read, an X-LoRA model's mixed adapters' included, must resolve inside one.
+    files = _identities(folder)
+    if not all(any(Path(real).is_relative_to(root) for root in roots) for real, _, _ in files.values()):
+        raise APIError(403, f"the adapter at {path} mixes an adapter from, or links to, a path this server does "
+                            "not load adapters from", "lora_path", "path_not_allowed")
+    return folder, files
