@@ -4,13 +4,20 @@ completions; a schema that cannot compile and malformed formats are 400s naming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+import time
+from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
+import pytest
 
-from tests.server.conftest import MODEL, RunningServer
+from ruvllm import LLM
+from ruvllm.core.engine_core import EngineCore
+from tests.server.conftest import MODEL, RunningServer, start_server
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "population": {"type": "integer", "minimum": 0}},
@@ -68,3 +75,133 @@ def test_bad_formats_are_400_naming_the_field(server: RunningServer) -> None:
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], (extra, err)
+
+
+# --- bounded compiles (issue 33, item 1; docs/structured.md "Limits") --------------------------------
+
+def _nested_arrays(levels: int) -> str:
+    """A schema of `levels` nested arrays, as JSON text built without recursion (json.dumps of the
+    nested dict passes Python's recursion limit near 1,000 levels; a client in another language does not)."""
+    return '{"type": "array", "items": ' * levels + '{"type": "string"}' + "}" * levels
+
+
+def _refused(call, field: str, words: str, within: float = 10.0) -> None:
+    """`call` gets a 400 naming `field` (param and message), with `words`, within `within` seconds."""
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        call()
+    elapsed = time.monotonic() - started
+    body = err.value.body if isinstance(err.value.body, dict) else {}
+    assert body.get("param") == field and field in body.get("message", "") and words in body["message"], body
+    assert elapsed < within, (field, words, elapsed)
+
+
+def test_constraints_that_would_not_compile_in_time_are_refused_at_once(server: RunningServer) -> None:
+    """What took xgrammar minutes, or matches no string, is a 400 from the front's check, in well under a
+    second of the server's time (a few seconds allowed on a loaded machine)."""
+    client = _client(server)
+
+    def chat(**extra):
+        return lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0,
+                                                      **extra)
+
+    def schema_format(schema):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    enum = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(100_000)]}}}
+    _refused(chat(**schema_format(enum)), "response_format", "at most 65536 are taken")  # 1.6 MB: bytes first
+    small_enum = {"enum": [f"v{i}" for i in range(2000)]}  # 16 kB: under the byte limit, over the entries'
+    _refused(chat(**schema_format(small_enum)), "response_format", "enum of 2000 entries; at most 1024")
+    deep = json.loads(_nested_arrays(300))  # as deep as the client's json.dumps goes comfortably
+    _refused(chat(**schema_format(deep)), "response_format", "nests more than 64 levels")
+    # 1,000 nested arrays (2,000 JSON levels) as the guided_json string the protocol takes
+    _refused(chat(extra_body={"guided_json": _nested_arrays(1000)}), "guided_json", "")
+    cycle = {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}
+    _refused(chat(**schema_format(cycle)), "response_format", "matches no string")
+    _refused(chat(extra_body={"guided_grammar": "root ::= x\nx ::= root"}), "guided_grammar", "matches no string")
+    _refused(lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, extra_body={
+        "guided_grammar": "root ::= x\nx ::= root"}), "guided_grammar", "matches no string")
+    out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")  # the server serves on
+
+
+def test_a_deep_schema_sent_by_any_client_is_a_400(server: RunningServer) -> None:
+    """1,000 nested arrays in response_format, as a client whose JSON encoder has no depth limit sends them
+    (raw bytes): a 400 at once, not a 500, a dropped connection or minutes in xgrammar. The body (2,000
+    JSON levels) is past what the server's JSON parser reads (Python's recursion limit), so the 400 is
+    the body's ("There was an error parsing the body", no param) before response_format is looked at;
+    300 levels, which it parses, are refused naming response_format (the test above)."""
+    body = ('{"model": "%s", "max_tokens": 5, "messages": %s, "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "x", "schema": %s}}}') % (MODEL, json.dumps(ASK), _nested_arrays(1000))
+    started = time.monotonic()
+    r = httpx.post(server.url + "/v1/chat/completions", content=body.encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert time.monotonic() - started < 10.0
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"] == "response_format" and "nests more than 64" in err["message"]) or \
+        (err["param"] is None and "parsing the body" in err["message"]), err
+
+
+DEADLINE = 3.0
+RUNAWAY = {"type": "string", "maxLength": 200000}  # 36 bytes that xgrammar compiles for about a minute here
+
+
+class _WithCompileDeadline:
+    """The shared model, its engines configured with grammar_compile_timeout = DEADLINE (what
+    `ruvllm serve --grammar-compile-timeout` sets): start_server builds its engine through with_settings."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def with_settings(self, cache=None, scheduler=None, speculation=None) -> LLM:
+        worker = self.llm.core.executor.with_settings(cache, scheduler, speculation)
+        return LLM(EngineCore(worker, dataclasses.replace(worker.config, grammar_compile_timeout=DEADLINE)),
+                   self.llm.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def deadline_server(_shared_llm: LLM) -> Iterator[RunningServer]:
+    yield from start_server(_WithCompileDeadline(_shared_llm))  # type: ignore[arg-type]
+
+
+def test_a_runaway_compile_ends_in_a_400_at_its_deadline(deadline_server: RunningServer) -> None:
+    """A 36-byte schema that passes every size limit and compiles for about a minute: its request gets a
+    400 naming response_format at the deadline; a plain request sent meanwhile completes normally; the
+    compile child is replaced, so the next constraint compiles."""
+    client = _client(deadline_server)
+    warm = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+                                          extra_body={"guided_choice": ["yes", "no"]})
+    assert warm.choices[0].message.content in ("yes", "no")  # the child is up: the deadline times the compile
+    result: dict[str, object] = {}
+
+    def runaway() -> None:
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": RUNAWAY}})
+            result["error"] = None
+        except openai.BadRequestError as exc:
+            result["error"] = exc
+        result["elapsed"] = time.monotonic() - started
+
+    thread = threading.Thread(target=runaway)
+    thread.start()
+    time.sleep(0.5)  # the compile is running
+    started = time.monotonic()
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0)
+    plain_s = time.monotonic() - started
+    assert "elapsed" not in result, "the runaway ended before the plain request did"
+    assert plain.choices[0].finish_reason in ("length", "stop") and plain.usage.completion_tokens >= 1
+    assert plain_s < DEADLINE, plain_s
+    thread.join(timeout=DEADLINE + 30)
+    assert not thread.is_alive()
+    error = result["error"]
+    assert isinstance(error, openai.BadRequestError), result
+    body = error.body if isinstance(error.body, dict) else {}
+    assert body.get("param") == "response_format", body
+    assert body["message"].startswith("response_format: ") and f"within {DEADLINE:g} s" in body["message"], body
+    assert DEADLINE - 0.5 < result["elapsed"] < DEADLINE + 5.0, result  # type: ignore[operator]
+    after = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+                                           extra_body={"guided_choice": ["yes", "no"]})
+    assert after.choices[0].message.content in ("yes", "no")  # compiled in the replacement child
