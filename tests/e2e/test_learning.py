@@ -119,7 +119,11 @@ def test_bad_feedback_is_refused_by_name(base: Path, tmp_path: Path) -> None:
              ((asked.request_id, 1.0, None, "globex"), True, "id", f"no completion {asked.request_id!r}"),  # not its own
              ((asked.request_id, 1.5, None, "acme"), False, "score", "score must be a number from -1 to 1"),
              ((asked.request_id, 0.0, None, "acme"), False, "score", "a score of 0 without a correction"),
-             ((asked.request_id, 1.0, "  ", "acme"), False, "correction", "correction is empty")]
+             ((asked.request_id, 1.0, "  ", "acme"), False, "correction", "correction is empty"),
+             # issue 33: a 4k-token correction took 221 s and 4 GB; a 1 MB one gave IndexError; a lone surrogate 500
+             ((asked.request_id, 1.0, "t7 " * 300, "acme"), False, "correction", r"over the bound of 256 \(--feedback"),
+             ((asked.request_id, 1.0, "x" * 2**20, "acme"), False, "correction", "1,048,576 characters, over the bound"),
+             ((asked.request_id, 1.0, "a\ud800b", "acme"), False, "correction", "lone surrogate")]
     for (rid, score, correction, tenant), not_found, param, message in cases:
         with pytest.raises(FeedbackError, match=message) as err:
             llm.feedback(rid, score, correction, tenant=tenant)

@@ -64,6 +64,8 @@ def test_feedback_teaches_its_tenant_only(server: RunningServer) -> None:
     assert _feedback(server, "key-a", id=rid).status_code == 400  # no score at all
     codes = [_feedback(server, "key-a", id=rid, score=1.0).status_code for _ in range(3)]
     assert 429 in codes  # 12 events of burst spent, at 0.5 a second
+    for score in (True, "1"):  # issue 33: both were taken as 1.0
+        assert _feedback(server, "key-a", id=rid, score=score).json()["error"]["param"] == "score"
     assert _feedback(server, "key-b", id=_complete(server, "key-b")[0], score=1.0).status_code == 200  # its own bucket
 
     server.app.state.ruvllm.service.witness.flush()

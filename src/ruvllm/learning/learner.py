@@ -215,11 +215,27 @@ class Learner:
             raise FeedbackError(f"score must be a number from -1 to 1, got {score!r}", "score")
         if correction is not None and not correction.strip():
             raise FeedbackError("correction is empty", "correction")
+        if correction is not None and not correction.isascii():
+            try:
+                correction.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FeedbackError("correction is not valid text (it holds a lone surrogate)", "correction") from None
         done = self.store.get(completion_id, tenant)
         if done is None:
             raise CompletionNotFoundError(f"no completion {completion_id!r} to give feedback on (unknown or expired)", "id")
         if correction is not None:
+            limit = self.config.feedback_max_tokens
+            if len(correction) > 64 * limit:  # no tokenizer makes that few tokens of it: spare the encode
+                raise FeedbackError(f"correction is {len(correction):,} characters, over the bound of {limit} "
+                                    "tokens (--feedback-max-tokens)", "correction")
             target = self.tokenizer.encode(correction, add_special_tokens=False) + [self.eos]
+            if len(target) > limit:
+                raise FeedbackError(f"correction is {len(target)} tokens, over the bound of {limit} "
+                                    "(--feedback-max-tokens)", "correction")
+            room = self.model_config.max_position_embeddings - len(done.prompt_ids)
+            if len(target) > room:
+                raise FeedbackError(f"the prompt and the correction are {len(done.prompt_ids) + len(target)} "
+                                    "tokens, more than the model's context", "correction")
             score = abs(score) if score else 1.0  # a correction is always learned toward
         else:
             target = done.output_ids

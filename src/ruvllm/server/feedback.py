@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
 from ruvllm.engine.generation import GenerationService
 from ruvllm.learning.background import lower_thread_priority
@@ -28,7 +28,7 @@ class FeedbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
-    score: float
+    score: StrictFloat | StrictInt  # `true` and "1" are not scores
     correction: str | None = None
     user: str | None = None  # the tenant, when API keys do not say it
 
