@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import sysconfig
 import time
 from collections.abc import Iterator

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ruvllm.cli.common import CliState, clean_errors, fail
+from ruvllm.cli.common import CliState, clean_errors
 from ruvllm.cli.engine_options import Flags, with_engine_flags
 
 if TYPE_CHECKING:  # the engine imports torch: load it only once the command runs
