@@ -104,3 +104,20 @@ def test_feedback_buttons_teach_when_the_server_learns(browser, tmp_path: Path) 
                                timeout=30_000)
         assert learner.adapter_for("default") == "learned:default:v2"
         page.close()
+
+
+def test_the_page_renders_whatever_local_storage_holds(browser, server: RunningServer) -> None:
+    """Issue 33: non-string content in localStorage stopped the page from rendering."""
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.evaluate("""() => { localStorage.setItem('ruvllm.messages', JSON.stringify([{role: 'user', content: 5},
+        null, 7])); localStorage.setItem('ruvllm.temperature', '{"a": 1}'); localStorage.setItem('ruvllm.model', '[1]'); }""")
+    page.reload()
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    assert page.locator(".msg").count() == 0 and page.input_value("#temperature") != "[object Object]"
+    page.fill("#max_tokens", "4")
+    page.fill("#input", "Hi")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#send').textContent === 'Send'", timeout=60_000)
+    assert page.locator(".msg.user").count() == 1 and page.locator(".msg.assistant").count() == 1
+    page.close()
