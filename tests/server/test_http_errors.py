@@ -179,3 +179,20 @@ def test_queue_full_is_429(_shared_llm: LLM) -> None:
             assert _error(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "1"
             t.join()
             assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_connection_stays_open_after_a_500(http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception is a 500 in OpenAI's shape, and the keep-alive connection serves the
+    next request (issue 33, item 21: Starlette re-raised it to uvicorn, which closed the connection)."""
+    from ruvllm.server import openai_api
+
+    async def boom(*_: object, **__: object) -> None:
+        raise ZeroDivisionError("injected")
+    monkeypatch.setattr(openai_api, "_off_loop", boom)
+    r = http.post("/tokenize", json={"prompt": "Hi"})
+    assert _error(r, 500)["message"] == "internal error: ZeroDivisionError: injected"
+    assert r.headers.get("connection") != "close"
+    first = r.extensions["network_stream"].get_extra_info("client_addr")
+    monkeypatch.undo()
+    r = http.post("/tokenize", json={"prompt": "Hi"})
+    assert r.status_code == 200 and r.extensions["network_stream"].get_extra_info("client_addr") == first

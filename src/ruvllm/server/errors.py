@@ -4,17 +4,21 @@ errors mean to an HTTP client is said here alone (`api_error`)."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ruvllm.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError,
                            RequestError, RuvllmError)
 from ruvllm.learning.errors import CompletionNotFoundError, UpdateNotServedError
 from ruvllm.tools.format import ToolError
+
+log = logging.getLogger(__name__)
 
 # any other status: "invalid_request_error"
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
@@ -86,13 +90,48 @@ def _param_name(loc: tuple[Any, ...]) -> str | None:
     return ".".join(path)
 
 
+class UnexpectedErrorMiddleware:
+    """An exception no handler took becomes its 500 here, and goes no further: Starlette's
+    ServerErrorMiddleware would answer it but re-raise it to uvicorn, which then closes (resets) the
+    keep-alive connection (issue 33, item 21). Only a response already started is cut short: closing
+    the connection is then the one way to tell the client."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            await answer(exc)(scope, receive, send)
+
+
+def answer(exc: BaseException) -> JSONResponse:
+    err = api_error(exc)
+    return error_response(err.status, err.message, err.param, err.code, err.headers)
+
+
 def install_error_handlers(app: Any) -> None:
     async def _typed(_: Request, exc: Exception) -> JSONResponse:
-        err = api_error(exc)
-        return error_response(err.status, err.message, err.param, err.code, err.headers)
+        return answer(exc)
 
+    # Exception: what the middlewares outside UnexpectedErrorMiddleware raise (Starlette's last resort)
     for kind in (APIError, RuvllmError, ToolError, Exception):
         app.add_exception_handler(kind, _typed)
+    app.add_middleware(UnexpectedErrorMiddleware)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
