@@ -143,8 +143,12 @@ def test_a_deep_schema_sent_by_any_client_is_a_400(server: RunningServer) -> Non
         (err["param"] is None and "parsing the body" in err["message"]), err
 
 
-DEADLINE = 3.0
-RUNAWAY = {"type": "string", "maxLength": 200000}  # 36 bytes that xgrammar compiles for about a minute here
+DEADLINE = 5.0  # seconds; a plain request takes about 1 s on this machine under load
+# 8 strings of at most 200,000 characters: under 500 bytes, within every limit, and xgrammar compiles each
+# such string for about 3.6 s on a quiet 2-core EPYC (16.6 s for 3 of them under load): past any deadline
+# here by far. One such string alone ({"type": "string", "maxLength": 200000}) is too close to the deadline to test with.
+RUNAWAY = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 200000 + i} for i in range(8)},
+           "required": [f"p{i}" for i in range(8)]}
 
 
 class _WithCompileDeadline:
@@ -166,7 +170,7 @@ def deadline_server(_shared_llm: LLM) -> Iterator[RunningServer]:
 
 
 def test_a_runaway_compile_ends_in_a_400_at_its_deadline(deadline_server: RunningServer) -> None:
-    """A 36-byte schema that passes every size limit and compiles for about a minute: its request gets a
+    """A small schema that passes every size limit and compiles for most of a minute: its request gets a
     400 naming response_format at the deadline; a plain request sent meanwhile completes normally; the
     compile child is replaced, so the next constraint compiles."""
     client = _client(deadline_server)
