@@ -190,3 +190,29 @@ def test_learned_adapters_belong_to_their_tenant(lora_llm: LLM, tmp_path: Path) 
             extra_body={"ignore_eos": True}).choices[0].logprobs
         assert [admin_as_acme.tokens, admin_as_acme.token_logprobs] == list(base)  # the base model, not acme's
         assert _complete(running, "key-a")[1:] == taught
+
+
+SHARED = {"api_key": "k", "admin_key": "a"}  # a shared key that is not the operator's: `user` names the tenant
+
+
+@pytest.mark.parametrize("kwargs, status", [({}, 200), (SHARED, 403), ({**SHARED, "learn_user_tenants": True}, 200),
+                                            ({"learn_user_tenants": False}, 403)])
+def test_user_tenants_learn_only_where_the_operator_allows(lora_llm: LLM, tmp_path: Path, kwargs: dict,
+                                                           status: int) -> None:
+    """Issue 33, item 2: a tenant named by `user` (one client could name thousands) learns by default
+    only on a server without keys; refused, it is a 403 that names --learn-user-tenants, while the
+    default tenant still learns."""
+    learning = LearningConfig(instant=InstantConfig(layers=1, candidates=0), root=str(tmp_path / "learned"))
+    for running in start_server(lora_llm, learning=learning, **kwargs):
+        def ask(path: str, **body: object) -> httpx.Response:
+            return httpx.post(running.url + path, json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+
+        rid = ask("/v1/completions", model=MODEL, prompt=PROMPT, max_tokens=2, user="acme").json()["id"]
+        r = ask("/v1/feedback", id=rid, score=1.0, user="acme")
+        assert r.status_code == status, r.text
+        if status == 403:
+            assert r.json()["error"]["param"] == "user" and "--learn-user-tenants" in r.json()["error"]["message"]
+            rid = ask("/v1/completions", model=MODEL, prompt=PROMPT, max_tokens=2).json()["id"]
+            assert ask("/v1/feedback", id=rid, score=1.0).json()["adapter"] == "learned:default:v1"
+        else:
+            assert r.json()["adapter"] == "learned:acme:v1"

@@ -61,6 +61,10 @@ class ServerConfig(Checked):
     feedback_rate: float = setting(2.0, "With --learn: feedback events a second per tenant (bursts of "
                                         "feedback_burst); then 429.", minimum=0.001)
     feedback_burst: int = setting(10, "Feedback events a tenant may send at once.", minimum=1, cli=False)
+    # None: on without keys, off with any (docs/decisions.md: who may learn).
+    learn_user_tenants: bool | None = setting(
+        None, "With --learn: tenants named by the `user` field, not by a key, may send feedback (default: yes on "
+              "a server without keys, no with any key).", flag="--learn-user-tenants/--no-learn-user-tenants")
     max_waiting_updates: int = setting(32, "Feedback events queued for the update thread, all tenants; then 429.",
                                        minimum=0, cli=False)
     deep_every: float = setting(0.0, "With --learn: run the deep loop (ruvllm learn run) for a tenant once its "

@@ -19,7 +19,7 @@ from ruvllm.learning.background import lower_thread_priority
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState, state
-from ruvllm.server.tenants import tenant_of
+from ruvllm.server.tenants import named_by_user, tenant_of
 
 router = APIRouter()
 
@@ -42,6 +42,9 @@ class Feedback:
         self.updates = ThreadPoolExecutor(1, "ruvllm-learning", lower_thread_priority, (nice,))
         self.waiting = 0  # feedback requests in the update thread or queued for it (the event loop alone counts)
         self.deep = DeepTrigger(cfg, model, learned_dir) if cfg.deep_every else None
+        # may tenants named by `user` learn: by default, only on a server without keys (docs/decisions.md)
+        user_tenants = cfg.learn_user_tenants
+        self.user_tenants = not (cfg.api_key or cfg.api_keys or cfg.admin_key) if user_tenants is None else user_tenants
 
     async def learn(self, service: GenerationService, who: str, body: FeedbackRequest) -> dict[str, Any]:
         if not self.limiter.allow(who):
@@ -127,4 +130,8 @@ async def feedback(request: Request, body: FeedbackRequest, st: ServerState = De
     if st.feedback is None:
         raise APIError(400, "this server does not learn from feedback (start it with --learn)", None,
                        "learning_disabled")
+    if not st.feedback.user_tenants and named_by_user(request, body.user):
+        raise APIError(403, "this request's tenant is named by its `user` field, and on this server only the "
+                            "tenants of API keys learn (the operator allows `user` tenants with "
+                            "--learn-user-tenants)", "user", "user_tenant_cannot_learn")
     return await st.feedback.learn(st.service, tenant_of(request, body.user), body)

@@ -14,6 +14,11 @@ def tenant_of(request: Request, user: str | None) -> str:
     return getattr(request.state, "tenant", None) or user or DEFAULT_TENANT
 
 
+def named_by_user(request: Request, user: str | None) -> bool:
+    """Whether the request's tenant is its `user` field's (no key said one), not the default."""
+    return getattr(request.state, "tenant", None) is None and user not in (None, "", DEFAULT_TENANT)
+
+
 def read_api_keys(path: str | Path) -> tuple[tuple[str, str], ...]:
     """`KEY TENANT` per line (blank lines and `#` comments skipped). Errors name the line."""
     path = Path(path).expanduser()
