@@ -1,10 +1,13 @@
-"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}; what ruvllm's typed
-errors mean to an HTTP client is said here alone (`api_error`)."""
+"""Errors as each API dialect writes them (OpenAI's {"error": {"message", "type", "param", "code"}} unless
+the path belongs to another dialect: `dialect_for`); what ruvllm's typed errors mean to an HTTP client is
+said here alone (`api_error`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -62,6 +65,48 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+# Anthropic's error types by status (any other 4xx: invalid_request_error; 5xx: api_error)
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None, code: str | None = None
+                         ) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def ollama_error_body(status: int, message: str, param: str | None = None, code: str | None = None
+                      ) -> dict[str, Any]:
+    return {"error": message}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one API dialect writes an error: as a response body, and as the last frame of a stream
+    whose status line is long gone; and the media type of its streams."""
+
+    body: Callable[[int, str, str | None, str | None], dict[str, Any]]
+    stream_end: Callable[[dict[str, Any]], list[str]]
+    stream_media_type: str = "text/event-stream"
+
+
+def _sse(body: dict[str, Any], event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(body, ensure_ascii=True, separators=(',', ':'))}\n\n"
+
+
+OPENAI = Dialect(error_body, lambda body: [_sse(body), "data: [DONE]\n\n"])
+ANTHROPIC = Dialect(anthropic_error_body, lambda body: [_sse(body, "error")])
+OLLAMA = Dialect(ollama_error_body, lambda body: [json.dumps(body, ensure_ascii=True) + "\n"], "application/x-ndjson")
+# (path prefix, dialect): the first that matches; every other path speaks OpenAI's
+_DIALECTS: tuple[tuple[str, Dialect], ...] = (("/v1/messages", ANTHROPIC), ("/api/", OLLAMA))
+
+
+def dialect_for(path: str) -> Dialect:
+    return next((d for prefix, d in _DIALECTS if path.startswith(prefix)), OPENAI)
+
+
 class _ErrorJSON(JSONResponse):
     """ASCII-escaped JSON: an error may quote the client's own text, and that text can hold what
     UTF-8 cannot encode (a lone surrogate); escaped, it can always be sent."""
@@ -71,8 +116,10 @@ class _ErrorJSON(JSONResponse):
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return _ErrorJSON(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error in the shape of the dialect that `path` belongs to."""
+    body = dialect_for(path).body(status, message, param, code)
+    return _ErrorJSON(body, status_code=status, headers=headers)
 
 
 def _param_name(loc: tuple[Any, ...]) -> str | None:
@@ -116,17 +163,17 @@ class UnexpectedErrorMiddleware:
             if started:
                 raise
             log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
-            await answer(exc)(scope, receive, send)
+            await answer(exc, scope.get("path", ""))(scope, receive, send)
 
 
-def answer(exc: BaseException) -> JSONResponse:
+def answer(exc: BaseException, path: str = "") -> JSONResponse:
     err = api_error(exc)
-    return error_response(err.status, err.message, err.param, err.code, err.headers)
+    return error_response(err.status, err.message, err.param, err.code, err.headers, path)
 
 
 def install_error_handlers(app: Any) -> None:
-    async def _typed(_: Request, exc: Exception) -> JSONResponse:
-        return answer(exc)
+    async def _typed(request: Request, exc: Exception) -> JSONResponse:
+        return answer(exc, request.url.path)
 
     # Exception: what the middlewares outside UnexpectedErrorMiddleware raise (Starlette's last resort)
     for kind in (APIError, RuvllmError, ToolError, Exception):
@@ -134,13 +181,13 @@ def install_error_handlers(app: Any) -> None:
     app.add_middleware(UnexpectedErrorMiddleware)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         param = _param_name(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid request")
-        return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
+        return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)

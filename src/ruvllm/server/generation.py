@@ -22,9 +22,9 @@ from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.config import ServerConfig
-from ruvllm.server.errors import APIError, api_error, error_body
+from ruvllm.server.errors import APIError, Dialect, api_error, dialect_for
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
-from ruvllm.server.responses import TokenText, sse
+from ruvllm.server.responses import TokenText
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
 from ruvllm.tools.parsers import ToolReader
@@ -119,25 +119,27 @@ class ServerState:
         raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.", "model",
                        "model_not_found")
 
-    async def serve(self, request: Request, body: Any, prompts: list[EnginePrompt], params: list[SamplingParams],
+    async def serve(self, request: Request, prompts: list[EnginePrompt], params: list[SamplingParams],
                     kind: str, adapter: str | None, chunks: Callable[[Run], AsyncIterator[str]],
-                    answer: Callable[[Run, list[RequestOutput]], dict[str, Any]]) -> Response:
+                    answer: Callable[[Run, list[RequestOutput]], dict[str, Any]], *, user: str | None,
+                    stream: bool, priority: str | None = None) -> Response:
         """One API call, whatever its dialect: its sequences (prompts x n) admitted, handed to the
-        service, and answered as `chunks` (server-sent events) when `body.stream`, else as `answer`'s
-        body. `body` gives `user`, `priority` and `stream`; `kind` is its id's prefix."""
+        service, and answered as `chunks` (the dialect's stream frames) when `stream`, else as
+        `answer`'s body. `user`: the tenant the body names (keys aside); `kind` is its id's prefix."""
         seqs = params[0].n * len(prompts)
         self.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
-        tracker = RequestTracker(self.metrics)
+        tracker = RequestTracker(self.metrics, request.url.path)
         try:
             following = await self.service.start(
-                self.engine, self.admission.next_id(kind), tenant_of(request, body.user), adapter,
-                [p.token_ids for p in prompts], params, Priority[(body.priority or "normal").upper()], tracker.on_output)
+                self.engine, self.admission.next_id(kind), tenant_of(request, user), adapter,
+                [p.token_ids for p in prompts], params, Priority[(priority or "normal").upper()], tracker.on_output)
         except BaseException:
             self.admission.release(seqs)
             raise
         run = Run(following, tracker, adapter or self.cfg.served_model_name)
-        if body.stream:
-            return _Stream(chunks(run), release=lambda: self.admission.release(seqs))
+        if stream:
+            return _Stream(chunks(run), release=lambda: self.admission.release(seqs),
+                           dialect=dialect_for(request.url.path))
         try:
             final = await run.collect(request)
         finally:
@@ -191,11 +193,12 @@ class Run:
 
 
 class _Stream(StreamingResponse):
-    """An SSE response that returns its admission slots however it ends: a client that leaves before
-    the body is first read never starts the body's generator, so its `finally` cannot be relied on."""
+    """A stream (server-sent events, or Ollama's NDJSON) that returns its admission slots however it
+    ends: a client that leaves before the body is first read never starts the body's generator, so its
+    `finally` cannot be relied on."""
 
-    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(self._with_error_event(chunks), media_type="text/event-stream")
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None], dialect: Dialect) -> None:
+        super().__init__(self._with_error_event(chunks, dialect), media_type=dialect.stream_media_type)
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -206,9 +209,9 @@ class _Stream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # aborts the engine requests
 
     @staticmethod
-    async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """An error mid-stream becomes an error event and [DONE] (the status line is long gone), as
-        OpenAI's streams report them; a stream never just stops."""
+    async def _with_error_event(chunks: AsyncIterator[str], dialect: Dialect) -> AsyncIterator[str]:
+        """An error mid-stream becomes the dialect's last frames (OpenAI's: an error event and [DONE]);
+        the status line is long gone, and a stream never just stops."""
         try:
             async for c in chunks:
                 yield c
@@ -216,7 +219,7 @@ class _Stream(StreamingResponse):
             err = api_error(exc)
             if err.status == 500 and err.code is None:  # not raised on purpose
                 log.exception("stream failed")
-            yield sse(error_body(err.status, err.message, err.param, err.code))
-            yield "data: [DONE]\n\n"
+            for frame in dialect.stream_end(dialect.body(err.status, err.message, err.param, err.code)):
+                yield frame
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]

@@ -47,7 +47,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """With `required`, every path needs `Authorization: Bearer <key>` except those in `open_paths`
+    """With `required`, every path needs `Authorization: Bearer <key>` (or `x-api-key: <key>`) except those in `open_paths`
     (/health, and what the operator opened); without, a request with no or an unknown key goes on as
     nobody's. The scheme is case-insensitive (RFC 9110); keys are compared as digests in constant
     time (against every key, whichever matches), so neither their content nor their length leaks
@@ -61,20 +61,26 @@ class APIKeyMiddleware:
         self.open_paths = frozenset(open_paths)
 
     def _role(self, scope: Scope) -> tuple[str | None, bool] | None:
+        # Anthropic's clients send the key as `x-api-key`; everyone else's as a bearer token
         scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = _header(scope, b"x-api-key") or b""
+            if not token:
+                return None
         given = _digest(token.strip())
         found = None
         for digest, role in self.expected:
             if hmac.compare_digest(given, digest):
                 found = role
-        return found if scheme.lower() == b"bearer" else None
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             role = self._role(scope)
             if role is None and self.required and scope["path"] not in self.open_paths:
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'})
+                                      None, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="ruvllm"'},
+                                      path=scope["path"])
                 await resp(scope, receive, send)
                 return
             if role is not None:
@@ -106,7 +112,8 @@ class RequestLimitsMiddleware:
         except ValueError:
             bad_length = True
         if bad_length:
-            await error_response(400, "Content-Length is not a number", None, "invalid_value")(scope, receive, send)
+            await error_response(400, "Content-Length is not a number", None, "invalid_value",
+                                 path=scope["path"])(scope, receive, send)
             return 0
         chunks: list[bytes] = []
         size = 0
@@ -115,7 +122,8 @@ class RequestLimitsMiddleware:
                 message = await asyncio.wait_for(receive(), self.read_timeout_s)
             except TimeoutError:
                 await error_response(408, f"the request body did not arrive within {self.read_timeout_s:g} s "
-                                          f"({size} bytes received)", None, "request_timeout")(scope, receive, send)
+                                          f"({size} bytes received)", None, "request_timeout",
+                                     path=scope["path"])(scope, receive, send)
                 return size
             if message["type"] == "http.disconnect":
                 return size  # the client left before its request was whole: nobody to answer
@@ -129,7 +137,7 @@ class RequestLimitsMiddleware:
         if size > self.max_body_bytes:
             await error_response(413, f"the request body has {size} bytes; this server takes at most "
                                       f"{self.max_body_bytes} (--max-request-bytes)", None,
-                                 "request_too_large")(scope, receive, send)
+                                 "request_too_large", path=scope["path"])(scope, receive, send)
             return size
         body = b"".join(chunks)
         replayed = False

@@ -67,7 +67,7 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.model = model
         r.register(_EngineCollector(replicas, model))
-        lab = ["model_name"]
+        lab = ["model_name", "endpoint"]  # endpoint: the API path (each dialect has its own)
         self.prompt_tokens = Counter("ruvllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("ruvllm:generation_tokens", "Tokens generated.", lab, registry=r)
         self.request_success = Counter("ruvllm:request_success", "Finished requests by finish reason.",
@@ -86,8 +86,9 @@ class ServerMetrics:
 class RequestTracker:
     """Latency bookkeeping of one HTTP request across its stream of engine outputs."""
 
-    def __init__(self, m: ServerMetrics) -> None:
+    def __init__(self, m: ServerMetrics, endpoint: str) -> None:
         self.m, self.start = m, time.monotonic()
+        self.labels = (m.model, endpoint)
         self.last: float | None = None
 
     def on_output(self, out: RequestOutput) -> None:
@@ -96,21 +97,21 @@ class RequestTracker:
         new = sum(len(c.token_ids) for c in out.outputs)
         if new <= 0:
             return
-        label = self.m.model
+        label = self.labels
         if self.last is None:
-            self.m.ttft.labels(label).observe(now - self.start)
+            self.m.ttft.labels(*label).observe(now - self.start)
             if out.queue_time is not None:
-                self.m.queue_time.labels(label).observe(out.queue_time)
+                self.m.queue_time.labels(*label).observe(out.queue_time)
         else:
             # Several tokens can arrive in one output (n > 1); spread the gap over them.
             for _ in range(new):
-                self.m.itl.labels(label).observe((now - self.last) / new)
+                self.m.itl.labels(*label).observe((now - self.last) / new)
         self.last = now
 
     def on_finish(self, results: list[RequestOutput]) -> None:
-        label = self.m.model
-        self.m.e2e.labels(label).observe(time.monotonic() - self.start)
-        self.m.prompt_tokens.labels(label).inc(sum(len(r.prompt_token_ids) for r in results))
-        self.m.generation_tokens.labels(label).inc(sum(len(c.token_ids) for r in results for c in r.outputs))
+        label = self.labels
+        self.m.e2e.labels(*label).observe(time.monotonic() - self.start)
+        self.m.prompt_tokens.labels(*label).inc(sum(len(r.prompt_token_ids) for r in results))
+        self.m.generation_tokens.labels(*label).inc(sum(len(c.token_ids) for r in results for c in r.outputs))
         for c in (c for r in results for c in r.outputs if c.finish_reason is not None):
-            self.m.request_success.labels(label, c.finish_reason.value).inc()
+            self.m.request_success.labels(*label, c.finish_reason.value).inc()
