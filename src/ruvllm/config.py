@@ -314,6 +314,7 @@ class SpeculativeConfig(Checked):
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+POOLING_METHODS = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,15 @@ class EngineConfig(Checked):
     # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
     cuda_graphs: bool = setting(True, "Replay decode steps as CUDA graphs (CUDA only).",
                                 flag="--cuda-graphs/--no-cuda-graphs")
+    # Embeddings (LLM.embed, /v1/embeddings): how the final hidden states (after the final norm) of
+    # an input become one vector, before it is L2-normalized. "last": the last token's state, the
+    # only one of a causal decoder that has seen the whole input (what decoder embedders such as
+    # e5-mistral and gte-Qwen are trained with); it needs no state across chunks and lets the
+    # prefix cache serve shared prefixes. "mean": the average over every token's state (models
+    # trained with mean pooling); every row must be computed, so it takes no prefix-cache hits.
+    pooling: str = setting("last", "How an embedding pools the final hidden states: last (the last token's) or "
+                                   "mean (every token's average); docs/server.md, Embeddings.",
+                           choices=POOLING_METHODS)
     # Tensor parallelism (docs/scaling.md): this many processes, each holding a slice of every layer
     # (its heads, MLP columns and vocabulary rows), over torch.distributed: gloo on the CPU, NCCL on
     # CUDA (one GPU per rank). Dense weights in the Python layer loop; other settings are refused by name.

@@ -30,6 +30,10 @@ class CoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # Mixed into the prefix cache's keys (vLLM's cache_salt): requests with different salts share
     # no cached block, so one tenant cannot time another's prompts through cache hits.
     cache_salt: str | None = None
+    # An embedding request (config.POOLING_METHODS): its prompt is computed and its final hidden
+    # states pooled into one normalized vector (CoreOutput.embedding); nothing is sampled and no KV
+    # is kept after it. None: a generation request.
+    pooling: str | None = None
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -44,6 +48,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled (sent once)
     error: str | None = None  # why the core refused it (its constraint did not compile): a RequestError at the front
+    embedding: bytes | None = None  # a pooling request's vector: little-endian float32, L2-normalized
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -72,6 +77,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # Per KV group (kv_groups.py), the keys its queries see (None: the whole context). One group
     # for most models; a block holds one block of tokens for every layer of one group.
     kv_windows: tuple[int | None, ...] = (None,)
+    pooling: str = "last"  # how embeddings pool unless a request says otherwise (EngineConfig.pooling)
+    hidden_size: int = 0  # an embedding's length
 
     @property
     def num_blocks(self) -> int:

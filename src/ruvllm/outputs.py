@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ class ScheduledSeq:
     num_lookahead: int = 0
     # The block tables of KV groups 1.. (a model with sliding-window layers; empty for one group)
     group_block_tables: list[list[int]] = field(default_factory=list)
+    # An embedding request's chunk: its rows' hidden states are pooled (worker/pooling.py), never
+    # sampled; the chunk with `sample` set (the last) yields the vector.
+    pool: bool = False
 
 
 @dataclass(slots=True)
@@ -69,6 +73,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]]]  # request id -> per sampled token: chosen and top-N
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_proposed: dict[str, int] = field(default_factory=dict)  # request id -> tokens its proposer guessed
+    # request id -> its pooled, L2-normalized vector (little-endian float32): embedding requests
+    # whose last chunk ran this step
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 class OutputKind(enum.Enum):
@@ -103,3 +110,26 @@ class RequestOutput:
     prompt: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None
     queue_time: float | None = None  # seconds from arrival to first scheduled
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding: its final hidden states pooled (EngineInfo.pooling, or the request's)
+    and L2-normalized, as float32 values."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (last-token pooling)
+    queue_time: float | None = None  # seconds from arrival to first scheduled
+
+    @classmethod
+    def from_bytes(cls, request_id: str, prompt_token_ids: list[int], data: bytes, num_cached_tokens: int = 0,
+                   queue_time: float | None = None) -> EmbeddingOutput:
+        """From the core's little-endian float32 bytes (CoreOutput.embedding)."""
+        values = list(struct.unpack(f"<{len(data) // 4}f", data))
+        return cls(request_id, list(prompt_token_ids), values, num_cached_tokens, queue_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -76,6 +76,8 @@ class Request:
     # scheduler admits it once the core has seen the compile succeed (grammar_ready).
     grammar: Any = None
     grammar_ready: bool = False
+    # An embedding request's pooling ("last" or "mean"; None: generation): computed, pooled, finished.
+    pooling: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_new_tokens: int = 0  # output tokens the last step added (more than one with speculation)
@@ -116,6 +118,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def pools_every_row(self) -> bool:
+        """Mean pooling reads every prompt row's hidden state: none may come from the prefix cache."""
+        return self.pooling == "mean"
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (called for every request every step)."""

@@ -111,7 +111,7 @@ class EngineCore:
         req = Request(request_id=cr.request_id, prompt_token_ids=list(cr.prompt_token_ids), params=cr.params,
                       eos_token_ids=tuple(cr.eos_token_ids), priority=Priority(cr.priority),
                       arrival=self._arrivals.next(), prompt_sibling=sibling, max_total_tokens=self.info.max_seq_len,
-                      adapter=adapter, salt=cr.cache_salt, grammar=grammar)
+                      adapter=adapter, salt=cr.cache_salt, grammar=grammar, pooling=cr.pooling)
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         if grammar is not None:
@@ -206,6 +206,8 @@ class EngineCore:
                 out.new_logprobs = ro.logprobs[rid][:n]
         if rid in ro.prompt_logprobs:
             out.new_prompt_logprobs = ro.prompt_logprobs[rid]
+        if rid in ro.pooled:
+            out.embedding = ro.pooled[rid]
         if req.is_finished:
             out.finish_reason = req.finish_reason.value
             out.stop_reason = req.stop_reason if isinstance(req.stop_reason, int) else None

@@ -281,10 +281,21 @@ class KVCacheManager:
                 self.pool.release(self._real(tail), first=True)
 
     def free(self, req: Request) -> None:
-        """Return every block of the request; tail blocks first so they are evicted before shared heads."""
+        """Return every block of the request; tail blocks first so they are evicted before shared heads.
+
+        An embedding request's blocks stay in the prefix cache (valid K/V: the same text embedded or
+        quoted again hits them), but the ones it computed itself join the free list at the front, to
+        be handed out first: a stream of one-off embeddings never pushes generation's cached
+        prefixes (system prompts, conversations) out of the pool. Blocks it took from the prefix
+        cache go back where any request's would."""
+        hit_blocks = req.num_cached_tokens // self.block_size if req.pooling is not None else None
         for s in self._streams(req):
             blocks = self._blocks.pop(s.key, [])
             self._hashes.pop(s.key, None)
             self._cold_upto.pop(s.key, None)
             self._requests.pop(s.key, None)
-            self.pool.release(reversed(self._real(blocks)))
+            if hit_blocks is None:
+                self.pool.release(reversed(self._real(blocks)))
+            else:  # own blocks moved to the front one by one: the tail ends first, evicted first
+                self.pool.release(reversed(self._real(blocks[:hit_blocks])))
+                self.pool.release(self._real(blocks[hit_blocks:]), first=True)

@@ -103,8 +103,8 @@ class Scheduler:
                 if req.adapter and req.adapter.name not in adapters \
                         and sum(adapters.values()) + req.adapter.slots > self.max_loras:
                     continue
-                # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-                hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None \
+                # Prompt logprobs and mean pooling need every prompt position computed: no prefix-cache hits.
+                hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None or req.pools_every_row \
                     else self.kv.get_computed_blocks(req)
                 n = req.num_tokens - hit_tokens
                 if n > budget and not cfg.enable_chunked_prefill:
@@ -138,13 +138,14 @@ class Scheduler:
                 adapter=req.adapter.name if req.adapter else None,
                 scaling_block_table=self.kv.block_table(scaling_key(req.request_id)) if req.scaling_pass else None,
                 num_lookahead=k,
+                pool=req.pooling is not None,
             ))
         return out
 
     def _lookahead(self, req: Request, budget: int) -> int:
         """Proposals a decoding request may have scored this step: K, or fewer where its max_tokens,
         the context or the step's budget leave less room (all its new tokens must fit)."""
-        if not self.num_lookahead or req.scaling_pass:
+        if not self.num_lookahead or req.scaling_pass or req.pooling is not None:  # (an embedding never decodes)
             return 0
         p = req.params
         room = [self.num_lookahead, budget - 1, req.max_total_tokens - req.num_tokens - 1]
@@ -194,6 +195,15 @@ class Scheduler:
                 self.kv.cache_full_blocks(req)
                 if scored:
                     touched.append(req)
+                continue
+            if seq.pool:
+                # An embedding's last chunk ran: the worker pooled its vector (ro.pooled). Its full
+                # blocks are valid K/V and enter the prefix cache as any prompt's do; finishing frees
+                # them at once (KVCacheManager.free: to be handed out first).
+                req.num_computed_tokens += len(seq.token_ids)
+                self.kv.cache_full_blocks(req)
+                touched.append(req)
+                self.finish(req, FinishReason.STOP)
                 continue
             # One token, or with speculation the accepted proposals and one more: every token but the
             # last has its K/V computed now (a proposal is accepted only where it equals the token).

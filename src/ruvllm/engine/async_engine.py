@@ -24,13 +24,13 @@ from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ReplicaState, ThreadCoreClient
 from ruvllm.engine.data_parallel import DataParallelConfig, DataParallelCoreClient
-from ruvllm.engine.input_processor import core_requests, stop_token_set
+from ruvllm.engine.input_processor import core_requests, embed_request, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import PromptInput, encode_prompt
-from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError
+from ruvllm.errors import AdapterNotFoundError, EngineDeadError, EngineShutdownError, RequestError
 from ruvllm.messages import (CoreOutput, EngineInfo, EngineStats, GetStats, LoadAdapter, ResetPrefixCache,
                              UnloadAdapter)
-from ruvllm.outputs import OutputKind, RequestOutput
+from ruvllm.outputs import EmbeddingOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 
@@ -55,6 +55,8 @@ class AsyncEngine:
         self._eos = stop_token_set(self.info, tokenizer)
         self._processor = OutputProcessor(tokenizer)
         self._streams: dict[str, Stream] = {}
+        # Embedding requests waiting for their vector: request id -> (its caller, its token ids)
+        self._embeds: dict[str, tuple[Stream, list[int]]] = {}
         self._ids = itertools.count()
         # Guards the processor and the streams: callers add and abort on their event loops while
         # the client's thread hands outputs in.
@@ -138,6 +140,40 @@ class AsyncEngine:
             if running and not finished:
                 self._client.abort(running)
 
+    async def embed(self, prompt: PromptInput, request_id: str | None = None, priority: Priority = Priority.NORMAL,
+                    lora: str | None = None, cache_salt: str | None = None,
+                    pooling: str | None = None) -> EmbeddingOutput:
+        """The input's final hidden states pooled (`pooling`, else the engine's EngineInfo.pooling) and
+        L2-normalized. Scheduled beside generation under the same token budget; its K/V is freed as
+        soon as it is computed. Cancelling the call aborts the request."""
+        if self._closed is not None:
+            raise self._closed
+        request_id = request_id or f"emb-{next(self._ids)}"
+        token_ids, _ = encode_prompt(self.tokenizer, prompt)
+        if lora is not None and lora not in self.loras:
+            raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
+        core_request = embed_request(request_id, token_ids, priority, self.info, pooling, lora, cache_salt)
+        stream = Stream(asyncio.get_running_loop())
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            if request_id in self._embeds or request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._embeds[request_id] = (stream, token_ids)
+        finished = False
+        try:
+            self._client.add([core_request])
+            item = await stream.queue.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        finally:
+            with self._lock:
+                self._embeds.pop(request_id, None)
+            if not finished:
+                self._client.abort([request_id])
+
     async def abort(self, request_id: str) -> None:
         """Abort a request by id (another task's): its stream ends with a finished output whose
         running completions say "abort". Unknown or finished ids are ignored."""
@@ -205,6 +241,9 @@ class AsyncEngine:
             streams = list(self._streams.items())
             running = [sid for rid, _ in streams for sid in self._processor.abort(rid)]
             self._streams.clear()
+            streams += [(rid, stream) for rid, (stream, _) in self._embeds.items()]
+            running += list(self._embeds)
+            self._embeds.clear()
         if running:
             self._client.abort(running)
         for rid, stream in streams:
@@ -220,8 +259,13 @@ class AsyncEngine:
     # --- the client's thread ---------------------------------------------------------------------
     def _on_outputs(self, outputs: list[CoreOutput]) -> None:
         with self._lock:
+            embedded = [(self._embeds.pop(o.request_id), o) for o in outputs if o.request_id in self._embeds]
+            if embedded:
+                outputs = [o for o in outputs if o.request_id not in {e.request_id for _, e in embedded}]
             results, aborts = self._processor.process(outputs)
-            targets = [(self._streams.get(r.request_id), r) for r in results]
+            targets: list[tuple[Stream | None, Any]] = [(self._streams.get(r.request_id), r) for r in results]
+        for (stream, ids), out in embedded:
+            targets.append((stream, _embedding(out, ids)))
         if aborts:
             self._client.abort(aborts)  # stop strings matched: the core frees those sequences
         for stream, result in targets:
@@ -233,6 +277,7 @@ class AsyncEngine:
         with self._lock:
             request_ids = self._processor.request_ids_of(seq_ids)
             streams = [self._streams.pop(rid, None) for rid in request_ids]
+            streams += [self._embeds.pop(sid)[0] for sid in seq_ids if sid in self._embeds]
             for rid in request_ids:
                 self._processor.abort(rid)
         for stream in streams:
@@ -247,6 +292,8 @@ class AsyncEngine:
             for rid, _ in streams:
                 self._processor.abort(rid)
             self._streams.clear()
+            streams += [(rid, stream) for rid, (stream, _) in self._embeds.items()]
+            self._embeds.clear()
         for _, stream in streams:
             deliver(stream, error)
         for callback in self._failure_callbacks:
@@ -254,6 +301,15 @@ class AsyncEngine:
                 callback(error)
             except Exception:
                 log.exception("engine failure callback failed")
+
+
+def _embedding(out: CoreOutput, token_ids: list[int]) -> EmbeddingOutput | RequestError:
+    """An embedding request's one output: its vector, or why it ended without one (the core ends a
+    request that names an adapter unloaded since the front checked it)."""
+    if out.embedding is None:
+        return RequestError(out.error or f"request {out.request_id} ended before it was embedded "
+                                          f"({out.finish_reason or 'no reason given'})", "input")
+    return EmbeddingOutput.from_bytes(out.request_id, token_ids, out.embedding, out.num_cached_tokens, out.queue_time)
 
 
 def deliver(stream: Stream, item: Any) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from typing import Any
 
+from ruvllm.config import POOLING_METHODS
 from ruvllm.errors import RequestError
 from ruvllm.messages import CoreRequest, EngineInfo
 from ruvllm.request import Priority
@@ -69,3 +70,29 @@ def core_requests(request_id: str, ids: list[int], params: SamplingParams, prior
                                prompt_sibling=out[0].request_id if out else None, adapter=adapter,
                                cache_salt=cache_salt))
     return out
+
+
+def check_embed_request(ids: list[int], info: EngineInfo, pooling: str | None = None) -> None:
+    """An embedding's input, judged before it reaches the core: non-empty, in the vocabulary, within
+    the context (it needs no room for a generated token: its whole input may fill it)."""
+    if not ids:
+        raise RequestError("input is empty: at least one token is needed", "input")
+    vocab = info.vocab_size
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"input token ids out of range [0, {vocab}): {bad[:5]}", "input")
+    if len(ids) > info.max_seq_len:
+        raise RequestError(f"input has {len(ids)} tokens, but this engine's context holds at most "
+                           f"{info.max_seq_len} tokens", "input")
+    if pooling is not None and pooling not in POOLING_METHODS:
+        raise RequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {pooling!r}", "pooling")
+
+
+def embed_request(request_id: str, ids: list[int], priority: Priority, info: EngineInfo,
+                  pooling: str | None = None, adapter: str | None = None,
+                  cache_salt: str | None = None) -> CoreRequest:
+    """One embedding for the core: prefill only, pooled as `pooling` says (None: the engine's)."""
+    check_embed_request(ids, info, pooling)
+    # (its SamplingParams are never read: nothing is sampled)
+    return CoreRequest(request_id, list(ids), SamplingParams(max_tokens=1), (), int(priority), time.monotonic(),
+                       adapter=adapter, cache_salt=cache_salt, pooling=pooling or info.pooling)

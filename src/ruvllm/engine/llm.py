@@ -15,12 +15,13 @@ from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.generation import GenerationService
 from ruvllm.engine.core_client import InlineCoreClient
-from ruvllm.engine.input_processor import core_requests, stop_token_set
+from ruvllm.engine.input_processor import core_requests, embed_request, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
 from ruvllm.engine.prompts import encode_prompt, normalize_prompts, render_chat
 from ruvllm.messages import (CoreOutput, EngineInfo, EngineStats, GetStats, LoadAdapter, ResetPrefixCache,
                              UnloadAdapter)
-from ruvllm.outputs import OutputKind, RequestOutput
+from ruvllm.errors import RequestError
+from ruvllm.outputs import EmbeddingOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.tenants import DEFAULT_TENANT
@@ -209,6 +210,41 @@ class LLM:
         for call in calls:
             call.record(0, results[call.request_id])
         return [results[rid] for rid in rids]
+
+    def embed(self, inputs: Any, pooling: str | None = None, priority: Priority = Priority.NORMAL,
+              lora: str | Path | None = None, tenant: str = DEFAULT_TENANT) -> list[EmbeddingOutput]:
+        """Each input's final hidden states (after the final norm) pooled and L2-normalized: one
+        vector per input, in order. `inputs`: a string, a list of token ids, or a list of either.
+        `pooling`: "last" (the last token's state) or "mean" (every token's average); None: the
+        engine's setting (EngineConfig.pooling). The inputs run through the scheduler together, and
+        each gets the same vector, bit for bit, as it would alone. `tenant` and `lora` as in generate."""
+        items = normalize_prompts(inputs)
+        service = GenerationService(self.learner)
+        call = service.open(str(next(self._ids)), tenant, self._adapter(lora), [], [])
+        encoded = [encode_prompt(self.tokenizer, p)[0] for p in items]
+        # Every input is checked before any is added: a bad one refuses the whole call.
+        requests = [embed_request(f"{call.request_id}-{i}", ids, priority, self.info, pooling, call.adapter,
+                                  call.cache_salt) for i, ids in enumerate(encoded)]
+        wanted = {r.request_id: i for i, r in enumerate(requests)}
+        results: dict[int, EmbeddingOutput] = {}
+        self._client.add(requests)
+        try:
+            while len(results) < len(requests):
+                self._client.poll()
+                for out in self._outputs:
+                    i = wanted.get(out.request_id)
+                    if i is None:
+                        continue
+                    if out.embedding is None:  # the core ended it (its adapter was unloaded meanwhile)
+                        raise RequestError(f"input {i} ended before it was embedded ({out.finish_reason})", "input")
+                    results[i] = EmbeddingOutput.from_bytes(out.request_id, encoded[i], out.embedding,
+                                                            out.num_cached_tokens, out.queue_time)
+                self._outputs.clear()
+        finally:
+            self._outputs.clear()
+            self._client.abort([r.request_id for r in requests])  # (interrupted: nothing stays in the engine)
+            self._client.poll()
+        return [results[i] for i in range(len(requests))]
 
     # --- learning from feedback (docs/learning.md) --------------------------------------------------------
     def enable_learning(self, config: LearningConfig | None = None) -> Learner:

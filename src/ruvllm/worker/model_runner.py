@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ruvllm.lora.batch import LoraBatch, XLoraBatch
     from ruvllm.lora.manager import LoraManager
     from ruvllm.worker.cuda_graphs import DecodeGraphs
+    from ruvllm.worker.pooling import Pooler
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class ModelRunner:
         rows, ids, counts, end = [], [], [], 0
         for seq in so.seqs:
             end += len(seq.token_ids)
-            if seq.sample:
+            if seq.sample and not seq.pool:
                 prop = proposals.get(seq.request_id) if proposals else None
                 n = 1 + (len(prop.tokens) if prop is not None else 0)
                 rows.extend(range(end - n, end))
@@ -223,14 +224,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, states: dict[str, SamplingState],
-                proposals: dict[str, Proposal] | None = None) -> ModelRunnerOutput:
+                proposals: dict[str, Proposal] | None = None, pooler: Pooler | None = None) -> ModelRunnerOutput:
         """Forward and sample. With proposals (speculative decoding), each proposing sequence's
         token_ids end with its proposal's tokens, and its rows are verified (speculative/verify.py).
-        The sampled tokens are appended to the states."""
+        The sampled tokens are appended to the states. Embedding requests' rows (ScheduledSeq.pool)
+        go to `pooler` instead, from the same forward pass."""
         proposals = proposals or {}
         # A decode-only step runs as one CUDA graph (forward and LM head) where one was captured
-        # (the graphs hold no adapters and one row per sequence).
-        use_graphs = self.graphs is not None and not proposals and not any(seq.adapter for seq in so.seqs)
+        # (the graphs hold no adapters, one row per sequence, and give logits, not hidden states).
+        use_graphs = self.graphs is not None and not proposals and not any(seq.adapter or seq.pool for seq in so.seqs)
         logits = self.graphs.run(so) if use_graphs else None
         if logits is not None:
             out = ModelRunnerOutput({}, {}, {})
@@ -240,6 +242,8 @@ class ModelRunner:
             hidden = self.forward(so)
             rows, sample_ids, counts = self._last_rows(so, proposals)
             out = ModelRunnerOutput({}, {}, self._prompt_logprobs(so, hidden, states))
+            if pooler is not None:
+                out.pooled = self._pool(so, hidden, pooler)
             if not sample_ids:
                 return out
             logits = self._logits(hidden, rows)
@@ -249,6 +253,19 @@ class ModelRunner:
         out.logprobs = {rid: lps for rid, lps in zip(sample_ids, logprobs) if lps[0] is not None}
         out.num_proposed = {rid: len(p.tokens) for rid, p in proposals.items()}
         return out
+
+    @staticmethod
+    def _pool(so: SchedulerOutput, hidden: torch.Tensor, pooler: Pooler) -> dict[str, bytes]:
+        """Each embedding chunk's rows handed to the pooler; the vectors of those that ended."""
+        pooled, start = {}, 0
+        for seq in so.seqs:
+            n = len(seq.token_ids)
+            if seq.pool:
+                vector = pooler.add(seq.request_id, seq.start_position, hidden[start:start + n], seq.sample)
+                if vector is not None:
+                    pooled[seq.request_id] = vector
+            start += n
+        return pooled
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
                          states: dict[str, SamplingState]) -> dict[str, list]:

@@ -39,6 +39,7 @@ from ruvllm.speculative.verify import Proposal
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
 from ruvllm.worker.kv_sizing import cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
 from ruvllm.worker.model_runner import ModelRunner
+from ruvllm.worker.pooling import Pooler
 
 if TYPE_CHECKING:
     from ruvllm.loader import ModelSource
@@ -125,6 +126,7 @@ class Worker:
         self.config = config = dataclasses.replace(config, scheduler=config.scheduler.resolved(self.device.type))
         self.runner = self._runner(loaded.model, config)
         self._states: dict[str, SamplingState] = {}  # each sequence's state, from its first step to its end
+        self.pooler = Pooler()  # each embedding request's pooling across its chunks
         self.lora: LoraManager | None = None
         if config.lora.enable_lora:
             self.lora = LoraManager(mc, config.lora, self.dtype, self.device)
@@ -322,20 +324,26 @@ class Worker:
             quantization=self.loaded.quant.method, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_loras=self.config.lora.max_loras if self.config.lora.enable_lora else 0,
-            kv_windows=runner.layout.windows)
+            kv_windows=runner.layout.windows, pooling=self.config.pooling,
+            hidden_size=self.model_config.hidden_size)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: forget ended sequences, set up new ones, move cold blocks, run, sample."""
         for rid in so.finished_ids:
             self._states.pop(rid, None)
+            self.pooler.forget(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
             if self.spec_policy is not None:
                 self.spec_policy.forget(rid)
-        if self.proposer is not None:
-            for rid in so.preempted:
+        for rid in so.preempted:
+            self.pooler.preempted(rid)
+            if self.proposer is not None:
                 self.proposer.preempted(rid)
         for req in so.new_requests:
+            if req.pooling is not None:  # an embedding: pooled, never sampled
+                self.pooler.start(req.request_id, req.pooling)
+                continue
             grammar = so.grammars.get(req.request_id)
             self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
                                                          tuple(req.eos_token_ids),
@@ -345,7 +353,7 @@ class Worker:
         if so.is_empty:
             return ModelRunnerOutput({}, {}, {})
         run, proposals = self._propose(so)
-        out = self.runner.execute(run, self._states, proposals)
+        out = self.runner.execute(run, self._states, proposals, self.pooler)
         for seq in so.seqs:
             prop = proposals.get(seq.request_id)
             if prop is not None:
