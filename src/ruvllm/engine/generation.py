@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ruvllm.engine.input_processor import check_request
+from ruvllm.engine.input_processor import check_embed_request, check_request
 from ruvllm.errors import AdapterNotFoundError, RequestError, RuvllmError
-from ruvllm.outputs import CompletionOutput, OutputKind, RequestOutput
+from ruvllm.outputs import CompletionOutput, EmbeddingOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.tenants import may_use, tenant_salt
@@ -60,6 +60,32 @@ class GenerationService:
         args = (request_id, tenant, adapter, prompts, params)
         call = await asyncio.to_thread(self.open, *args) if self.learner is not None else self.open(*args)
         return Following(engine, call, priority, observe)
+
+    async def embed(self, engine: AsyncEngine, request_id: str, tenant: str, adapter: str | None,
+                    prompts: list[list[int]], priority: Priority, pooling: str | None = None,
+                    concurrency: int | None = None) -> list[EmbeddingOutput]:
+        """Embeddings over an AsyncEngine, decided as a generation call is (tenant, adapter, the
+        tenant's prefix-cache salt), with at most `concurrency` inputs in the engine at once (None:
+        all). Every input is checked before any starts; leaving early (cancellation) aborts them all.
+        Nothing is recorded: the learner and the witness log keep completions, and an embedding is none."""
+        for ids in prompts:
+            check_embed_request(ids, engine.info, pooling)
+        args = (request_id, tenant, adapter, [], [])
+        call = await asyncio.to_thread(self.open, *args) if self.learner is not None else self.open(*args)
+        gate = asyncio.Semaphore(concurrency or max(1, len(prompts)))
+
+        async def one(i: int) -> EmbeddingOutput:
+            async with gate:
+                return await engine.embed(prompts[i], f"{request_id}-{i}", priority, call.adapter, call.cache_salt,
+                                          pooling)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def feedback(self, request_id: str, tenant: str, score: float, correction: str | None) -> FeedbackResult:
         """Learn from feedback on one of the tenant's completions (typed errors when refused), witnessed."""
