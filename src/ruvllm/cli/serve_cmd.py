@@ -65,6 +65,8 @@ def register(app: typer.Typer) -> None:
                           learning=learning.make(LearningConfig, threads=1, background_s=0.1) if learn else None)
         host, port = cfg.host, cfg.port
         check_port_free(host, port)  # before seconds of loading, not after
+        if cfg.grpc_port:
+            check_port_free(host, cfg.grpc_port)
         if cfg.deep_every and not (learn and cfg.deep_heldout):
             raise fail("--deep-every needs --learn and --deep-heldout FILE")
         for flag, value in (("--deep-heldout", cfg.deep_heldout), ("--deep-general", cfg.deep_general),
@@ -100,7 +102,8 @@ def register(app: typer.Typer) -> None:
                       f"{info.num_blocks} blocks{tiers} x {info.block_size} = {info.num_blocks * info.block_size:,} "
                       f"tokens ({kv_mib:.0f} MiB); {info.dtype} on {info.device}")
         app = create_app(async_engine, cfg, owns_engine=True)
-        console.print(f"starting the server on http://{host}:{port}/v1  (Ctrl-C stops it)")
+        grpc_text = f" and gRPC on {host}:{cfg.grpc_port}" if cfg.grpc_port is not None else ""
+        console.print(f"starting the server on http://{host}:{port}/v1{grpc_text}  (Ctrl-C stops it)")
         try:
             started = serve_app(app, async_engine, host, port, cfg.graceful_shutdown_s)
         finally:

@@ -18,9 +18,8 @@ from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import install_error_handlers
 from ruvllm.server.generation import Admission, ServerState
-from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware
+from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware, key_roles
 from ruvllm.server.metrics import ServerMetrics
-from ruvllm.tenants import DEFAULT_TENANT
 from ruvllm.tools.format import template_knows_tools
 from ruvllm.tools.parsers import parser_for
 
@@ -45,8 +44,15 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     st.tool_parser = parser_for(template, cfg.tool_parser)  # stateless: one serves every request
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(running: FastAPI) -> AsyncIterator[None]:
+        grpc_server = None
+        if cfg.grpc_port is not None:  # on this event loop, over the same state (docs/server.md, "gRPC")
+            from ruvllm.grpc.server import start_grpc
+
+            grpc_server, running.state.grpc_port = await start_grpc(st, cfg.host, cfg.grpc_port)
         yield
+        if grpc_server is not None:  # refuses new calls; those in flight get the drain's time
+            await grpc_server.stop(cfg.graceful_shutdown_s)
         if service.learner is not None:
             await st.feedback.close()
             await asyncio.to_thread(service.learner.close)  # its background pass may be loading into the engine
@@ -61,13 +67,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=cfg.max_request_bytes,
                        read_timeout_s=cfg.request_read_timeout_s)
-    # Roles: a tenant's key is its tenant's; a shared --api-key lets the `user` field say (with tenants'
-    # keys, it is the default tenant's: `user` never names a key's tenant); the admin key is no tenant's.
-    keys = {key: (tenant, False) for key, tenant in cfg.api_keys}
-    if cfg.api_key:
-        keys[cfg.api_key] = (DEFAULT_TENANT if cfg.api_keys else None, False)
-    if cfg.admin_key or cfg.api_key:
-        keys[cfg.admin_key or cfg.api_key] = (DEFAULT_TENANT, True)
+    keys = key_roles(cfg)
     if keys:  # the chat page holds no data: it asks for the key and sends it with its API calls
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key),
                            required=bool(cfg.api_key or cfg.api_keys))

@@ -17,6 +17,8 @@ from ruvllm.tools.parsers import PARSERS
 class ServerConfig(Checked):
     host: str = setting("127.0.0.1", "Interface to bind (ray-serve: of Ray Serve's HTTP proxy).")
     port: int = setting(8000, "Port to bind (ray-serve: of Ray Serve's HTTP proxy).", minimum=0, maximum=65535)
+    grpc_port: int | None = setting(None, "Also serve the gRPC API (src/ruvllm/grpc/ruvllm.proto) on this port, same "
+                                          "interface, same engine (default: no gRPC).", minimum=0, maximum=65535)
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on every route but /health.",
                                   envvar="RUVLLM_API_KEY")
     admin_key: str | None = setting(None, "The operator's key: loading and unloading adapters need it (default: "

@@ -126,17 +126,8 @@ class ServerState:
         """One API call, whatever its dialect: its sequences (prompts x n) admitted, handed to the
         service, and answered as `chunks` (the dialect's stream frames) when `stream`, else as
         `answer`'s body. `user`: the tenant the body names (keys aside); `kind` is its id's prefix."""
-        seqs = params[0].n * len(prompts)
-        self.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
-        tracker = RequestTracker(self.metrics, request.url.path)
-        try:
-            following = await self.service.start(
-                self.engine, self.admission.next_id(kind), tenant_of(request, user), adapter,
-                [p.token_ids for p in prompts], params, Priority[(priority or "normal").upper()], tracker.on_output)
-        except BaseException:
-            self.admission.release(seqs)
-            raise
-        run = Run(following, tracker, adapter or self.cfg.served_model_name)
+        run = await self.begin(request.url.path, tenant_of(request, user), prompts, params, kind, adapter, priority)
+        seqs = run.seqs
         if stream:
             return _Stream(chunks(run), release=lambda: self.admission.release(seqs),
                            dialect=dialect_for(request.url.path))
@@ -147,6 +138,23 @@ class ServerState:
         if final is None:
             return Response(status_code=499)  # client closed the request; nobody reads this
         return JSONResponse(answer(run, final))
+
+    async def begin(self, endpoint: str, tenant: str, prompts: list[EnginePrompt], params: list[SamplingParams],
+                    kind: str, adapter: str | None, priority: str | None = None) -> Run:
+        """One API call's sequences (prompts x n) admitted and handed to the service, not started until
+        its outputs are first read; the caller gives the admission back (`admission.release(run.seqs)`)
+        however the call ends. `endpoint` labels its metrics (HTTP: the path; gRPC: the method)."""
+        seqs = params[0].n * len(prompts)
+        self.admission.acquire(seqs, "prompt" if len(prompts) > 1 else "n")
+        tracker = RequestTracker(self.metrics, endpoint)
+        try:
+            following = await self.service.start(
+                self.engine, self.admission.next_id(kind), tenant, adapter, [p.token_ids for p in prompts], params,
+                Priority[(priority or "normal").upper()], tracker.on_output)
+        except BaseException:
+            self.admission.release(seqs)
+            raise
+        return Run(following, tracker, adapter or self.cfg.served_model_name)
 
 
 def state(request: Request) -> ServerState:
@@ -165,6 +173,12 @@ class Run:
     @property
     def id(self) -> str:
         return self.following.call.request_id
+
+    @property
+    def seqs(self) -> int:
+        """The admission slots it holds: its prompts times n."""
+        call = self.following.call
+        return len(call.prompts) * call.params[0].n
 
     def finish(self) -> list[RequestOutput]:
         self.tracker.on_finish(self.following.results)

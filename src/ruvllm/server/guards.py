@@ -14,7 +14,9 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import error_response
+from ruvllm.tenants import DEFAULT_TENANT
 
 
 # glibc keeps what a large request freed (its parsed body, the tokenizer's buffers in the worker
@@ -42,6 +44,37 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+Role = tuple[str | None, bool]  # (the key's tenant, or None: the `user` field says; whether it is the admin's)
+
+
+def key_roles(cfg: ServerConfig) -> dict[str, Role]:
+    """Each key's role. A tenant's key is its tenant's; a shared --api-key lets the `user` field say (with
+    tenants' keys, it is the default tenant's: `user` never names a key's tenant); the admin key is no
+    tenant's. Shared by HTTP (APIKeyMiddleware) and gRPC."""
+    keys: dict[str, Role] = {key: (tenant, False) for key, tenant in cfg.api_keys}
+    if cfg.api_key:
+        keys[cfg.api_key] = (DEFAULT_TENANT if cfg.api_keys else None, False)
+    if cfg.admin_key or cfg.api_key:
+        keys[cfg.admin_key or cfg.api_key] = (DEFAULT_TENANT, True)
+    return keys
+
+
+class KeyTable:
+    """Keys compared as digests in constant time (against every key, whichever matches), so neither
+    their content nor their length leaks through timing."""
+
+    def __init__(self, keys: dict[str, Role]) -> None:
+        self.expected = [(_digest(k.encode()), role) for k, role in keys.items()]
+
+    def role(self, token: bytes) -> Role | None:
+        given = _digest(token.strip())
+        found = None
+        for digest, role in self.expected:
+            if hmac.compare_digest(given, digest):
+                found = role
+        return found
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     return next((value for key, value in scope.get("headers") or () if key.lower() == name), None)
 
@@ -54,25 +87,20 @@ class APIKeyMiddleware:
     through timing. `keys` maps each key to (its tenant, or None: the `user` field says; whether it
     is the admin's), which the request carries on (`request.state.tenant`, `request.state.admin`)."""
 
-    def __init__(self, app: ASGIApp, keys: dict[str, tuple[str | None, bool]], open_paths: Iterable[str] = ("/health",),
+    def __init__(self, app: ASGIApp, keys: dict[str, Role], open_paths: Iterable[str] = ("/health",),
                  required: bool = True) -> None:
         self.app, self.required = app, required
-        self.expected = [(_digest(k.encode()), role) for k, role in keys.items()]
+        self.keys = KeyTable(keys)
         self.open_paths = frozenset(open_paths)
 
-    def _role(self, scope: Scope) -> tuple[str | None, bool] | None:
+    def _role(self, scope: Scope) -> Role | None:
         # Anthropic's clients send the key as `x-api-key`; everyone else's as a bearer token
         scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
         if scheme.lower() != b"bearer":
             token = _header(scope, b"x-api-key") or b""
             if not token:
                 return None
-        given = _digest(token.strip())
-        found = None
-        for digest, role in self.expected:
-            if hmac.compare_digest(given, digest):
-                found = role
-        return found
+        return self.keys.role(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -11,7 +11,12 @@ from ruvllm.tenants import DEFAULT_TENANT
 
 
 def tenant_of(request: Request, user: str | None) -> str:
-    return getattr(request.state, "tenant", None) or user or DEFAULT_TENANT
+    return tenant_named(getattr(request.state, "tenant", None), user)
+
+
+def tenant_named(key_tenant: str | None, user: str | None) -> str:
+    """The tenant of a request whose key names `key_tenant` (None: no key, or one that lets `user` say)."""
+    return key_tenant or user or DEFAULT_TENANT
 
 
 def named_by_user(request: Request, user: str | None) -> bool:
