@@ -5,8 +5,8 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Any
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 
 from ruvllm.server.errors import error_response
@@ -16,10 +16,24 @@ router = APIRouter()
 _PAGE = files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8")
 
 
-@router.get("/", include_in_schema=False)
-async def chat_page() -> Response:
-    """The chat page (docs/chat-page.md): one static file shipped in the package, read once."""
-    return HTMLResponse(_PAGE)
+def _wants_page(accept: str | None) -> bool:
+    """Whether a client takes HTML: browsers name it, curl and the HTTP libraries send */*. A client
+    that sends no Accept (Go's, as Ollama's tools are) or excludes HTML gets Ollama's answer instead."""
+    if not accept:
+        return False
+    kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    return bool(kinds & {"text/html", "text/*", "*/*", "application/xhtml+xml"})
+
+
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def chat_page(request: Request) -> Response:
+    """The chat page (docs/chat-page.md): one static file shipped in the package, read once; to a client
+    that takes no HTML, what Ollama answers at its root (docs/decisions.md, "GET / and HEAD /")."""
+    if request.method == "HEAD":  # Ollama's clients probe the server so; a 200 is all they read
+        return Response(status_code=200)
+    if _wants_page(request.headers.get("accept")):
+        return HTMLResponse(_PAGE)
+    return PlainTextResponse("Ollama is running")
 
 
 @router.get("/health")

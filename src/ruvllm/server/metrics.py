@@ -89,6 +89,7 @@ class RequestTracker:
     def __init__(self, m: ServerMetrics, endpoint: str) -> None:
         self.m, self.start = m, time.monotonic()
         self.labels = (m.model, endpoint)
+        self.first: float | None = None  # when the first token came (Ollama's bodies split the time there)
         self.last: float | None = None
 
     def on_output(self, out: RequestOutput) -> None:
@@ -99,6 +100,7 @@ class RequestTracker:
             return
         label = self.labels
         if self.last is None:
+            self.first = now
             self.m.ttft.labels(*label).observe(now - self.start)
             if out.queue_time is not None:
                 self.m.queue_time.labels(*label).observe(out.queue_time)
