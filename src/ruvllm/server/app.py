@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.generation import GenerationService
-from ruvllm.server import adapters, anthropic_api, embeddings, feedback, health, ollama_api, openai_api
+from ruvllm.server import adapters, anthropic_api, embeddings, feedback, health, ollama_api, openai_api, responses_api
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import install_error_handlers
@@ -63,6 +63,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
     app = FastAPI(title="ruvllm", lifespan=lifespan)
     app.state.ruvllm = st
+    app.state.responses_store = responses_api.new_store(cfg)  # /v1/responses' stored responses, per tenant
     install_error_handlers(app)
     # The last added runs first: the key is checked before a body is read.
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=cfg.max_request_bytes,
@@ -71,6 +72,6 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     if keys:  # the chat page holds no data: it asks for the key and sends it with its API calls
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key),
                            required=bool(cfg.api_key or cfg.api_keys))
-    for module in (health, adapters, feedback, openai_api, embeddings, anthropic_api, ollama_api):
+    for module in (health, adapters, feedback, openai_api, embeddings, anthropic_api, ollama_api, responses_api):
         app.include_router(module.router)
     return app

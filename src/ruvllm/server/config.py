@@ -40,6 +40,13 @@ class ServerConfig(Checked):
                                                  "is ~1 MB).", minimum=1)
     request_read_timeout_s: float = setting(30.0, "Seconds a request body may stall between chunks; then 408.",
                                             flag="--request-read-timeout", minimum=0.1)
+    # The stored responses of POST /v1/responses (server/response_store.py): in memory, oldest dropped first
+    responses_store_max: int = setting(1000, "Stored responses (/v1/responses with store) kept at most, all tenants "
+                                             "together; 0: none are kept.", minimum=0)
+    responses_store_bytes: int = setting(64 * 2**20, "Bytes of stored responses kept at most (their JSON), all "
+                                                     "tenants together.", minimum=1)
+    responses_store_ttl_s: float = setting(3600.0, "Seconds a stored response is kept.", flag="--responses-store-ttl",
+                                           minimum=1)
     # Where POST /v1/load_lora_adapter may read adapters: under these folders, or exactly the paths
     # given at start-up (--lora), or anywhere with allow_any_lora_path.
     lora_dirs: tuple[str, ...] = setting((), "POST /v1/load_lora_adapter may read adapters under DIR (repeatable).",
