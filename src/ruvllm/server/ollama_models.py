@@ -94,7 +94,9 @@ def read_card(info: EngineInfo) -> ModelCard:
     arch, ctx = info.architecture, info.max_seq_len
     path = Path(info.model)
     if not path.exists():
-        return ModelCard("", arch, None, info.quantization.upper(), info.weight_bytes, rfc3339(time.time()),
+        level = _DTYPES.get(info.dtype, info.dtype.upper()) if info.quantization in ("", "none") else \
+            info.quantization.upper()
+        return ModelCard("", arch, None, level, info.weight_bytes, rfc3339(time.time()),
                          "sha256:" + hashlib.sha256(info.model.encode()).hexdigest(), "",
                          {"general.architecture": arch, f"{arch}.context_length": ctx})
     src = resolve_source(path)
