@@ -8,6 +8,7 @@ import filecmp
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -211,14 +212,14 @@ def test_bytes_that_are_no_message(server: RunningServer) -> None:
             assert got == grpc.StatusCode.INVALID_ARGUMENT and "not a GenerateRequest" in details
 
 
-# Keys, tenants and capacity: a server of its own, one sequence at a time and no queue.
+# Keys, tenants and capacity: a server of its own, one sequence at a time and no queue, 64 KiB messages.
 KEYS = (("alice-key", "alice"),)
 
 
 @pytest.fixture(scope="module")
 def keyed(_shared_llm: LLM) -> Iterator[tuple[RunningServer, GenerationStub]]:
     for running in start_server(_shared_llm, max_num_seqs=1, max_queue=0, grpc_port=_free_port(), api_key="shared",
-                                api_keys=KEYS):
+                                api_keys=KEYS, max_request_bytes=1 << 16):
         with grpc.insecure_channel(f"127.0.0.1:{running.app.state.grpc_port}") as channel:
             yield running, GenerationStub(channel)
 
@@ -256,3 +257,19 @@ def test_capacity_is_resource_exhausted(keyed: tuple[RunningServer, GenerationSt
     assert ("retry-after", "1") in info.value.trailing_metadata()
     stream.cancel()
     settled(server)
+    got, details = code_of(stub.Generate, pb.GenerateRequest(text="x" * (1 << 16)), metadata=alice)
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED, details  # over --max-request-bytes
+
+
+# `ruvllm serve --grpc-port`: a port in use fails at once, before the model loads (the server itself is the
+# one started above: the app's lifespan starts gRPC, under `serve` as under the test's uvicorn)
+SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
+
+
+def test_grpc_port_in_use_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = subprocess.run([*SERVE, "--port", str(_free_port()), "--grpc-port", str(s.getsockname()[1])],
+                           capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "in use" in r.stderr
