@@ -35,20 +35,20 @@ def _text(message: anthropic.types.Message) -> str:
 def test_create_answers_as_chat_completions_does(server: RunningServer) -> None:
     """The same conversation through both dialects is the same prompt and the same greedy reply."""
     system = "You are a helpful assistant."
-    msg = client(server).messages.create(model=MODEL, max_tokens=12, system=system, messages=ASK, extra_body=GREEDY)
+    msg = client(server).messages.create(model=MODEL, max_tokens=8, system=system, messages=ASK, extra_body=GREEDY)
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
     assert msg.id.startswith("msg_") and len(msg.id) == 4 + 32
     assert [type(b) for b in msg.content] == [TextBlock] and msg.content[0].text
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
-    assert 0 < msg.usage.output_tokens <= 12
+    assert 0 < msg.usage.output_tokens <= 8
     chat = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-        model=MODEL, max_tokens=12, temperature=0, messages=[{"role": "system", "content": system}, *ASK])
+        model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "system", "content": system}, *ASK])
     assert msg.content[0].text == chat.choices[0].message.content
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert msg.usage.output_tokens == chat.usage.completion_tokens
     # system as text blocks (with a cache_control the server ignores) is the same prompt
     blocks = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
-    again = client(server).messages.create(model=MODEL, max_tokens=12, system=blocks, messages=ASK, extra_body=GREEDY)
+    again = client(server).messages.create(model=MODEL, max_tokens=8, system=blocks, messages=ASK, extra_body=GREEDY)
     assert _text(again) == _text(msg)
     metrics = httpx.get(server.url + "/metrics").text
     assert 'endpoint="/v1/messages"' in metrics
@@ -56,14 +56,14 @@ def test_create_answers_as_chat_completions_does(server: RunningServer) -> None:
 
 def test_stream_events_and_final_message(server: RunningServer) -> None:
     c = client(server)
-    created = c.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY)
-    with c.messages.stream(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY) as stream:
+    created = c.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body=GREEDY)
+    with c.messages.stream(model=MODEL, max_tokens=8, messages=ASK, extra_body=GREEDY) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == _text(final) == _text(created)
     assert final.stop_reason == created.stop_reason and final.usage.output_tokens == created.usage.output_tokens
     assert final.id.startswith("msg_")
-    events = [e.type for e in c.messages.create(model=MODEL, max_tokens=12, messages=ASK, stream=True,
+    events = [e.type for e in c.messages.create(model=MODEL, max_tokens=8, messages=ASK, stream=True,
                                                 extra_body=GREEDY)]
     assert events[:2] == ["message_start", "content_block_start"] and events[-2:] == ["message_delta", "message_stop"]
     assert events[-3] == "content_block_stop" and set(events[2:-3]) == {"content_block_delta"}
@@ -78,12 +78,12 @@ def test_stream_events_and_final_message(server: RunningServer) -> None:
 
 def test_stop_sequences_and_max_tokens(server: RunningServer) -> None:
     c = client(server)
-    full = _text(c.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY))
+    full = _text(c.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body=GREEDY))
     word = full.split()[1]  # a word the greedy reply is sure to reach
-    cut = c.messages.create(model=MODEL, max_tokens=12, messages=ASK, stop_sequences=[word, "zzqx"], extra_body=GREEDY)
+    cut = c.messages.create(model=MODEL, max_tokens=8, messages=ASK, stop_sequences=[word, "zzqx"], extra_body=GREEDY)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
     assert _text(cut) == full[:full.index(word)]
-    with c.messages.stream(model=MODEL, max_tokens=12, messages=ASK, stop_sequences=[word],
+    with c.messages.stream(model=MODEL, max_tokens=8, messages=ASK, stop_sequences=[word],
                            extra_body=GREEDY) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence, _text(final)) == ("stop_sequence", word, _text(cut))
@@ -102,7 +102,6 @@ def test_forced_tool_call_is_a_typed_block_and_round_trips(server: RunningServer
     (call,) = msg.content
     assert isinstance(call, ToolUseBlock) and call.name == "get_weather" and call.id.startswith("toolu_")
     assert isinstance(call.input, dict) and isinstance(call.input["city"], str)
-    print("tool call tokens", msg.usage.output_tokens, call.input)
     if choice["type"] == "any":
         return  # the same grammar as the named tool's (one tool, one call): the rest is the same
     with c.messages.stream(model=MODEL, max_tokens=40, messages=ask, tools=[WEATHER], tool_choice=choice,
@@ -114,7 +113,7 @@ def test_forced_tool_call_is_a_typed_block_and_round_trips(server: RunningServer
     turn = [*ask, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                           "content": [{"type": "text", "text": "Sunny, 24 C"}]}]}]
-    reply = c.messages.create(model=MODEL, max_tokens=8, messages=turn, tools=[WEATHER], extra_body=GREEDY)
+    reply = c.messages.create(model=MODEL, max_tokens=4, messages=turn, tools=[WEATHER], extra_body=GREEDY)
     assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = c.messages.count_tokens(model=MODEL, messages=turn, tools=[WEATHER]).input_tokens
     assert counted == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
@@ -147,11 +146,11 @@ def test_count_tokens_is_the_prompt(server: RunningServer) -> None:
 def test_prefill_is_continued(server: RunningServer) -> None:
     """A last assistant message is the start of the reply: what comes back continues it."""
     c = client(server)
-    full = _text(c.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body=GREEDY))
+    full = _text(c.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body=GREEDY))
     head = full.split(" ")[0]
-    rest = c.messages.create(model=MODEL, max_tokens=11, messages=[*ASK, {"role": "assistant", "content": head}],
+    rest = c.messages.create(model=MODEL, max_tokens=6, messages=[*ASK, {"role": "assistant", "content": head}],
                              extra_body=GREEDY)
-    assert rest.usage.output_tokens > 0 and (head + _text(rest)).startswith(head)
+    assert rest.usage.output_tokens > 0 and full.startswith(head + _text(rest)), (full, head, _text(rest))
 
 
 def test_metadata_user_id_names_the_tenant(server: RunningServer) -> None:
@@ -194,6 +193,9 @@ def test_bad_input_is_anthropics_typed_error(server: RunningServer) -> None:
         with pytest.raises(anthropic.BadRequestError) as e:
             c.messages.create(model=MODEL, max_tokens=4, **extra)
         assert named in _error(e.value, "invalid_request_error"), extra
+    with pytest.raises(anthropic.BadRequestError) as e:  # no room left for a reply: tokenized, never run
+        c.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "word " * 9000}])
+    assert "maximum context length" in _error(e.value, "invalid_request_error")
     r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": ASK})  # no max_tokens
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
     # what the server does not know is ignored: new fields, the beta query, anthropic-beta headers
@@ -213,7 +215,7 @@ def test_x_api_key(_shared_llm: LLM) -> None:
 def test_langchain_chat_anthropic(server: RunningServer) -> None:
     from langchain_anthropic import ChatAnthropic
 
-    llm = ChatAnthropic(model=MODEL, base_url=server.url, api_key="x", max_retries=0, temperature=0, max_tokens=12)
+    llm = ChatAnthropic(model=MODEL, base_url=server.url, api_key="x", max_retries=0, temperature=0, max_tokens=8)
     reply = llm.invoke("Name three colors.")
     assert isinstance(reply.content, str) and reply.content
     assert reply.usage_metadata["output_tokens"] > 0
@@ -225,3 +227,20 @@ def test_langchain_chat_anthropic(server: RunningServer) -> None:
     llm = ChatAnthropic(model=MODEL, base_url=server.url, api_key="x", max_retries=0, temperature=0, max_tokens=40)
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert [c["name"] for c in msg.tool_calls] == ["get_weather"] and isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+def test_stop_reasons() -> None:
+    """How a completion's end reads as Anthropic's stop_reason: max_tokens is a ceiling, and a reply the
+    context window cut before it (which needs a prompt of the whole window to run) is its own reason."""
+    from ruvllm.outputs import CompletionOutput
+    from ruvllm.request import FinishReason
+    from ruvllm.server.anthropic_api import _stop
+
+    def out(reason: FinishReason, n: int, stop: str | int | None = None) -> CompletionOutput:
+        return CompletionOutput(0, "x", list(range(n)), reason, stop)
+
+    assert _stop(out(FinishReason.LENGTH, 8), False, 8) == ("max_tokens", None)
+    assert _stop(out(FinishReason.LENGTH, 5), False, 8) == ("model_context_window_exceeded", None)
+    assert _stop(out(FinishReason.STOP, 3, "END"), False, 8) == ("stop_sequence", "END")
+    assert _stop(out(FinishReason.STOP, 3, 2), False, 8) == ("end_turn", None)  # EOS, a stop token
+    assert _stop(out(FinishReason.STOP, 3), True, 8) == ("tool_use", None)
