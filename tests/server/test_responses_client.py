@@ -7,6 +7,7 @@ SDK hands back is validated again by the SDK's own pydantic models (which it bui
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -270,3 +271,25 @@ def test_store_bounds_count_bytes_and_age() -> None:
     assert not put("a", "huge", pad=3000) and store.get("a", "huge") is None  # larger than the whole store
     now[0] = 61.0
     assert store.get("a", "big") is None and len(store) == 0 and store.bytes == 0  # age
+
+
+def test_engine_failure_in_a_stream_is_response_failed_then_an_error(_shared_llm: LLM) -> None:
+    """As OpenAI ends a stream that fails: `response.failed` (status failed, with the error), then an
+    `error` event, which the SDK raises. The fault is injected as test_disconnects.py does it, before the
+    request, so the stream has begun (created, in_progress) when the engine's first step fails."""
+    for srv in start_server(_shared_llm):
+        def step() -> list:
+            raise RuntimeError("injected fault: the device went away")
+        srv.engine._client.core.step = step  # type: ignore[attr-defined]  # no public hook for a fault
+        seen = []
+        with pytest.raises(openai.APIError) as err:
+            with _client(srv).responses.stream(model=MODEL, input="Hi", max_output_tokens=4) as stream:
+                seen.extend(stream)
+        assert "injected fault" in err.value.message and err.value.body["code"] == "engine_failed"
+        assert [e.type for e in seen] == ["response.created", "response.in_progress", "response.failed"]
+        failed = Response.model_validate(seen[-1].response.to_dict())
+        assert failed.status == "failed" and failed.error.code == "server_error" and failed.usage is None
+        deadline = time.monotonic() + 10  # the slots return once the server has sent the last frame
+        while srv.sequences_admitted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.sequences_admitted == 0
