@@ -63,6 +63,9 @@ def test_chat_streamed_equals_whole(client: ollama.Client) -> None:
         assert final.total_duration >= final.prompt_eval_duration + final.eval_duration > 0
         assert final.load_duration == 0 and final.model == MODEL
         datetime.fromisoformat(final.created_at)
+    first = whole.message.content.split()[0]  # a last assistant message is continued, not answered
+    more = client.chat(MODEL, messages=HI + [{"role": "assistant", "content": first}], options={**GREEDY, "num_predict": 3})
+    assert whole.message.content.startswith(first + more.message.content) and more.message.content.strip()
     # the API streams unless told not to (the Python client always says which)
     raw = httpx.post(client._client.base_url.join("/api/chat"), json={"model": MODEL, "messages": HI, "options": GREEDY})
     assert raw.headers["content-type"] == "application/x-ndjson"

@@ -185,7 +185,14 @@ async def chat(body: ChatRequest, request: Request, st: ServerState = Depends(st
     if not body.messages:
         return _loaded(body.model)
     tools = ToolUse.from_request(body.tools or None, None, None)  # Ollama has no tool_choice: always auto
-    prompt = EnginePrompt(await _render(st, [m.as_chat() for m in body.messages], tools), None)
+    messages, last = [m.as_chat() for m in body.messages], body.messages[-1]
+    prefill = last.content if last.role == "assistant" and not last.tool_calls and len(messages) > 1 else None
+    if prefill:  # a last assistant message is continued, as Ollama does: its text follows the generation prompt
+        messages.pop()
+    ids = await _render(st, messages, tools)
+    if prefill:
+        ids += await asyncio.to_thread(st.engine.tokenizer.encode, prefill, add_special_tokens=False)
+    prompt = EnginePrompt(ids, None)
     params = body.options.sampling_params(body.options.budget(len(prompt.token_ids), st.max_len), body.structured(),
                                           body.top_n())
     w, reader = _Writer(st, body.model, True, body.top_n(), started), _reader(st, tools)
