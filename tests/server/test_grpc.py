@@ -23,6 +23,7 @@ from ruvllm import LLM
 from ruvllm.grpc import ruvllm_pb2 as pb
 from ruvllm.grpc.ruvllm_pb2_grpc import GenerationStub
 from ruvllm.grpc.translate import sampling_params
+from ruvllm.server.config import RayServeConfig, ServerConfig
 from ruvllm.structured.spec import StructuredOutputs
 from tests.server.conftest import MODEL, RunningServer, _free_port, start_server
 
@@ -273,3 +274,8 @@ def test_grpc_port_in_use_is_one_line() -> None:
         r = subprocess.run([*SERVE, "--port", str(_free_port()), "--grpc-port", str(s.getsockname()[1])],
                            capture_output=True, text=True, timeout=180)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "in use" in r.stderr
+
+
+def test_ray_serve_refuses_a_grpc_port() -> None:
+    with pytest.raises(ValueError, match="grpc_port"):
+        RayServeConfig(server=ServerConfig(grpc_port=50051))

@@ -103,6 +103,8 @@ class RayServeConfig(Checked):
                                         minimum=1, cli=False)
 
     def check_across(self) -> None:
+        if self.server.grpc_port is not None:  # each front replica would bind it; Ray Serve has its own gRPC proxy
+            raise ValueError("grpc_port: the gRPC API is served by `ruvllm serve`, not on Ray Serve")
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise ValueError("autoscaling needs both min_replicas and max_replicas")
         if self.min_replicas is not None and not self.min_replicas <= self.max_replicas:  # type: ignore[operator]
