@@ -219,6 +219,12 @@ def test_langchain_chat_anthropic(server: RunningServer) -> None:
     reply = llm.invoke("Name three colors.")
     assert isinstance(reply.content, str) and reply.content
     assert reply.usage_metadata["output_tokens"] > 0
+    chunks = list(llm.stream("Name three colors."))
+    assert "".join(c.text for c in chunks) == reply.content
+    usage = sum((c for c in chunks[1:]), chunks[0]).usage_metadata  # the second time, from the prefix cache
+    assert [usage[k] for k in ("input_tokens", "output_tokens")] == \
+        [reply.usage_metadata[k] for k in ("input_tokens", "output_tokens")]
+    assert usage["input_token_details"]["cache_read"] > 0
 
     def get_weather(city: str) -> str:
         """The weather in a city."""
