@@ -1,0 +1,126 @@
+"""What embeddings cost generation when both share the scheduler (issue 35, part 4).
+
+Two arms over the same engine (the core in its own process, as `ruvllm serve` runs it):
+1. generation alone: --streams streams, each generating --max-tokens tokens (ignore_eos) and starting
+   again at once, so --streams sequences decode all the time; tokens/s counted over --seconds;
+2. the same, with embedding requests arriving at --rate a second (evenly spaced), each one of the
+   novel's passages of --words words (last-token pooling unless --pooling mean).
+
+The goal: generation's tokens/s in arm 2 at least 90% of arm 1's. Each arm has --warmup seconds
+before its window opens. Prints a table (and records nothing: copy it into docs/benchmarks.md).
+
+    .venv/bin/python benchmarks/embeddings_load.py --seconds 45
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ruvllm import AsyncEngine, EngineConfig, SamplingParams
+from ruvllm.outputs import OutputKind
+
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pride-and-prejudice.txt"
+
+
+def passages(n: int, words: int) -> list[str]:
+    if BOOK.exists():
+        text = BOOK.read_text(encoding="utf-8").split()[2000:]
+    else:
+        text = ("It is a truth universally acknowledged that a single man in possession of a good fortune "
+                "must be in want of a wife ").split() * 400
+    return [" ".join(text[(i * 53) % (len(text) - words):][:words]) for i in range(n)]
+
+
+async def arm(engine: AsyncEngine, args: argparse.Namespace, rate: float) -> dict[str, float]:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = passages(args.streams, 24)
+    texts = passages(4096, args.words)
+    window: list[float] = []  # [start, end], set once warm
+    tokens = 0
+    latencies: list[float] = []
+    stop = asyncio.Event()
+
+    async def stream(i: int) -> None:
+        nonlocal tokens
+        k = 0
+        while not stop.is_set():
+            async for out in engine.generate(prompts[i], params, f"g{i}-{k}-{rate}", output_kind=OutputKind.DELTA):
+                if window and window[0] <= time.monotonic() <= window[1]:
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+                if stop.is_set():
+                    break
+            k += 1
+
+    async def embed_one(j: int) -> None:
+        t = time.monotonic()
+        await engine.embed(texts[j % len(texts)], f"e{j}-{rate}", pooling=args.pooling)
+        if window and window[0] <= t and time.monotonic() <= window[1]:
+            latencies.append(time.monotonic() - t)
+
+    async def arrivals() -> None:
+        j, pending = 0, set()
+        start = time.monotonic()
+        while not stop.is_set():
+            task = asyncio.create_task(embed_one(j))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            j += 1
+            await asyncio.sleep(max(0.0, start + j / rate - time.monotonic()))
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(args.streams)]
+    if rate > 0:
+        tasks.append(asyncio.create_task(arrivals()))
+    await asyncio.sleep(args.warmup)
+    t0 = time.monotonic()
+    window[:] = [t0, t0 + args.seconds]
+    await asyncio.sleep(args.seconds)
+    stop.set()
+    await asyncio.gather(*tasks)
+    result = {"tok_s": tokens / args.seconds, "embeddings": len(latencies)}
+    if latencies:
+        latencies.sort()
+        result["p50"] = statistics.median(latencies)
+        result["p95"] = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a path or name (default: the embedded default model)")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=10.0, help="embedding requests a second in arm 2")
+    ap.add_argument("--words", type=int, default=40, help="words per embedded passage (~1.3 tokens a word)")
+    ap.add_argument("--pooling", choices=("last", "mean"), default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=45.0, help="each arm's measured window")
+    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    engine = AsyncEngine.launch(EngineConfig(model=args.model, num_threads=args.threads))
+    try:
+        base = asyncio.run(arm(engine, args, 0.0))
+        mixed = asyncio.run(arm(engine, args, args.rate))
+    finally:
+        engine.shutdown()
+    table = Table(title=f"{args.streams} generation streams; embeddings of {args.words} words at {args.rate:g}/s "
+                        f"({engine.info.device}, {engine.info.dtype}, pooling {args.pooling or engine.info.pooling})")
+    for col in ("arm", "generation tok/s", "embeddings in window", "embedding p50 (s)", "embedding p95 (s)",
+                "generation cost"):
+        table.add_column(col, justify="right")
+    table.add_row("generation alone", f"{base['tok_s']:.1f}", "-", "-", "-", "-")
+    cost = 1 - mixed["tok_s"] / base["tok_s"] if base["tok_s"] else float("nan")
+    table.add_row(f"+ embeddings {args.rate:g}/s", f"{mixed['tok_s']:.1f}", str(mixed["embeddings"]),
+                  f"{mixed.get('p50', float('nan')):.3f}", f"{mixed.get('p95', float('nan')):.3f}", f"{cost:.1%}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
