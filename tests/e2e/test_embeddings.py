@@ -14,6 +14,7 @@ from ruvllm import LLM, AsyncEngine, SamplingParams, SchedulerConfig
 from ruvllm.config import CacheConfig, EngineConfig
 from ruvllm.loader import resolve_model
 from ruvllm.outputs import OutputKind
+from ruvllm.request import Priority
 from tests.engine_fixtures import more_ids, prompt_ids
 from tests.reference import hf_reference
 
@@ -140,3 +141,34 @@ def test_through_the_core_process(tiny_model_dir, _tiny_llm: LLM) -> None:
         engine.shutdown()
     assert got == expected
     assert stats.idle and stats.free_blocks == stats.total_blocks
+
+
+def test_preempted_embeddings_equal_uninterrupted(tiny: LLM) -> None:
+    """A small pool: high-priority generations growing through long, chunked embeddings preempt them
+    (their blocks freed, their pooling started again); each vector is still the one it gets alone."""
+    prompts = prompt_ids(tiny, 4, words=150)  # ~195 tokens: 7 chunks of the 32-token budget, 13 blocks
+    alone = {p: _alone(tiny, prompts, p) for p in POOLINGS}
+    small = tiny.with_settings(cache=CacheConfig(num_blocks=20),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
+    engine = small.async_engine()
+    greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def run() -> dict:
+        async def generate(i: int) -> None:
+            async for _ in engine.generate(prompts[i][:20], greedy, f"g{i}", priority=Priority.HIGH):
+                pass
+
+        gens = [asyncio.create_task(generate(i)) for i in range(2)]
+        vectors = {p: await asyncio.gather(*(engine.embed(x, f"e-{p}{i}", pooling=p) for i, x in enumerate(prompts)))
+                   for p in POOLINGS}
+        await asyncio.gather(*gens)
+        return vectors
+
+    try:
+        vectors = asyncio.run(run())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats.preemptions > 0
+    assert stats.idle and stats.free_blocks == stats.total_blocks
+    assert {p: [v.embedding for v in vs] for p, vs in vectors.items()} == alone
