@@ -90,7 +90,9 @@ class Turn:
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
             "tools": [_echo_tool(t) for t in b.tools or ()], "top_p": 1.0 if b.top_p is None else b.top_p,
-            "truncation": "disabled", "usage": use, "user": b.user, "metadata": b.metadata or {},
+            "truncation": "disabled", "metadata": b.metadata or {},
+            # an object and a string when present, in OpenAI's schema: left out rather than null
+            **({"usage": use} if use is not None else {}), **({"user": b.user} if b.user is not None else {}),
             **({"completed_at": int(time.time())} if status == "completed" else {}),
         }
 
