@@ -90,7 +90,7 @@ class GenerationAPI:
         priority = priority_of(req)
         prompt = await prompt_of(st, req)
         params = sampling_params(req, check_context(prompt, token_limit(req), st.max_len))
-        return await st.begin(method(name), tenant, [prompt], [params], "gen", adapter, priority)
+        return await st.begin(method(name), tenant, [prompt], [params], "gen-", adapter, priority)
 
     async def generate(self, req: pb.GenerateRequest | Malformed,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:

@@ -45,7 +45,7 @@ async def messages(body: MessagesRequest, request: Request, st: ServerState = De
     reader: ToolReader | None = None
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
-    return await st.serve(request, [prompt], [params], "msg", lora, partial(_events, reader, body.max_tokens),
+    return await st.serve(request, [prompt], [params], "msg_", lora, partial(_events, reader, body.max_tokens),
                           partial(_message, reader, body.max_tokens), user=body.user, stream=body.stream)
 
 
@@ -219,8 +219,7 @@ def sampling_params(body: MessagesRequest, max_tokens: int, tools: ToolUse | Non
 # ---- the outputs, translated ----
 
 def _id(run: Run) -> str:
-    # Anthropic's shape, msg_<hex>, over the call's own random id (the generation service's `msg-<hex>`)
-    return "msg_" + run.id.partition("-")[2]
+    return run.id  # msg_<hex>: Anthropic's shape, and the id feedback and the witness log know it by
 
 
 def _tool_block(call: ToolCall) -> dict[str, Any]:

@@ -142,7 +142,7 @@ async def _embed(st: ServerState, request: Request, prompts: list[list[int]], mo
     labels = (st.metrics.model, request.url.path)
     start = time.monotonic()
     task = asyncio.create_task(st.service.embed(
-        st.engine, st.admission.next_id("embd"), tenant, adapter, prompts, Priority[(priority or "normal").upper()],
+        st.engine, st.admission.next_id("embd-"), tenant, adapter, prompts, Priority[(priority or "normal").upper()],
         concurrency=slots))
     try:
         while not task.done():

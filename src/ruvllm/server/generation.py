@@ -59,9 +59,10 @@ class Admission:
 
     @staticmethod
     def next_id(prefix: str) -> str:
-        """OpenAI's shape (`chatcmpl-...`) with 128 random bits: unique across restarts and processes
-        (feedback, the learned store and the witness log name a completion by it) and unguessable."""
-        return f"{prefix}-{secrets.token_hex(16)}"
+        """`prefix` (with its separator: `chatcmpl-`, `msg_`, `resp_`: each dialect's own shape) and 128
+        random bits: unique across restarts and processes and unguessable. It is the id the client sees
+        and the one feedback, the learned store and the witness log name the completion by."""
+        return f"{prefix}{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -125,7 +126,8 @@ class ServerState:
                     stream: bool, priority: str | None = None) -> Response:
         """One API call, whatever its dialect: its sequences (prompts x n) admitted, handed to the
         service, and answered as `chunks` (the dialect's stream frames) when `stream`, else as
-        `answer`'s body. `user`: the tenant the body names (keys aside); `kind` is its id's prefix."""
+        `answer`'s body. `user`: the tenant the body names (keys aside); `kind` is its id's prefix, with
+        its separator."""
         run = await self.begin(request.url.path, tenant_of(request, user), prompts, params, kind, adapter, priority)
         seqs = run.seqs
         if stream:

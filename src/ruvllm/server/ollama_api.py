@@ -196,7 +196,7 @@ async def chat(body: ChatRequest, request: Request, st: ServerState = Depends(st
     params = body.options.sampling_params(body.options.budget(len(prompt.token_ids), st.max_len), body.structured(),
                                           body.top_n())
     w, reader = _Writer(st, body.model, True, body.top_n(), started), _reader(st, tools)
-    return await st.serve(request, [prompt], [params], "ollama-chat", lora, partial(_chunks, w, reader, None),
+    return await st.serve(request, [prompt], [params], "ollama-chat-", lora, partial(_chunks, w, reader, None),
                           partial(_body, w, reader, None), user=None, stream=body.stream)
 
 
@@ -221,5 +221,5 @@ async def generate(body: GenerateRequest, request: Request, st: ServerState = De
     w = _Writer(st, body.model, False, body.top_n(), started)
     # `context` (the conversation's tokens so far, for the next call) is Ollama's older way to keep a
     # conversation: given for raw prompts too
-    return await st.serve(request, [prompt], [params], "ollama-gen", lora, partial(_chunks, w, None, prompt.token_ids),
+    return await st.serve(request, [prompt], [params], "ollama-gen-", lora, partial(_chunks, w, None, prompt.token_ids),
                           partial(_body, w, None, prompt.token_ids), user=None, stream=body.stream)

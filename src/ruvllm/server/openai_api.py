@@ -72,7 +72,7 @@ async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = 
     reader = None
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
-    return await st.serve(request, [prompt], [params], "chatcmpl", lora, partial(R.chat_chunks, st, body, reader),
+    return await st.serve(request, [prompt], [params], "chatcmpl-", lora, partial(R.chat_chunks, st, body, reader),
                           partial(R.chat_body, st, body, reader), user=body.user, stream=body.stream,
                           priority=body.priority)
 
@@ -87,7 +87,7 @@ async def completions(body: CompletionRequest, request: Request, st: ServerState
     echo_lp = body.echo and body.logprobs is not None
     params = [body.sampling_params(b, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_lp else None)
               for b in budgets]
-    return await st.serve(request, prompts, params, "cmpl", lora, partial(R.completion_chunks, st, body, prompts),
+    return await st.serve(request, prompts, params, "cmpl-", lora, partial(R.completion_chunks, st, body, prompts),
                           partial(R.completion_body, st, body, prompts), user=body.user, stream=body.stream,
                           priority=body.priority)
 

@@ -58,7 +58,7 @@ async def create(body: ResponsesRequest, request: Request, st: ServerState = Dep
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
     turn = Turn(body, tools, reader, context, items, store if body.store else None, tenant)
-    return await st.serve(request, [prompt], [params], "resp", lora, turn.events, turn.answer, user=body.user,
+    return await st.serve(request, [prompt], [params], "resp_", lora, turn.events, turn.answer, user=body.user,
                           stream=bool(body.stream), priority=body.priority)
 
 

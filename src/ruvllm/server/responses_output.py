@@ -187,9 +187,8 @@ class Turn:
 
 
 def response_id(run: Run) -> str:
-    """`resp_<hex>`: the engine's request id (`resp-<hex>`, what feedback and the witness log name)
-    in OpenAI's spelling."""
-    return "resp_" + run.id.split("-", 1)[1]
+    """`resp_<hex>`: the call's id, the one feedback and the witness log name it by."""
+    return run.id
 
 
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
