@@ -35,14 +35,16 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None,
-                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                variables: dict[str, Any] | None = None) -> list[int]:
     """Apply the model's chat template (or the one given) and tokenize, without adding BOS twice.
-    `tools`: OpenAI-style tools, for a template that renders them."""
+    `tools`: OpenAI-style tools, for a template that renders them; `variables`: more of the
+    template's variables (a thinking model's `enable_thinking`, `reasoning_effort`)."""
     if chat_template is None and not has_chat_template(tokenizer):
         from ruvllm.errors import RequestError
 
         raise RequestError(NO_TEMPLATE, "messages")
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         **({"tools": tools} if tools else {}))
+                                         **({"tools": tools} if tools else {}), **(variables or {}))
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -24,6 +24,7 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, Run, ServerState, check_context, state
+from ruvllm.server.reasoning import Thinking, after_reasoning, template_vars, thinking_of
 from ruvllm.server.tenants import tenant_of
 from ruvllm.structured.spec import StructuredOutputs
 from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
@@ -41,12 +42,13 @@ async def messages(body: MessagesRequest, request: Request, st: ServerState = De
     # context window at most and then stops as model_context_window_exceeded (clients send 32000
     # and more whatever the model). Only a prompt that leaves no room at all is a 400.
     budget = min(body.max_tokens, check_context(prompt, None, st.max_len))
-    params = sampling_params(body, budget, tools)
+    thinking = await thinking_of(st, prompt.token_ids)
+    params = after_reasoning(st, sampling_params(body, budget, tools), thinking)
     reader: ToolReader | None = None
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
-    return await st.serve(request, [prompt], [params], "msg_", lora, partial(_events, reader, body.max_tokens),
-                          partial(_message, reader, body.max_tokens), user=body.user, stream=body.stream)
+    return await st.serve(request, [prompt], [params], "msg_", lora, partial(_events, reader, body.max_tokens, thinking),
+                          partial(_message, reader, body.max_tokens, thinking), user=body.user, stream=body.stream)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -184,7 +186,8 @@ async def prompt_ids(st: ServerState, body: CountTokensRequest, tools: ToolUse |
     try:
         msgs = prepare_messages(msgs, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        ids = await asyncio.to_thread(render_chat, tokenizer, msgs, st.cfg.chat_template, True, use_tools)
+        ids = await asyncio.to_thread(render_chat, tokenizer, msgs, st.cfg.chat_template, True, use_tools,
+                                      _thinking_vars(body))
     except (ToolError, RequestError):
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
@@ -192,6 +195,15 @@ async def prompt_ids(st: ServerState, body: CountTokensRequest, tools: ToolUse |
     if prefill:  # the assistant's turn is open: its text follows the generation prompt, as the model wrote it
         ids = list(ids) + list(await asyncio.to_thread(tokenizer.encode, prefill, add_special_tokens=False))
     return list(ids)
+
+
+def _thinking_vars(body: CountTokensRequest) -> dict[str, Any]:
+    """Anthropic's `thinking` as the template's enable_thinking: enabled (or adaptive) is true,
+    disabled false; absent, the template's own default."""
+    kind = body.thinking.get("type") if isinstance(body.thinking, dict) else None
+    if body.thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
+        raise APIError(400, "thinking.type must be one of enabled, disabled, adaptive", "thinking.type")
+    return template_vars(None if kind is None else kind != "disabled", None, ("thinking", "thinking"))
 
 
 def sampling_params(body: MessagesRequest, max_tokens: int, tools: ToolUse | None) -> SamplingParams:
@@ -248,12 +260,22 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
             "cache_read_input_tokens": cached, "output_tokens": sum(len(c.token_ids) for c in out.outputs)}
 
 
-def _message(reader: ToolReader | None, max_tokens: int, run: Run, final: list[RequestOutput]) -> dict[str, Any]:
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A thinking model's reasoning. `signature` is required by the SDK's type: Anthropic's is an
+    opaque proof that a block sent back was not altered. Here it is empty: a thinking block sent back
+    is left out of the prompt (chat templates drop earlier turns' reasoning), so nothing checks it."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def _message(reader: ToolReader | None, max_tokens: int, thinking: Thinking | None, run: Run,
+             final: list[RequestOutput]) -> dict[str, Any]:
     out = final[0]
     c = out.outputs[0]
-    found = read_calls(reader, c.text, c.finish_reason.value if c.finish_reason else None)
-    text, calls = (c.text, []) if found is None else found
-    content = ([{"type": "text", "text": text}] if text else []) + [_tool_block(k) for k in calls]
+    reasoning, text = thinking.split(c.text) if thinking is not None else (None, c.text)
+    found = read_calls(reader, text, c.finish_reason.value if c.finish_reason else None)
+    text, calls = (text, []) if found is None else found
+    content = ([_thinking_block(reasoning)] if reasoning is not None else []) + \
+        ([{"type": "text", "text": text}] if text else []) + [_tool_block(k) for k in calls]
     reason, sequence = _stop(c, bool(calls), max_tokens)
     return {"id": _id(run), "type": "message", "role": "assistant", "model": run.model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(out)}
@@ -267,10 +289,29 @@ class _Blocks:
     """The content blocks of a stream, numbered as they open: text while it comes, then each call."""
 
     def __init__(self) -> None:
-        self.index, self.text_open = 0, False
+        self.index, self.text_open, self.thinking_open = 0, False, False
+
+    def thinking(self, piece: str) -> list[str]:
+        """The reasoning's block (first, when the model thinks): thinking_delta events as it comes."""
+        frames = []
+        if not self.thinking_open:
+            frames.append(_event("content_block_start", {"index": self.index,
+                                                         "content_block": _thinking_block("")}))
+            self.thinking_open = True
+        if piece:
+            frames.append(_event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "thinking_delta", "thinking": piece}}))
+        return frames
+
+    def close_thinking(self) -> list[str]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        self.index += 1
+        return [_event("content_block_stop", {"index": self.index - 1})]
 
     def text(self, piece: str) -> list[str]:
-        frames = []
+        frames = self.close_thinking()
         if not self.text_open:
             frames.append(_event("content_block_start", {"index": self.index,
                                                          "content_block": {"type": "text", "text": ""}}))
@@ -290,16 +331,18 @@ class _Blocks:
         """A call goes out whole, once its completion has ended (tools/parsers.py's CallStream): its
         input as one input_json_delta."""
         block = _tool_block(call)
+        closed = self.close_thinking() + self.close_text()
         i = self.index
         self.index += 1
-        return [*self.close_text(),
+        return [*closed,
                 _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}}),
                 _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
                                                                      "partial_json": call.arguments}}),
                 _event("content_block_stop", {"index": i})]
 
 
-async def _events(reader: ToolReader | None, max_tokens: int, run: Run) -> AsyncIterator[str]:
+async def _events(reader: ToolReader | None, max_tokens: int, thinking: Thinking | None,
+                  run: Run) -> AsyncIterator[str]:
     """message_start (sent with the first output, which says how much of the prompt the prefix cache
     held), ping, the content blocks as they come, message_delta (stop_reason, stop_sequence and the
     final usage) and message_stop."""
@@ -312,14 +355,21 @@ async def _events(reader: ToolReader | None, max_tokens: int, run: Run) -> Async
 
     started, called = False, False
     blocks, calls_of = _Blocks(), CallStream(reader) if reader is not None else None
+    splitter = thinking.splitter() if thinking is not None else None
     async with aclosing(run.following):
         async for _, out in run.following:
             frames = [] if started else start(out)
             started = True
             c = out.outputs[0]
             piece, calls = c.text, None
+            if splitter is not None:
+                thought, piece = splitter.feed(c.text, c.finished)
+                if thought or (splitter.opened and not blocks.thinking_open and blocks.index == 0):
+                    frames += blocks.thinking(thought)
+                if splitter.state == "content":  # the reasoning has ended: its block too
+                    frames += blocks.close_thinking()
             if calls_of is not None:
-                piece, calls = calls_of.feed(c.text, c.finished, c.finish_reason.value if c.finish_reason else None)
+                piece, calls = calls_of.feed(piece, c.finished, c.finish_reason.value if c.finish_reason else None)
             if piece:
                 frames += blocks.text(piece)
             for call in calls or ():
@@ -328,7 +378,7 @@ async def _events(reader: ToolReader | None, max_tokens: int, run: Run) -> Async
             for frame in frames:
                 yield frame
     final = run.finish()[0]
-    for frame in ([] if started else start(final)) + blocks.close_text():
+    for frame in ([] if started else start(final)) + blocks.close_thinking() + blocks.close_text():
         yield frame
     reason, sequence = _stop(final.outputs[0], called, max_tokens)
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},

@@ -55,6 +55,9 @@ class CountTokensRequest(_Body):
     system: Union[str, list[dict[str, Any]], None] = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
+    # {"type": "enabled", "budget_tokens": N} / {"type": "disabled"}: a thinking model's template is
+    # told (enable_thinking); the budget is not enforced apart from max_tokens
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):

@@ -20,8 +20,10 @@ from ruvllm.server.errors import install_error_handlers
 from ruvllm.server.generation import Admission, ServerState
 from ruvllm.server.guards import APIKeyMiddleware, RequestLimitsMiddleware, key_roles
 from ruvllm.server.metrics import ServerMetrics
+from ruvllm.server.reasoning import reasoning_end_ids
 from ruvllm.tools.format import template_knows_tools
 from ruvllm.tools.parsers import parser_for
+from ruvllm.tools.reasoning import tags_for
 
 
 def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False) -> FastAPI:
@@ -42,6 +44,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     template = cfg.chat_template or getattr(engine.tokenizer, "chat_template", None)
     st.native_tools = template_knows_tools(template)
     st.tool_parser = parser_for(template, cfg.tool_parser)  # stateless: one serves every request
+    st.reasoning = tags_for(template, cfg.reasoning_tags)
+    st.reasoning_end_ids = reasoning_end_ids(engine.tokenizer, st.reasoning)
 
     @asynccontextmanager
     async def lifespan(running: FastAPI) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.router import RouterConfig
 from ruvllm.learning.config import LearningConfig
 from ruvllm.tools.parsers import PARSERS
+from ruvllm.tools.reasoning import OFF, ReasoningTags
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class ServerConfig(Checked):
     chat_template: str | None = setting(None, "Jinja chat template, or a path to one (default: the model's).")
     tool_parser: str | None = setting(None, "How tool calls are read from the model's text (default: from the chat "
                                             "template).", choices=tuple(PARSERS), metavar="NAME")
+    reasoning_tags: str | None = setting(
+        None, "The tags a thinking model writes its reasoning between, served apart from its answer (default: "
+              "<think>,</think> when the chat template mentions <think> or enable_thinking; `off`: none).",
+        metavar="START,END")
     graceful_shutdown_s: float = setting(10.0, "Seconds in-flight requests get to finish after SIGINT/SIGTERM.",
                                          flag="--drain-timeout", minimum=0)
     max_request_bytes: int = setting(16 * 2**20, "Largest request body; a larger one gets 413 (a 128k-token prompt "
@@ -82,6 +87,10 @@ class ServerConfig(Checked):
     deep_heldout: str | None = setting(None, "The deep loop's held-out text.", metavar="FILE")
     deep_general: str | None = setting(None, "The deep loop's everyday text.", metavar="FILE")
     deep_probes: str | None = setting(None, "The deep loop's probes (JSON lines).", metavar="FILE")
+
+    def check_across(self) -> None:
+        if self.reasoning_tags is not None and self.reasoning_tags.strip().lower() != OFF:
+            ReasoningTags.parse(self.reasoning_tags)  # a ValueError naming the setting's form
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ruvllm.server.responses import TokenText
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
 from ruvllm.tools.parsers import ToolReader
+from ruvllm.tools.reasoning import ReasoningTags
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class ServerState:
     # Read off the chat template once: whether it renders tools itself, and how calls are read back
     native_tools: bool = False
     tool_parser: ToolReader | None = None
+    # A thinking model's reasoning tags (None: it does not think) and the end tag's tokens (server/reasoning.py)
+    reasoning: ReasoningTags | None = None
+    reasoning_end_ids: tuple[int, ...] = ()
 
     @property
     def max_len(self) -> int:

@@ -31,6 +31,7 @@ from ruvllm.server import ollama_models
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, Run, ServerState, state
 from ruvllm.server.ollama_protocol import ChatRequest, GenerateRequest, resolve_model
+from ruvllm.server.reasoning import Thinking, after_reasoning, thinking_of
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
 from ruvllm.tools.parsers import CallStream, ToolCall, ToolReader, read_calls
@@ -90,12 +91,14 @@ def _loaded(model: str) -> Response:
     return JSONResponse({"model": model, "created_at": _now(), "done": True, "done_reason": "load"})
 
 
-async def _render(st: ServerState, messages: list[dict[str, Any]], tools: ToolUse | None) -> list[int]:
+async def _render(st: ServerState, messages: list[dict[str, Any]], tools: ToolUse | None,
+                  variables: dict[str, Any] | None = None) -> list[int]:
     native = st.native_tools
     try:
         msgs = prepare_messages(messages, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools)
+        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools,
+                                       variables)
     except ToolError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
@@ -112,10 +115,14 @@ class _Writer:
     def head(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": _now()}
 
-    def text(self, text: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    def text(self, text: str, calls: list[ToolCall] | None = None, thinking: str | None = None) -> dict[str, Any]:
+        """`thinking`: a thinking model's reasoning (or a stream's piece of it), as Ollama gives it:
+        message.thinking on chat, thinking beside response on generate."""
         if not self.chat:
-            return {"response": text}
+            return {"response": text, **({"thinking": thinking} if thinking else {})}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = _tool_calls(calls)
         return {"message": message}
@@ -131,25 +138,27 @@ class _Writer:
         return {**self.head(), **extra, "done": True, "done_reason": reason, **_stats(run, self.started, results)}
 
 
-def _body(w: _Writer, reader: ToolReader | None, context: list[int] | None, run: Run,
+def _body(w: _Writer, reader: ToolReader | None, context: list[int] | None, thinking: Thinking | None, run: Run,
           final: list[RequestOutput]) -> dict[str, Any]:
     out = final[0]
     c = out.outputs[0]
-    text, calls = c.text, None
-    found = read_calls(reader, c.text, c.finish_reason.value if c.finish_reason else None)
+    reasoning, text = thinking.split(c.text) if thinking is not None else (None, c.text)
+    calls = None
+    found = read_calls(reader, text, c.finish_reason.value if c.finish_reason else None)
     if found is not None:
         text, calls = found[0] or "", found[1]
-    extra = {**w.text(text, calls), **w.logprobs(c)}
+    extra = {**w.text(text, calls, reasoning), **w.logprobs(c)}
     if context is not None:
         extra["context"] = context + list(c.token_ids)
     return w.final(run, final, c, extra)
 
 
-async def _chunks(w: _Writer, reader: ToolReader | None, context: list[int] | None,
+async def _chunks(w: _Writer, reader: ToolReader | None, context: list[int] | None, thinking: Thinking | None,
                   run: Run) -> AsyncIterator[str]:
     """A line per output that adds text (or logprobs); with tools, text that may be a call's start is
     held until it is known not to be one, and the calls go out in a line of their own at the end."""
     calls = CallStream(reader) if reader is not None else None
+    splitter = thinking.splitter() if thinking is not None else None
     last: CompletionOutput | None = None
     tokens: list[int] = []
     async with aclosing(run.following):
@@ -157,12 +166,14 @@ async def _chunks(w: _Writer, reader: ToolReader | None, context: list[int] | No
             for c in out.outputs:
                 last = c
                 tokens += c.token_ids
-                piece, found = c.text, None
+                piece, found, thought = c.text, None, ""
+                if splitter is not None:
+                    thought, piece = splitter.feed(c.text, c.finished)
                 if calls is not None:
-                    piece, found = calls.feed(c.text, c.finished, c.finish_reason.value if c.finish_reason else None)
+                    piece, found = calls.feed(piece, c.finished, c.finish_reason.value if c.finish_reason else None)
                 lps = w.logprobs(c)
-                if piece or lps:
-                    yield _line({**w.head(), **w.text(piece), **lps, "done": False})
+                if piece or thought or lps:
+                    yield _line({**w.head(), **w.text(piece, None, thought), **lps, "done": False})
                 if found:
                     yield _line({**w.head(), **w.text("", found), "done": False})
     results = run.finish()
@@ -180,7 +191,7 @@ def _reader(st: ServerState, tools: ToolUse | None) -> ToolReader | None:
 async def chat(body: ChatRequest, request: Request, st: ServerState = Depends(state)) -> Response:
     started = time.monotonic()
     lora = resolve_model(st, body.model, tenant_of(request, None))
-    body.check_think(st)
+    variables = body.check_think(st)
     body.check_supported()
     if not body.messages:
         return _loaded(body.model)
@@ -189,22 +200,24 @@ async def chat(body: ChatRequest, request: Request, st: ServerState = Depends(st
     prefill = last.content if last.role == "assistant" and not last.tool_calls and len(messages) > 1 else None
     if prefill:  # a last assistant message is continued, as Ollama does: its text follows the generation prompt
         messages.pop()
-    ids = await _render(st, messages, tools)
+    ids = await _render(st, messages, tools, variables)
     if prefill:
         ids += await asyncio.to_thread(st.engine.tokenizer.encode, prefill, add_special_tokens=False)
     prompt = EnginePrompt(ids, None)
     params = body.options.sampling_params(body.options.budget(len(prompt.token_ids), st.max_len), body.structured(),
                                           body.top_n())
+    thinking = await thinking_of(st, ids)
+    params = after_reasoning(st, params, thinking)
     w, reader = _Writer(st, body.model, True, body.top_n(), started), _reader(st, tools)
-    return await st.serve(request, [prompt], [params], "ollama-chat-", lora, partial(_chunks, w, reader, None),
-                          partial(_body, w, reader, None), user=None, stream=body.stream)
+    return await st.serve(request, [prompt], [params], "ollama-chat-", lora, partial(_chunks, w, reader, None, thinking),
+                          partial(_body, w, reader, None, thinking), user=None, stream=body.stream)
 
 
 @router.post("/api/generate")
 async def generate(body: GenerateRequest, request: Request, st: ServerState = Depends(state)) -> Response:
     started = time.monotonic()
     lora = resolve_model(st, body.model, tenant_of(request, None))
-    body.check_think(st)
+    variables = body.check_think(st)
     body.check_supported(st.engine.info.vocab_size)
     if not body.prompt:
         return _loaded(body.model)
@@ -213,13 +226,15 @@ async def generate(body: GenerateRequest, request: Request, st: ServerState = De
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
                    [{"role": "user", "content": body.prompt}]
-        ids = await _render(st, messages, None)
+        ids = await _render(st, messages, None, variables)
     context = list(body.context or [])
     prompt = EnginePrompt(context + ids, body.prompt if body.raw and not context else None)
     params = body.options.sampling_params(body.options.budget(len(prompt.token_ids), st.max_len), body.structured(),
                                           body.top_n())
+    thinking = await thinking_of(st, prompt.token_ids)
+    params = after_reasoning(st, params, thinking)
     w = _Writer(st, body.model, False, body.top_n(), started)
     # `context` (the conversation's tokens so far, for the next call) is Ollama's older way to keep a
     # conversation: given for raw prompts too
-    return await st.serve(request, [prompt], [params], "ollama-gen-", lora, partial(_chunks, w, None, prompt.token_ids),
-                          partial(_body, w, None, prompt.token_ids), user=None, stream=body.stream)
+    return await st.serve(request, [prompt], [params], "ollama-gen-", lora, partial(_chunks, w, None, prompt.token_ids, thinking),
+                          partial(_body, w, None, prompt.token_ids, thinking), user=None, stream=body.stream)

@@ -206,8 +206,10 @@ async def version() -> dict[str, str]:
 def capabilities(request: Request) -> list[str]:
     """What the model can do here. Tools work with any model (tools/format.py writes them into the
     prompt of a template that knows none); embedding only where the app serves Ollama's embed route;
-    thinking not yet (no reasoning is separated from the content)."""
+    thinking where the model thinks (its reasoning is served apart: server/reasoning.py)."""
     caps = ["completion", "tools"]
+    if request.app.state.ruvllm.reasoning is not None:
+        caps.append("thinking")
     # asked of the routes themselves (FastAPI keeps an included router as one entry, not its paths)
     scope = {"type": "http", "path": "/api/embed", "method": "POST", "root_path": "", "path_params": {},
              "app": request.app}

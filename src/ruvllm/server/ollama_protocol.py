@@ -17,6 +17,7 @@ from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState
 from ruvllm.server.protocol import _Body
+from ruvllm.server.reasoning import template_vars
 from ruvllm.structured.spec import StructuredOutputs
 
 # Ollama's samplers that this engine does not have: accepted (clients send Ollama's defaults for
@@ -124,11 +125,16 @@ class _Generating(_Body):
         except ValueError as exc:
             raise APIError(400, f"format: {exc}", "format", "invalid_value") from None
 
-    def check_think(self, st: ServerState) -> None:
-        """No model here separates its reasoning yet, so asking for it is refused as Ollama refuses it
-        for a model without the capability; `think: false` asks for nothing and is fine."""
-        if self.think not in (None, False):
+    def check_think(self, st: ServerState) -> dict[str, Any]:
+        """The template variables `think` becomes (server/reasoning.py): true or a level is
+        `enable_thinking` true (a level is also `reasoning_effort`), false is false. Asking a model
+        that does not think is refused as Ollama refuses it; `think: false` asks for nothing and is fine."""
+        if self.think not in (None, False) and st.reasoning is None:
             raise APIError(400, f'"{self.model}" does not support thinking', "think")
+        if self.think is None or st.reasoning is None:
+            return {}
+        return template_vars(self.think is not False, self.think if isinstance(self.think, str) else None,
+                             ("think", "think"))
 
     def top_n(self) -> int | None:
         """SamplingParams.logprobs: the top alternatives per token, when logprobs are asked for."""

@@ -16,6 +16,7 @@ from ruvllm.server import responses as R
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
 from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ruvllm.server.reasoning import after_reasoning, thinking_of
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
 from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
@@ -63,18 +64,21 @@ async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = 
     lora = st.check_model(body.model, tenant_of(request, body.user))
     body.check_supported()
     tools = ToolUse.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools),
-                          None)
+    prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools,
+                                          body.template_vars()), None)
     max_tokens = check_context(prompt, body.token_limit, st.max_len)
     top_n = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, logprobs=top_n if body.logprobs else None,
                                   tool_constraint=None if tools is None else tools.constraint())
+    thinking = await thinking_of(st, prompt.token_ids)
+    params = after_reasoning(st, params, thinking)
     reader = None
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
-    return await st.serve(request, [prompt], [params], "chatcmpl-", lora, partial(R.chat_chunks, st, body, reader),
-                          partial(R.chat_body, st, body, reader), user=body.user, stream=body.stream,
-                          priority=body.priority)
+    return await st.serve(request, [prompt], [params], "chatcmpl-", lora,
+                          partial(R.chat_chunks, st, body, reader, thinking=thinking),
+                          partial(R.chat_body, st, body, reader, thinking=thinking), user=body.user,
+                          stream=body.stream, priority=body.priority)
 
 
 @router.post("/v1/completions")
@@ -100,7 +104,8 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def _chat_ids(st: ServerState, messages: list[Any], add_generation_prompt: bool,
-                    template: str | None = None, tools: ToolUse | None = None) -> list[int]:
+                    template: str | None = None, tools: ToolUse | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
     msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
              **{key: value for key in ("tool_calls", "tool_call_id") if (value := (m.model_extra or {}).get(key))}}
             for m in messages]
@@ -108,7 +113,8 @@ async def _chat_ids(st: ServerState, messages: list[Any], add_generation_prompt:
     try:
         msgs = prepare_messages(msgs, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools)
+        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools,
+                               variables)
     except ToolError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault

@@ -199,6 +199,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # A thinking model's switches, handed to its chat template (server/reasoning.py): vLLM's
+    # chat_template_kwargs (enable_thinking read from it) and OpenAI's reasoning_effort
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def template_vars(self) -> dict[str, Any]:
+        from ruvllm.server.reasoning import template_vars
+
+        return template_vars((self.chat_template_kwargs or {}).get("enable_thinking"), self.reasoning_effort)
 
     def check_supported(self) -> None:
         if self.top_logprobs and not self.logprobs:

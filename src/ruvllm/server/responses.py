@@ -18,6 +18,7 @@ from ruvllm.tools.parsers import CallStream, ToolCall, ToolReader, read_calls
 if TYPE_CHECKING:
     from ruvllm.server.generation import EnginePrompt, Run, ServerState
     from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest
+    from ruvllm.server.reasoning import Thinking
 
 TokenText = Callable[[int], str]
 
@@ -115,13 +116,20 @@ def _delta(i: int, delta: dict[str, Any], lps: Any = None, reason: str | None = 
 
 
 def chat_body(st: ServerState, body: ChatCompletionRequest, reader: ToolReader | None, run: Run,
-              final: list[RequestOutput]) -> dict[str, Any]:
+              final: list[RequestOutput], thinking: Thinking | None = None) -> dict[str, Any]:
+    """With a thinking model, the reasoning is the message's `reasoning_content` (vLLM's and
+    DeepSeek's name) and `reasoning` (OpenRouter's and newer vLLM's), null when there was none; tool
+    calls are read from the content after it."""
     def choice(_: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         top_n = body.top_logprobs or 0
         lps = chat_logprobs(c.token_ids, c.logprobs or [], top_n, st.text_of) if body.logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        text = c.text
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if thinking is not None:
+            reasoning, text = thinking.split(c.text)
+            message.update(content=text, reasoning_content=reasoning, reasoning=reasoning)
         reason = _reason(c)
-        calls = read_calls(reader, c.text, reason)
+        calls = read_calls(reader, text, reason)
         if calls is not None:
             message["content"], reason = calls[0], "tool_calls"
             message["tool_calls"] = [_call_json(k) for k in calls[1]]
@@ -131,11 +139,14 @@ def chat_body(st: ServerState, body: ChatCompletionRequest, reader: ToolReader |
 
 
 def chat_chunks(st: ServerState, body: ChatCompletionRequest, reader: ToolReader | None,
-                run: Run) -> AsyncIterator[str]:
+                run: Run, thinking: Thinking | None = None) -> AsyncIterator[str]:
     """With tools, a completion's calls go out as `tool_calls` deltas (each whole: id, name and
-    arguments in one) once it ends, and its finish reason is `tool_calls` (tools/parsers.py's CallStream)."""
+    arguments in one) once it ends, and its finish reason is `tool_calls` (tools/parsers.py's CallStream).
+    With a thinking model, the reasoning goes out as `reasoning_content` (and `reasoning`) deltas as it
+    comes, the content after it as `content` deltas (tools/reasoning.py's ReasoningSplitter)."""
     n = body.n or 1
     calls_of = [CallStream(reader) for _ in range(n)] if reader is not None else None
+    splits = [thinking.splitter() for _ in range(n)] if thinking is not None else None
 
     def choices(_: int, c: CompletionOutput) -> Iterable[dict[str, Any]]:
         if not c.text and not c.token_ids and not c.finished:
@@ -143,8 +154,15 @@ def chat_chunks(st: ServerState, body: ChatCompletionRequest, reader: ToolReader
         lps = chat_logprobs(c.token_ids, c.logprobs or [], body.top_logprobs or 0, st.text_of) \
             if body.logprobs and c.token_ids else None
         reason, piece, calls = _reason(c), c.text, None
+        if splits is not None:
+            thought, piece = splits[c.index].feed(c.text, c.finished)
+            if thought:
+                yield _delta(c.index, {"reasoning_content": thought, "reasoning": thought}, lps)
+                lps = None
+            if not piece and not c.finished and lps is None:
+                return  # all said as reasoning, or held (a tag's possible start): no content delta
         if calls_of is not None:
-            piece, calls = calls_of[c.index].feed(c.text, c.finished, reason)
+            piece, calls = calls_of[c.index].feed(piece, c.finished, reason)
         if calls is not None:
             if piece:
                 yield _delta(c.index, {"content": piece})

@@ -17,6 +17,7 @@ from ruvllm.engine.prompts import render_chat
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
+from ruvllm.server.reasoning import after_reasoning, template_vars, thinking_of
 from ruvllm.server.response_store import ResponseStore, StoredResponse
 from ruvllm.server.responses_output import Turn
 from ruvllm.server.responses_protocol import Item, ResponsesRequest, TextConfig
@@ -47,17 +48,20 @@ async def create(body: ResponsesRequest, request: Request, st: ServerState = Dep
         context = _stored(store, tenant, body.previous_response_id, "previous_response_id").conversation()
     items = body.input_items()
     tools = ToolUse.from_request(_chat_tools(body.tools), _chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
-    prompt = EnginePrompt(await _render(st, chat_messages(body.instructions, [*context, *items]), tools), None)
+    variables = template_vars(None, (body.reasoning or {}).get("effort"), ("reasoning", "reasoning.effort"))
+    prompt = EnginePrompt(await _render(st, chat_messages(body.instructions, [*context, *items]), tools, variables),
+                          None)
     try:
         max_tokens = check_context(prompt, body.max_output_tokens, st.max_len)
     except APIError as exc:  # the same 400, naming this API's fields
         exc.param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(exc.param or "", exc.param)
         raise
-    params = _sampling(body, max_tokens, _text_constraint(body.text), tools)
+    thinking = await thinking_of(st, prompt.token_ids)
+    params = after_reasoning(st, _sampling(body, max_tokens, _text_constraint(body.text), tools), thinking)
     reader = None
     if tools is not None and tools.active:
         reader = JsonCallParser() if tools.constrained else st.tool_parser
-    turn = Turn(body, tools, reader, context, items, store if body.store else None, tenant)
+    turn = Turn(body, tools, reader, context, items, store if body.store else None, tenant, thinking=thinking)
     return await st.serve(request, [prompt], [params], "resp_", lora, turn.events, turn.answer, user=body.user,
                           stream=bool(body.stream), priority=body.priority)
 
@@ -211,13 +215,15 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
     return msgs
 
 
-async def _render(st: ServerState, msgs: list[dict[str, Any]], tools: ToolUse | None) -> list[int]:
+async def _render(st: ServerState, msgs: list[dict[str, Any]], tools: ToolUse | None,
+                  variables: dict[str, Any] | None = None) -> list[int]:
     native = st.native_tools
     try:
         msgs = prepare_messages(msgs, tools, native)
         use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
         # off the event loop: a long conversation takes long to render and tokenize
-        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools)
+        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools,
+                                       variables)
     except ToolError:
         raise
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault

@@ -24,6 +24,7 @@ from ruvllm.tools.parsers import CallStream, ToolCall, ToolReader, read_calls
 
 if TYPE_CHECKING:
     from ruvllm.server.generation import Run
+    from ruvllm.server.reasoning import Thinking
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,17 @@ def _message(item_id: str, text: str | None, status: str) -> Item:
             "content": [] if text is None else [_text_part(text)]}
 
 
+def _reasoning_item(item_id: str, text: str | None, status: str) -> Item:
+    """A thinking model's reasoning as a reasoning item: its text as one reasoning_text part (`text`
+    None: just opened), no summary (nothing here writes one)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [] if text is None else [_reasoning_part(text)]}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _call_item(call: ToolCall, status: str, arguments: str | None = None) -> Item:
     return {"id": new_id("fc"), "type": "function_call", "status": status, "call_id": new_id("call"),
             "name": call.name, "arguments": call.arguments if arguments is None else arguments}
@@ -71,6 +83,7 @@ class Turn:
     store: ResponseStore | None  # None: not stored (store: false)
     tenant: str
     created_at: int = field(default_factory=lambda: int(time.time()))
+    thinking: Thinking | None = None  # a thinking model's: its reasoning is an item of its own
 
     def response(self, run: Run, status: str, output: list[Item], use: dict[str, Any] | None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -105,9 +118,17 @@ class Turn:
         c = final[0].outputs[0]
         reason = _reason(c)
         status = "incomplete" if reason == "length" else "completed"
-        found = read_calls(self.reader, c.text, reason)
-        content, calls = found if found is not None else (c.text, [])
-        output = [_message(new_id("msg"), content or "", status)] if content or not calls else []
+        text, output = c.text, []
+        if self.thinking is not None:
+            splitter = self.thinking.splitter()
+            reasoning, text = splitter.feed(c.text, final=True)
+            if splitter.opened:  # incomplete only when cut short inside it, as the stream says
+                output.append(_reasoning_item(new_id("rs"), reasoning, status if splitter.state != "content"
+                                              else "completed"))
+        found = read_calls(self.reader, text, reason)
+        content, calls = found if found is not None else (text, [])
+        # an empty answer is a message, unless the model only reasoned (cut short, or it called)
+        output += [_message(new_id("msg"), content or "", status)] if content or not (calls or output) else []
         output += [_call_item(k, "completed") for k in calls]
         response = self.response(run, status, output, usage(final))
         self._keep(response)
@@ -129,6 +150,10 @@ class Turn:
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
         stream = CallStream(self.reader) if self.reader is not None else None
+        splitter = self.thinking.splitter() if self.thinking is not None else None
+        rs_id: str | None = None  # the reasoning item, once opened
+        rs_done = False
+        thought: list[str] = []
         msg_id: str | None = None  # the message item open now
         text: list[str] = []
         try:
@@ -136,8 +161,34 @@ class Turn:
                 async for _, out in run.following:
                     for c in out.outputs:
                         reason = _reason(c)
-                        piece, calls = stream.feed(c.text, c.finished, reason) if stream else (c.text, None)
-                        if piece or (c.finished and msg_id is None and not calls):  # an empty answer is a message
+                        status = "incomplete" if reason == "length" else "completed"
+                        piece = c.text
+                        if splitter is not None:
+                            more, piece = splitter.feed(c.text, c.finished)
+                            if splitter.opened and rs_id is None:
+                                rs_id = new_id("rs")
+                                yield event("response.output_item.added", output_index=len(output),
+                                            item=_reasoning_item(rs_id, None, "in_progress"))
+                                yield event("response.content_part.added", item_id=rs_id, output_index=len(output),
+                                            content_index=0, part=_reasoning_part(""))
+                            if more:
+                                thought.append(more)
+                                yield event("response.reasoning_text.delta", item_id=rs_id, output_index=len(output),
+                                            content_index=0, delta=more)
+                            if rs_id is not None and not rs_done and (splitter.state == "content" or c.finished):
+                                rs_done = True
+                                whole = "".join(thought)  # the reasoning has ended: its item is done
+                                yield event("response.reasoning_text.done", item_id=rs_id, output_index=0,
+                                            content_index=0, text=whole)
+                                yield event("response.content_part.done", item_id=rs_id, output_index=0,
+                                            content_index=0, part=_reasoning_part(whole))
+                                item = _reasoning_item(rs_id, whole, status if splitter.state != "content"
+                                                       else "completed")
+                                yield event("response.output_item.done", output_index=0, item=item)
+                                output.append(item)
+                        piece, calls = stream.feed(piece, c.finished, reason) if stream else (piece, None)
+                        if piece or (c.finished and msg_id is None and not calls and rs_id is None):
+                            # an empty answer is a message, unless the model only reasoned
                             if msg_id is None:
                                 msg_id = new_id("msg")
                                 yield event("response.output_item.added", output_index=len(output),
@@ -150,7 +201,6 @@ class Turn:
                                             content_index=0, delta=piece, logprobs=[])
                         if not c.finished:
                             continue
-                        status = "incomplete" if reason == "length" else "completed"
                         if msg_id is not None:
                             whole = "".join(text)
                             yield event("response.output_text.done", item_id=msg_id, output_index=len(output),

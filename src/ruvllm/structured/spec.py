@@ -27,8 +27,15 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # A thinking model's end-of-reasoning tokens: the constraint starts once the output has ended with
+    # them (its reasoning is free text); None: from the first token. Not part of what compiles (key).
+    after_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.after_tokens is not None:
+            self.after_tokens = tuple(self.after_tokens)
+            if not self.after_tokens:
+                raise ValueError("after_tokens must not be empty")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got "

@@ -347,7 +347,8 @@ class Worker:
             grammar = so.grammars.get(req.request_id)
             self._states[req.request_id] = SamplingState(req.request_id, req.params, req.prompt_token_ids,
                                                          tuple(req.eos_token_ids),
-                                                         matcher=None if grammar is None else new_matcher(grammar))
+                                                         matcher=None if grammar is None else new_matcher(
+                                                             grammar, req.params.structured.after_tokens))
         if so.kv_moves:
             self.runner.migrate_blocks(so.kv_moves)
         if so.is_empty:
