@@ -71,3 +71,41 @@ def test_whether_a_prompt_opens_the_reasoning() -> None:
     assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", QWEN3)
     assert not opens_reasoning("<|im_start|>assistant\n", QWEN3)
     assert opens_reasoning("<think>\nold\n</think>\nold answer<|im_end|><|im_start|>assistant\n<think>\n", QWEN3)
+
+
+def test_a_grammar_that_starts_after_the_reasoning() -> None:
+    """structured/bitmask.py's AfterTokens over a real xgrammar matcher: no mask while waiting (the
+    row's logits untouched beside a constrained row), the grammar's mask from the end tag on, and a
+    rollback (speculative proposals) that crosses the end tag waits again."""
+    import torch
+    import xgrammar as xgr
+
+    from ruvllm.structured.bitmask import AfterTokens, apply_grammar_masks, new_matcher
+    from tests.reasoning_fixtures import thinking_tokenizer
+
+    tok = thinking_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok),
+                                              stop_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    compiled = xgr.GrammarCompiler(info).compile_regex("yes")
+    end = tok.convert_tokens_to_ids("</think>")
+    waiting, started = new_matcher(compiled, (end,)), new_matcher(compiled, (end,))
+    assert isinstance(waiting, AfterTokens)
+    free = tok.encode("free text", add_special_tokens=False)
+    for t in free:
+        assert waiting.accept_token(t) and started.accept_token(t)
+    assert started.accept_token(end) and not started.waiting and waiting.waiting
+
+    class Row:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+    logits = torch.randn(2, len(tok))
+    masked = logits.clone()
+    apply_grammar_masks(masked, [Row(waiting), Row(started)])
+    assert torch.equal(masked[0], logits[0])  # the waiting row: nothing masked
+    allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
+    assert allowed == tok.encode("y", add_special_tokens=False)
+    assert started.accept_token(allowed[0]) and not started.accept_token(end)  # held to the grammar now
+    started.rollback(2)  # the "y" and the end tag: waiting again, the grammar back at its start
+    assert started.waiting and started.accept_token(end) and not started.waiting
+    assert started.accept_token(allowed[0])
