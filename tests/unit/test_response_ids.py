@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 PRINT_IDS = ("from ruvllm.server.generation import Admission\n"
-             "print('\\n'.join(Admission.next_id(k) for k in ('chatcmpl', 'cmpl') for _ in range(5000)))")
+             "print('\\n'.join(Admission.next_id(k) for k in ('chatcmpl-', 'msg_') for _ in range(5000)))")
 
 
 def test_ids_are_random_openai_shaped_and_unique_across_processes() -> None:
@@ -17,4 +17,5 @@ def test_ids_are_random_openai_shaped_and_unique_across_processes() -> None:
             for _ in range(2)]
     ids = runs[0] + runs[1]
     assert len(ids) == 20_000 and len(set(ids)) == 20_000
-    assert all(re.fullmatch(r"(chatcmpl|cmpl)-[0-9a-f]{32}", i) for i in ids)  # 128 random bits
+    # 128 random bits after each dialect's own prefix (OpenAI's chatcmpl-, Anthropic's msg_)
+    assert all(re.fullmatch(r"(chatcmpl-|msg_)[0-9a-f]{32}", i) for i in ids)

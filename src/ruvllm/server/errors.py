@@ -93,7 +93,7 @@ class Dialect:
 
 def _sse(body: dict[str, Any], event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(body, ensure_ascii=True, separators=(',', ':'))}\n\n"
+    return f"{head}data: {json.dumps(body, ensure_ascii=True)}\n\n"
 
 
 OPENAI = Dialect(error_body, lambda body: [_sse(body), "data: [DONE]\n\n"])
