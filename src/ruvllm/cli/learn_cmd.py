@@ -116,6 +116,9 @@ def run_cmd(
     witness_log: Optional[str] = typer.Option(None, "--witness-log", metavar="PATH",
                                               help="Witness the promotion or refusal there (default: the server's "
                                                    "default log; `off`: nowhere)."),
+    witness_key_file: Optional[Path] = typer.Option(None, "--witness-key-file", metavar="FILE",
+                                                    help="The key that signs the witness log's head (as given to "
+                                                         "`ruvllm serve`); needed where the log has a signed head."),
     model: str = typer.Option("default", "--model", "-m", help="The served model (folder, GGUF, alias, `default`)."),
     folder: Optional[Path] = typer.Option(None, "--dir", help=_DIR_HELP),
 ) -> None:
@@ -156,7 +159,7 @@ def run_cmd(
     from ruvllm.witness.log import WitnessLog, default_witness_path
 
     witness = None if witness_log == "off" else WitnessLog(Path(witness_log).expanduser() if witness_log
-                                                           else default_witness_path())
+                                                           else default_witness_path(), key_file=witness_key_file)
     learner = Learner(path, _NoEngine(), tokenizer, eos, LearningConfig(root=str(root)), witness)
     c = learner.config.instant
     config = DeepConfig(rank=c.rank, alpha=c.alpha, targets=c.targets, max_perplexity_increase=max_perplexity_increase,

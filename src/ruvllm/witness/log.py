@@ -178,6 +178,10 @@ class WitnessLog:
         # bytes takes a while), and stamped on every completion entry.
         self._digest_fn = model_digest
         self._digest: str | None = None
+        if self._key is None and head_path(self.path).exists():
+            # entries written without the key would lie past what the head vouches for, unsigned
+            raise WitnessError(f"{self.path} has a signed head ({head_path(self.path)}): give its key "
+                               f"(--witness-key-file) so that new entries are signed too")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
         self._conn.executescript(_SCHEMA)
