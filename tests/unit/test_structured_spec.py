@@ -92,3 +92,27 @@ def test_the_check_cache_is_bounded_in_bytes() -> None:
     for i in range(400):  # 400 distinct schemas of ~60 kB: 24 MB of keys against the 16 MiB budget
         StructuredOutputs(json_schema={"type": "string", "description": f"{i}" + "x" * 60_000}).check()
     assert module._CHECKED.nbytes <= module._CHECKED.max_bytes
+
+
+@pytest.mark.parametrize("field", ["response_format", "guided_regex", "text.format", "format"])
+def test_a_constraint_the_engine_refuses_names_the_field_it_came_from(field: str) -> None:
+    """A compile that fails or passes its deadline is found in the engine, long after the request's
+    checks: its error names the field the client sent (it named response_format whatever it was)."""
+    from ruvllm.engine.output_processor import OutputProcessor
+    from ruvllm.errors import RequestError
+    from ruvllm.messages import CoreOutput
+    from ruvllm.outputs import OutputKind
+
+    class Bytes:  # a tokenizer of one byte a token: all the detokenizer asks of one
+        def decode(self, ids, **_):
+            return bytes(ids).decode("latin-1")
+
+        def convert_ids_to_tokens(self, ids, **_):
+            return [chr(i) for i in ids]
+
+    proc = OutputProcessor(Bytes())
+    params = SamplingParams(max_tokens=4, structured=StructuredOutputs(regex="a+", field=field))
+    proc.add("r1", [97, 98], "ab", params, ["r1-0"], OutputKind.DELTA)
+    (error,), _ = proc.process([CoreOutput("r1-0", error="the grammar did not compile within 10 s")])
+    assert isinstance(error, RequestError) and error.param == field
+    assert str(error) == f"{field}: the grammar did not compile within 10 s"

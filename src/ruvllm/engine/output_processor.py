@@ -59,6 +59,7 @@ class _Group:
     kind: OutputKind
     completions: dict[str, _Completion]  # core sequence id -> completion
     prompt_logprobs: list[dict[int, Logprob]] | None
+    constraint_field: str = "response_format"  # the request field its output constraint came from
     num_cached_tokens: int = 0
     queue_time: float | None = None
     prompt_logprobs_sent: bool = False
@@ -85,7 +86,8 @@ class OutputProcessor:
                              params.logprobs is not None)
             for i, sid in enumerate(seq_ids)}
         group = _Group(request_id, list(prompt_token_ids), prompt, kind, completions,
-                       [] if params.prompt_logprobs is not None else None)
+                       [] if params.prompt_logprobs is not None else None,
+                       params.structured.field if params.structured is not None else "response_format")
         self._groups[request_id] = group
         for sid in seq_ids:
             self._seq_to_group[sid] = group
@@ -127,7 +129,7 @@ class OutputProcessor:
             if group is None:
                 continue  # aborted by its caller while this step ran
             if out.error is not None:
-                error = RequestError(f"response_format: {out.error}", "response_format")
+                error = RequestError(f"{group.constraint_field}: {out.error}", group.constraint_field)
                 if group.kind is OutputKind.FINAL_ONLY:
                     raise error
                 error.request_id = group.request_id  # type: ignore[attr-defined]

@@ -83,7 +83,7 @@ def constraint_of(req: pb.GenerateRequest) -> StructuredOutputs | None:
         return None
     value = list(req.choice.values) if kind == "choice" else getattr(req, kind)
     try:
-        spec = StructuredOutputs(**{kind: value})
+        spec = StructuredOutputs(**{kind: value}, field=kind)
         spec.check()  # the syntax, here where the field is known
     except ValueError as exc:
         raise bad(str(exc), kind) from None

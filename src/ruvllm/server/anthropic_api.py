@@ -214,7 +214,8 @@ def sampling_params(body: MessagesRequest, max_tokens: int, tools: ToolUse | Non
         if structured is not None:
             raise APIError(400, "output_config.format and a forced tool call (tool_choice any or tool) both constrain "
                                 "the output: give one", "output_config.format")
-        structured, field = StructuredOutputs(json_schema=fmt.schema_), "output_config.format"
+        structured, field = StructuredOutputs(json_schema=fmt.schema_, field="output_config.format"), \
+            "output_config.format"
     if structured is not None:
         try:  # the syntax, here where the field is known (the engine checks it again)
             structured.check()

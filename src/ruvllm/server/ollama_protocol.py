@@ -118,8 +118,8 @@ class _Generating(_Body):
         if not self.format:
             return None
         try:
-            spec = StructuredOutputs(json_object=True) if self.format == "json" else \
-                StructuredOutputs(json_schema=self.format)
+            spec = StructuredOutputs(json_object=True, field="format") if self.format == "json" else \
+                StructuredOutputs(json_schema=self.format, field="format")
             spec.check()  # the syntax, here where the field is known
             return spec
         except ValueError as exc:

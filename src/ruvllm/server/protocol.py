@@ -121,7 +121,7 @@ class _Sampling(_Body):
             raise APIError(400, f"{' and '.join(names)} both constrain the output: give one", names[-1])
         (field, kind, value), = given
         try:
-            spec = StructuredOutputs(**{kind: value})
+            spec = StructuredOutputs(**{kind: value}, field=field)
             spec.check()  # the syntax, here where the field is known (the engine checks it again offline)
             return spec
         except ValueError as exc:

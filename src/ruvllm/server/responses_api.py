@@ -149,8 +149,8 @@ def _text_constraint(text: TextConfig | None) -> StructuredOutputs | None:
         raise APIError(400, "text.format of type json_schema needs a name and a schema (a JSON schema object)",
                        "text.format", "invalid_value")
     try:
-        spec = StructuredOutputs(json_object=True) if fmt.type == "json_object" else \
-            StructuredOutputs(json_schema=fmt.schema_)  # type: ignore[arg-type]
+        spec = StructuredOutputs(json_object=True, field="text.format") if fmt.type == "json_object" else \
+            StructuredOutputs(json_schema=fmt.schema_, field="text.format")  # type: ignore[arg-type]
         spec.check()  # the syntax, here where the field is known (the engine checks it again offline)
         return spec
     except ValueError as exc:

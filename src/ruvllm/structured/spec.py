@@ -30,6 +30,9 @@ class StructuredOutputs:
     # A thinking model's end-of-reasoning tokens: the constraint starts once the output has ended with
     # them (its reasoning is free text); None: from the first token. Not part of what compiles (key).
     after_tokens: tuple[int, ...] | None = None
+    # The request field it came from, in the caller's API: an error found only in the engine (a compile
+    # that fails or passes its deadline) names it. Not part of what compiles either.
+    field: str = "response_format"
 
     def __post_init__(self) -> None:
         if self.after_tokens is not None:

@@ -99,7 +99,7 @@ class ToolUse:
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = ({"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
                   if self.parallel and self.choice == "required" else one)
-        return StructuredOutputs(json_schema=schema)
+        return StructuredOutputs(json_schema=schema, field="tools")
 
 
 def template_knows_tools(template: str | None) -> bool:
