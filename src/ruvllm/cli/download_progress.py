@@ -6,14 +6,14 @@ that yields a tqdm look-alike class for huggingface_hub's `snapshot_download(tqd
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
+
+from ruvllm.loader.hub import TqdmBar
 
 
 def rich_progress(console: Console):  # noqa: ANN201  # a ProgressHook
@@ -29,46 +29,17 @@ def rich_progress(console: Console):  # noqa: ANN201  # a ProgressHook
 
 
 def _bar_class(prog: Progress, repo_id: str) -> type:
-    class _Bar:
-        """Just the parts of tqdm that huggingface_hub's snapshot_download calls."""
+    class _Bar(TqdmBar):
+        def started(self) -> None:
+            label = repo_id if self.unit == "B" else "files"
+            self._task = prog.add_task(label, total=self.total or None, completed=self.n,
+                                       visible=not self.repeats_bytes, unit=self.unit)
 
-        def __init__(self, *_args: Any, total: float | None = None, initial: float = 0,
-                     desc: str | None = None, unit: str = "it", **_ignored: Any) -> None:
-            self.n = initial
-            self._total = total
-            self._lock = threading.Lock()
-            self.format_dict: dict[str, Any] = {"rate": None}  # read for a speed postfix only
-            # The "received bytes" bar repeats the "written bytes" one for plain HTTP; show one.
-            hidden = (desc or "").startswith("Downloading bytes")
-            label = repo_id if unit == "B" else "files"
-            self._task = prog.add_task(label, total=total or None, completed=initial, visible=not hidden, unit=unit)
-
-        @property
-        def total(self) -> float | None:
-            return self._total
-
-        @total.setter
-        def total(self, value: float | None) -> None:
-            self._total = value
+        def total_changed(self, value: float | None) -> None:
             prog.update(self._task, total=value or None)
 
-        def update(self, n: float | None = 1) -> None:
-            with self._lock:
-                self.n += n or 0
-            prog.update(self._task, advance=n or 0)
-
-        def refresh(self, *_a: Any, **_k: Any) -> None: ...
-        def close(self) -> None: ...
-        def set_description(self, *_a: Any, **_k: Any) -> None: ...
-        def set_description_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix(self, *_a: Any, **_k: Any) -> None: ...
-
-        def __enter__(self) -> _Bar:
-            return self
-
-        def __exit__(self, *_exc: Any) -> None:
-            return None
+        def advanced(self, n: float) -> None:
+            prog.update(self._task, advance=n)
 
     return _Bar
 

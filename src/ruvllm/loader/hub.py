@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -425,6 +426,55 @@ def _swap_in(new: Path, folder: Path) -> None:
 # A download reports its progress through a hook: given the repository id, a context manager that
 # yields a tqdm-like class for snapshot_download (the CLI's draws rich bars: cli/download_progress.py).
 ProgressHook = Callable[[str], AbstractContextManager[type]]
+
+
+class TqdmBar:
+    """The parts of tqdm that huggingface_hub's snapshot_download calls, for a hook's bar class to
+    subclass: it says what a bar shows when it starts (`started`), when its total is learnt
+    (`total_changed`) and at each update (`advanced`, under the bar's lock: updates come from the
+    download's threads)."""
+
+    def __init__(self, *_args: Any, total: float | None = None, initial: float = 0, desc: str | None = None,
+                 unit: str = "it", **_ignored: Any) -> None:
+        self.n, self._total, self.desc, self.unit = initial, total, desc or "", unit
+        self._lock = threading.Lock()
+        self.format_dict: dict[str, Any] = {"rate": None}  # read for a speed postfix only
+        self.started()
+
+    @property
+    def total(self) -> float | None:
+        return self._total
+
+    @total.setter
+    def total(self, value: float | None) -> None:
+        self._total = value
+        self.total_changed(value)
+
+    @property
+    def repeats_bytes(self) -> bool:
+        """The "received bytes" bar repeats the "written bytes" one for plain HTTP: show one."""
+        return self.desc.startswith("Downloading bytes")
+
+    def update(self, n: float | None = 1) -> None:
+        with self._lock:
+            self.n += n or 0
+            self.advanced(n or 0)
+
+    def started(self) -> None: ...
+    def total_changed(self, value: float | None) -> None: ...
+    def advanced(self, n: float) -> None: ...
+    def refresh(self, *_a: Any, **_k: Any) -> None: ...
+    def close(self) -> None: ...
+    def set_description(self, *_a: Any, **_k: Any) -> None: ...
+    def set_description_str(self, *_a: Any, **_k: Any) -> None: ...
+    def set_postfix_str(self, *_a: Any, **_k: Any) -> None: ...
+    def set_postfix(self, *_a: Any, **_k: Any) -> None: ...
+
+    def __enter__(self) -> TqdmBar:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        return None
 
 
 @contextmanager

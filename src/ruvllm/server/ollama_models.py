@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from starlette.routing import Match
 
 from ruvllm import __version__
 from ruvllm.errors import ModelLoadError
+from ruvllm.loader.hub import TqdmBar
 from ruvllm.messages import EngineInfo
 from ruvllm.server.adapters import operator_only
 from ruvllm.server.errors import OLLAMA, APIError, api_error
@@ -248,42 +248,23 @@ class _PullProgress:
 
 
 def _bar_class(repo_id: str, emit: Any) -> type:
-    class _Bar:
-        """The parts of tqdm that snapshot_download calls. Only byte bars report (the count of files
-        says nothing Ollama's lines can carry), and the one repeating received bytes is quiet."""
+    class _Bar(TqdmBar):
+        """Only byte bars report (the count of files says nothing Ollama's lines can carry), and the
+        one repeating received bytes is quiet."""
 
-        def __init__(self, *_args: Any, total: float | None = None, initial: float = 0, desc: str | None = None,
-                     unit: str = "it", **_ignored: Any) -> None:
-            self.n, self.total, self._sent = initial, total, 0.0
-            self._lock = threading.Lock()
-            self._reports = unit == "B" and not (desc or "").startswith("Downloading bytes")
-            self.format_dict: dict[str, Any] = {"rate": None}
+        def started(self) -> None:
+            self._sent = 0.0
 
-        def update(self, n: float | None = 1) -> None:
-            with self._lock:
-                self.n += n or 0
-                now = time.monotonic()
-                done = self.total is not None and self.n >= self.total
-                if not self._reports or (now - self._sent < PROGRESS_EVERY_S and not done):
-                    return
-                self._sent = now
-                line = {"status": f"pulling {repo_id}", "completed": int(self.n)}
+        def advanced(self, n: float) -> None:
+            now = time.monotonic()
+            done = self.total is not None and self.n >= self.total
+            if self.unit != "B" or self.repeats_bytes or (now - self._sent < PROGRESS_EVERY_S and not done):
+                return
+            self._sent = now
+            line = {"status": f"pulling {repo_id}", "completed": int(self.n)}
             if self.total:
                 line["total"] = int(self.total)
             emit(line)
-
-        def refresh(self, *_a: Any, **_k: Any) -> None: ...
-        def close(self) -> None: ...
-        def set_description(self, *_a: Any, **_k: Any) -> None: ...
-        def set_description_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix_str(self, *_a: Any, **_k: Any) -> None: ...
-        def set_postfix(self, *_a: Any, **_k: Any) -> None: ...
-
-        def __enter__(self) -> _Bar:
-            return self
-
-        def __exit__(self, *_exc: Any) -> None:
-            return None
 
     return _Bar
 
