@@ -5,7 +5,6 @@ and `embeddings`; each dialect's bad input gets its own error shape and a 4xx.""
 from __future__ import annotations
 
 import base64
-import threading
 
 import numpy as np
 import ollama
@@ -15,8 +14,9 @@ import pytest
 from ruvllm import LLM
 from tests.server.conftest import MODEL, RunningServer
 
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-         "Embeddings map text to vectors."]
+# Short on purpose (the fp32 model costs ~10 ms a token on one CPU thread): these tests check the
+# translation of each dialect; the vectors' correctness and invariance are tests/e2e/test_embeddings.py's.
+TEXTS = ["The quick brown fox.", "Paris is in France.", "Text to vectors."]
 
 
 @pytest.fixture
@@ -66,27 +66,18 @@ def test_dimensions_truncate_then_renormalize(client: openai.OpenAI) -> None:
     np.testing.assert_allclose(short, full[:64] / np.linalg.norm(full[:64]), rtol=1e-5, atol=1e-7)
 
 
-def test_a_batch_and_running_generation_leave_each_vector_as_it_is_alone(client: openai.OpenAI) -> None:
-    alone = [_floats(client, t)[0] for t in TEXTS]
-    errors: list[BaseException] = []
-
-    def generate() -> None:
-        try:
-            stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, stream=True,
-                                               temperature=0)
-            for _ in stream:
-                pass
-        except BaseException as exc:  # noqa: BLE001 (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=generate) for _ in range(3)]
-    for t in threads:
-        t.start()
-    together = _floats(client, TEXTS)
-    for t in threads:
-        t.join()
-    assert not errors
-    assert together == alone
+def test_served_while_a_stream_runs(client: openai.OpenAI, _shared_llm: LLM) -> None:
+    """What is HTTP's own: an embeddings call answered while a completion stream is open on the same
+    server. (That a batch, chunks and running generation leave every vector as it is alone is the
+    engine's, tested in tests/e2e/test_embeddings.py; here it was 3 streams and 4 calls, ~3.4 s.)"""
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # the generation runs: 7 more decode steps, the embeddings' one step among them
+    served = _floats(client, TEXTS)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert served == [o.embedding for o in _shared_llm.embed(TEXTS)]  # the offline engine, after the stream
 
 
 def test_openai_bad_input_is_a_400_in_openai_shape(client: openai.OpenAI, _shared_llm: LLM) -> None:
@@ -99,9 +90,7 @@ def test_openai_bad_input_is_a_400_in_openai_shape(client: openai.OpenAI, _share
             client.embeddings.create(model=MODEL, **kw)
         assert e.value.status_code == 400, kw
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"], kw
-    with pytest.raises(openai.BadRequestError) as e:
-        client.embeddings.create(model=MODEL, input=[1] * (info.max_seq_len + 1))
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded"  # the last case's
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hi")
 
