@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ruvllm.engine.prompts import render_chat
 from ruvllm.grpc import ruvllm_pb2 as pb
-from ruvllm.errors import RuvllmError
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import FinishReason
 from ruvllm.sampling_params import SamplingParams
@@ -18,7 +16,6 @@ from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState
 from ruvllm.server.protocol import USER_MAX_CHARS
 from ruvllm.structured.spec import StructuredOutputs
-from ruvllm.tools.format import ToolError, prepare_messages
 
 DEFAULT_MAX_TOKENS = 16  # as /v1/completions: a request that sets nothing gets a short answer, not the context
 MAX_STOP = 16  # as OpenAI's `stop`
@@ -56,15 +53,7 @@ async def prompt_of(st: ServerState, req: pb.GenerateRequest) -> EnginePrompt:
     if kind == "tokens":
         return EnginePrompt(list(req.tokens.ids), None)
     if kind == "chat":
-        msgs = _messages(req.chat)
-        try:
-            msgs = prepare_messages(msgs, None, st.native_tools)
-            ids = await asyncio.to_thread(render_chat, tokenizer, msgs, st.cfg.chat_template, True, None)
-        except (ToolError, APIError, RuvllmError):  # typed: errors.py's table says what each means
-            raise
-        except Exception as exc:  # template errors (roles that must alternate...) are the request's fault
-            raise bad(f"cannot apply the chat template: {exc}", "chat") from None
-        return EnginePrompt(ids, None)
+        return EnginePrompt(await st.chat_prompt(_messages(req.chat), None, "chat"), None)
     raise APIError(400, "give the prompt as one of text, tokens or chat", "input", "invalid_value")
 
 

@@ -16,8 +16,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ruvllm.engine.prompts import render_chat
-from ruvllm.errors import RequestError
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import FinishReason
 from ruvllm.sampling_params import SamplingParams
@@ -27,7 +25,7 @@ from ruvllm.server.generation import EnginePrompt, Run, ServerState, check_conte
 from ruvllm.server.reasoning import Thinking, after_reasoning, template_vars, thinking_of
 from ruvllm.server.tenants import tenant_of
 from ruvllm.structured.spec import StructuredOutputs
-from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
+from ruvllm.tools.format import ToolUse
 from ruvllm.tools.parsers import CallStream, JsonCallParser, ToolCall, ToolReader, read_calls
 
 router = APIRouter()
@@ -181,19 +179,9 @@ def tool_use(body: CountTokensRequest) -> ToolUse | None:
 
 async def prompt_ids(st: ServerState, body: CountTokensRequest, tools: ToolUse | None) -> list[int]:
     msgs, prefill = chat_messages(body)
-    native = st.native_tools
-    tokenizer = st.engine.tokenizer
-    try:
-        msgs = prepare_messages(msgs, tools, native)
-        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        ids = await asyncio.to_thread(render_chat, tokenizer, msgs, st.cfg.chat_template, True, use_tools,
-                                      _thinking_vars(body))
-    except (ToolError, RequestError):
-        raise
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+    ids = await st.chat_prompt(msgs, tools, "messages", _thinking_vars(body))
     if prefill:  # the assistant's turn is open: its text follows the generation prompt, as the model wrote it
-        ids = list(ids) + list(await asyncio.to_thread(tokenizer.encode, prefill, add_special_tokens=False))
+        ids += await asyncio.to_thread(st.engine.tokenizer.encode, prefill, add_special_tokens=False)
     return list(ids)
 
 

@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.engine.prompts import render_chat
+from ruvllm.errors import RuvllmError
 from ruvllm.engine.generation import Following, GenerationService
 from ruvllm.outputs import RequestOutput
 from ruvllm.request import Priority
@@ -27,6 +29,7 @@ from ruvllm.server.metrics import RequestTracker, ServerMetrics
 from ruvllm.server.responses import TokenText
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
+from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
 from ruvllm.tools.parsers import ToolReader
 from ruvllm.tools.reasoning import ReasoningTags
 
@@ -111,6 +114,24 @@ class ServerState:
     @property
     def max_len(self) -> int:
         return self.engine.info.max_seq_len
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], tools: ToolUse | None = None, param: str = "messages",
+                          variables: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation (OpenAI's chat message dicts, whatever the dialect sent) rendered by the chat
+        template and tokenized, with the tools shown as the template or tools/format.py shows them;
+        a template's own refusal (roles that must alternate...) is the request's fault: a 400 naming
+        `param`. Off the event loop: a long conversation takes long to render and tokenize."""
+        native = self.native_tools
+        try:
+            msgs = prepare_messages(messages, tools, native)
+            use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
+            ids = await asyncio.to_thread(render_chat, self.engine.tokenizer, msgs, self.cfg.chat_template,
+                                          add_generation_prompt, use_tools, variables)
+        except (ToolError, APIError, RuvllmError):  # typed: errors.py's table says what each means
+            raise
+        except Exception as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param) from None
+        return list(ids)
 
     def check_model(self, model: str | None, tenant: str) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for an unknown name and

@@ -24,16 +24,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from ruvllm.engine.prompts import render_chat
 from ruvllm.outputs import CompletionOutput, RequestOutput
 from ruvllm.request import FinishReason, Logprob
 from ruvllm.server import ollama_models
-from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, Run, ServerState, state
 from ruvllm.server.ollama_protocol import ChatRequest, GenerateRequest, resolve_model
 from ruvllm.server.reasoning import Thinking, after_reasoning, thinking_of
 from ruvllm.server.tenants import tenant_of
-from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
+from ruvllm.tools.format import ToolUse
 from ruvllm.tools.parsers import CallStream, ToolCall, ToolReader, read_calls
 
 router = APIRouter()
@@ -93,16 +91,7 @@ def _loaded(model: str) -> Response:
 
 async def _render(st: ServerState, messages: list[dict[str, Any]], tools: ToolUse | None,
                   variables: dict[str, Any] | None = None) -> list[int]:
-    native = st.native_tools
-    try:
-        msgs = prepare_messages(messages, tools, native)
-        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools,
-                                       variables)
-    except ToolError:
-        raise
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+    return await st.chat_prompt(messages, tools, "messages", variables)
 
 
 class _Writer:

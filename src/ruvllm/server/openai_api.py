@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ruvllm.engine.prompts import render_chat
 from ruvllm.server import responses as R
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
@@ -19,7 +18,7 @@ from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest, Det
 from ruvllm.server.reasoning import after_reasoning, thinking_of
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
-from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
+from ruvllm.tools.format import ToolUse
 from ruvllm.tools.parsers import JsonCallParser
 
 router = APIRouter()
@@ -64,8 +63,7 @@ async def chat(body: ChatCompletionRequest, request: Request, st: ServerState = 
     lora = st.check_model(body.model, tenant_of(request, body.user))
     body.check_supported()
     tools = ToolUse.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-    prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, st.cfg.chat_template, tools,
-                                          body.template_vars()), None)
+    prompt = EnginePrompt(await _chat_ids(st, body.messages, body.add_generation_prompt, tools, body.template_vars()), None)
     max_tokens = check_context(prompt, body.token_limit, st.max_len)
     top_n = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, logprobs=top_n if body.logprobs else None,
@@ -104,18 +102,8 @@ async def _off_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def _chat_ids(st: ServerState, messages: list[Any], add_generation_prompt: bool,
-                    template: str | None = None, tools: ToolUse | None = None,
-                    variables: dict[str, Any] | None = None) -> list[int]:
+                    tools: ToolUse | None = None, variables: dict[str, Any] | None = None) -> list[int]:
     msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
              **{key: value for key in ("tool_calls", "tool_call_id") if (value := (m.model_extra or {}).get(key))}}
             for m in messages]
-    native = st.native_tools
-    try:
-        msgs = prepare_messages(msgs, tools, native)
-        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        return await _off_loop(render_chat, st.engine.tokenizer, msgs, template, add_generation_prompt, use_tools,
-                               variables)
-    except ToolError:
-        raise
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
+    return await st.chat_prompt(msgs, tools, "messages", variables, add_generation_prompt)

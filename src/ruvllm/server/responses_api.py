@@ -7,13 +7,11 @@ the app's ResponseStore, filed under the requesting tenant (docs/server.md, "Ope
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from ruvllm.engine.prompts import render_chat
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
@@ -23,7 +21,7 @@ from ruvllm.server.responses_output import Turn
 from ruvllm.server.responses_protocol import Item, ResponsesRequest, TextConfig
 from ruvllm.server.tenants import tenant_of
 from ruvllm.structured.spec import StructuredOutputs
-from ruvllm.tools.format import ToolError, ToolUse, prepare_messages
+from ruvllm.tools.format import ToolUse
 from ruvllm.tools.parsers import JsonCallParser
 
 router = APIRouter()
@@ -217,15 +215,5 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
 
 async def _render(st: ServerState, msgs: list[dict[str, Any]], tools: ToolUse | None,
                   variables: dict[str, Any] | None = None) -> list[int]:
-    native = st.native_tools
-    try:
-        msgs = prepare_messages(msgs, tools, native)
-        use_tools = tools.openai_tools() if tools is not None and tools.active and native else None
-        # off the event loop: a long conversation takes long to render and tokenize
-        return await asyncio.to_thread(render_chat, st.engine.tokenizer, msgs, st.cfg.chat_template, True, use_tools,
-                                       variables)
-    except ToolError:
-        raise
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the request's fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", "input") from None
+    return await st.chat_prompt(msgs, tools, "input", variables)
 

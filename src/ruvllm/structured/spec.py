@@ -8,6 +8,7 @@ import re
 import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -31,8 +32,8 @@ class StructuredOutputs:
     # them (its reasoning is free text); None: from the first token. Not part of what compiles (key).
     after_tokens: tuple[int, ...] | None = None
     # The request field it came from, in the caller's API: an error found only in the engine (a compile
-    # that fails or passes its deadline) names it. Not part of what compiles either.
-    field: str = "response_format"
+    # that fails or passes its deadline) names it. Not part of what compiles, nor of what it constrains.
+    field: str = _field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
         if self.after_tokens is not None:
