@@ -14,11 +14,10 @@ from ruvllm.request import FinishReason
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState
-from ruvllm.server.protocol import USER_MAX_CHARS
+from ruvllm.server.protocol import MAX_STOP, USER_MAX_CHARS
 from ruvllm.structured.spec import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 16  # as /v1/completions: a request that sets nothing gets a short answer, not the context
-MAX_STOP = 16  # as OpenAI's `stop`
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _PRIORITIES = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_LOW: "low", pb.PRIORITY_NORMAL: "normal",
                pb.PRIORITY_HIGH: "high", pb.PRIORITY_CRITICAL: "critical"}

@@ -12,10 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ruvllm.server.protocol import USER_MAX_CHARS, _Body
-
-# As many as chat completions takes: each is matched against the text after every token
-MAX_STOP_SEQUENCES = 16
+from ruvllm.server.protocol import MAX_STOP, USER_MAX_CHARS, _Body
 
 
 class _Open(BaseModel):
@@ -62,7 +59,7 @@ class CountTokensRequest(_Body):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)  # required, as Anthropic requires it
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP)
     temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState
-from ruvllm.server.protocol import _Body
+from ruvllm.server.protocol import _Body, check_stop
 from ruvllm.server.reasoning import template_vars
 from ruvllm.structured.spec import StructuredOutputs
 
@@ -54,9 +54,7 @@ class Options(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
+        return check_stop(v)
 
     def context(self, max_len: int) -> int:
         """The request's context: num_ctx, clamped to what the engine holds (a larger one is no error:

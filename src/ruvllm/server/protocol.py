@@ -14,6 +14,7 @@ from ruvllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from ruvllm.structured.spec import StructuredOutputs
 from ruvllm.server.errors import APIError
 
+MAX_STOP = 16  # OpenAI's limit, and every dialect's here: each is matched against the text after every token
 USER_MAX_CHARS = 256  # OpenAI's own `user` ids are short hashes; 4 MB ones filled the witness log
 
 
@@ -36,6 +37,30 @@ def _lone_surrogate_at(value: Any) -> str | None:
         elif isinstance(item, list):
             todo.extend((sub, f"{path}.{i}" if path else str(i)) for i, sub in enumerate(item))
     return None
+
+
+def check_stop(v: str | list[str] | None) -> str | list[str] | None:
+    if isinstance(v, list) and len(v) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    return v
+
+
+def with_tool_constraint(structured: StructuredOutputs | None, tool_constraint: StructuredOutputs | None,
+                         other: str) -> StructuredOutputs | None:
+    """The one output constraint of a request that may force a tool call (`tool_constraint`) and may
+    set an output format (`structured`, the field `other`): both is a 400, as is a function whose
+    parameters are no usable JSON schema."""
+    if tool_constraint is None:
+        return structured
+    if structured is not None:
+        raise APIError(400, f"a required or named tool call and {other} both constrain the output: give one",
+                       "tool_choice")
+    try:  # the syntax, here where the field is known (the engine checks it again offline)
+        tool_constraint.check()
+    except ValueError as exc:
+        raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools",
+                       "invalid_value") from None
+    return tool_constraint
 
 
 class _Body(BaseModel):
@@ -129,17 +154,7 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
-        structured = self.structured()
-        if tool_constraint is not None:
-            if structured is not None:
-                raise APIError(400, "a required or named tool call and a response format both constrain the "
-                                    "output: give one", "tool_choice")
-            try:  # the syntax, here where the field is known (as structured() checks its own)
-                tool_constraint.check()
-            except ValueError as exc:
-                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools",
-                               "invalid_value") from None
-            structured = tool_constraint
+        structured = with_tool_constraint(self.structured(), tool_constraint, "a response format")
         try:
             return SamplingParams(
                 n=self.n or 1, temperature=1.0 if self.temperature is None else self.temperature,
@@ -157,9 +172,7 @@ class _Sampling(_Body):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
+        return check_stop(v)
 
     @field_validator("logit_bias")
     @classmethod

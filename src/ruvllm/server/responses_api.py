@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
+from ruvllm.server.protocol import with_tool_constraint
 from ruvllm.server.reasoning import after_reasoning, template_vars, thinking_of
 from ruvllm.server.response_store import ResponseStore, StoredResponse
 from ruvllm.server.responses_output import Turn
@@ -157,17 +158,7 @@ def _text_constraint(text: TextConfig | None) -> StructuredOutputs | None:
 
 def _sampling(body: ResponsesRequest, max_tokens: int, structured: StructuredOutputs | None,
               tools: ToolUse | None) -> SamplingParams:
-    tool_constraint = tools.constraint() if tools is not None else None
-    if tool_constraint is not None:
-        if structured is not None:
-            raise APIError(400, "a required or named tool call and text.format both constrain the output: give one",
-                           "tool_choice")
-        try:
-            tool_constraint.check()
-        except ValueError as exc:
-            raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools",
-                           "invalid_value") from None
-        structured = tool_constraint
+    structured = with_tool_constraint(structured, tools.constraint() if tools is not None else None, "text.format")
     try:
         return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, max_tokens=max_tokens,
