@@ -9,7 +9,11 @@ Two arms over the same engine (the core in its own process, as `ruvllm serve` ru
 The goal: generation's tokens/s in arm 2 at least 90% of arm 1's. Each arm has --warmup seconds
 before its window opens. Prints a table (and records nothing: copy it into docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/embeddings_load.py --seconds 45
+    .venv/bin/python benchmarks/embeddings_load.py --seconds 45 --threads 1
+
+On a machine shared with other jobs, give --threads no more than the cores that are really free:
+an OpenMP pool larger than that spins at its barriers and a step can take ten times as long, in
+either arm, at random (measured here: generation alone from 0.8 to 206 tok/s between runs).
 """
 
 from __future__ import annotations
@@ -72,7 +76,10 @@ async def arm(engine: AsyncEngine, args: argparse.Namespace, rate: float) -> dic
             pending.add(task)
             task.add_done_callback(pending.discard)
             j += 1
-            await asyncio.sleep(max(0.0, start + j / rate - time.monotonic()))
+            try:  # until the next arrival, or the end of the arm
+                await asyncio.wait_for(stop.wait(), max(0.0, start + j / rate - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
         await asyncio.gather(*pending, return_exceptions=True)
 
     tasks = [asyncio.create_task(stream(i)) for i in range(args.streams)]
