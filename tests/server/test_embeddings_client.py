@@ -134,3 +134,18 @@ def test_ollama_bad_input_is_a_400_in_ollama_shape(server: RunningServer, olla: 
     with pytest.raises(ollama.ResponseError) as e:
         olla.embed(model="no-such-model", input="hi")
     assert e.value.status_code == 404
+
+
+def test_tenants_share_no_cached_blocks(client: openai.OpenAI, server: RunningServer) -> None:
+    """`user` names the tenant, as on chat completions: its prefix-cache salt keeps another tenant
+    from hitting (and so timing) its cached blocks; the same tenant hits them."""
+    text = " ".join(TEXTS * 4)  # several full blocks
+
+    def hits_after(user: str) -> int:
+        before = server.engine.stats().prefix_hits
+        client.embeddings.create(model=MODEL, input=text, user=user, encoding_format="float")
+        return server.engine.stats().prefix_hits - before
+
+    hits_after("alice")
+    assert hits_after("alice") > 0
+    assert hits_after("bob") == 0
