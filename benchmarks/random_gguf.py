@@ -16,8 +16,8 @@ engine would then read a table of a different size a step, while Q8_0 is read as
 Norms are ones. Weights are normal with std 0.02 (the init scale these models train from), so
 activations stay finite through every layer; a fixed seed (one generator per tensor) makes the
 same file every time. Tensors are made, quantized and written a slab of rows at a time, so an 8B
-file needs well under 1 GB of memory. Files go to ~/.cache/ruvllm/random-gguf/ (or
-$RUVLLM_RANDOM_GGUF_DIR) and are reused when present.
+file needs well under 1 GB of memory. Files go to random-gguf/ in ruvllm's model cache
+(~/.cache/ruvllm, or $RUVLLM_CACHE_DIR) and are reused when present.
 
     .venv/bin/python benchmarks/random_gguf.py smollm2-1.7b --body q4_0
     .venv/bin/python benchmarks/random_gguf.py --list
@@ -274,7 +274,9 @@ def _progress(enabled: bool, label: str, total: int):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RUVLLM_RANDOM_GGUF_DIR") or Path.home() / ".cache" / "ruvllm" / "random-gguf")
+    """random-gguf/ in ruvllm's model cache (--cache-dir's default: $RUVLLM_CACHE_DIR, else ~/.cache/ruvllm)."""
+    from ruvllm.loader.model_cache import resolve_cache_dir
+    return resolve_cache_dir() / "random-gguf"
 
 
 def random_gguf(shape: str | Shape, body: str = "q4_0", *, seed: int = 0, directory: Path | None = None,
