@@ -119,9 +119,18 @@ def test_zz_200_requests_with_a_replica_killed_midway(ray_app: str) -> None:
         while len(done) < 60:
             time.sleep(0.01)
         # The replica holding the most sequences now (on a loaded machine the router may have sent
-        # this burst to one replica; killing an idle one would prove nothing).
+        # this burst to one replica; killing an idle one would prove nothing). Its stats are those of
+        # its core's last step, so a single read can catch both between batches (a run of this test
+        # under load killed a replica reporting 0 running and got no 503): read until one reports
+        # at least 2 running, so that one of them is still there a few milliseconds later.
         actors = [(a, ray.get_actor(a.name, namespace="serve")) for a in _engine_actors()]
-        running = [ray.get(h.record_routing_stats.remote())["running"] for _, h in actors]
+        deadline = time.monotonic() + 60
+        while True:
+            running = [ray.get(h.record_routing_stats.remote())["running"] for _, h in actors]
+            if max(running) >= 2:
+                break
+            assert time.monotonic() < deadline and len(done) < 200, f"no replica held 2 requests: {running}"
+            time.sleep(0.005)
         victim, handle = actors[running.index(max(running))]
         ray.kill(handle, no_restart=True)
         outcomes = [f.result(timeout=120) for f in futures]  # none hangs
