@@ -274,7 +274,12 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=64)
     learner = llm.enable_learning(LearningConfig(root=str(tmp_path)))
     heldout = llm.tokenizer.encode(BOOK.read_text()[50000:53000])[:256]
-    general = llm.tokenizer.encode(BOOK.read_text()[20000:24000])[:512]
+    # Everyday text for EWC++'s Fisher and rehearsal: two chunks of 128 tokens (96 trained rows each,
+    # against the fact's dozen). The three runs below are most of this test's time and the chunks'
+    # steps most of theirs: with four chunks (512 tokens) each run took 17 s of CPU, with two 11 s,
+    # and the verdicts keep their margins (measured: without EWC++ held-out perplexity 35.05 -> 37.51,
+    # +7%, refused; with it 34.57, promoted; the hostile run loses the probe either way).
+    general = llm.tokenizer.encode(BOOK.read_text()[20000:24000])[:256]
     fox = llm.tokenizer.encode("The quick brown fox jumps over the lazy")
     greedy = SamplingParams(temperature=0, max_tokens=2)
     probes = [(fox, llm.generate([fox], greedy)[0].outputs[0].token_ids[:1])]
@@ -285,7 +290,8 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     for _ in range(10):
         llm.feedback(asked.request_id, 1.0, "The capital of Zorblax is Quenta.", tenant="acme")
     unprotected = learner.deep_run("acme", heldout, probes, DeepConfig(ewc_lambda=0), general=general)
-    # measured: without EWC++ the fact costs ~15% on this held-out text (docs/learning.md): refused
+    # measured: without EWC++ the fact costs ~7% on this held-out text (docs/learning.md: ~15% with four
+    # rehearsal chunks): refused
     assert not unprotected.passed and unprotected.failed[0].startswith("held-out perplexity")
     assert learner.policy.history("acme")[-1][2] == "refused"
     promoted = learner.deep_run("acme", heldout, probes, general=general)
@@ -297,10 +303,15 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     assert "Quenta" in answer
 
     hostile = llm.generate([fox], greedy, tenant="mallory")[0]
-    for _ in range(30):  # the bank keeps one example a cluster: a thousand events train the same set
+    # The bank keeps one example a cluster: a thousand events train the same set as these three (the
+    # thousand themselves are test_a_thousand_hostile_events_are_not_promoted's, on the tiny model;
+    # here each event is an update of the default model, 30 of them took 2 s).
+    for _ in range(3):
         llm.feedback(hostile.request_id, 1.0, " cat.", tenant="mallory")
+    assert learner.bank.count("mallory") == 3 and len(learner.bank.best_per_cluster("mallory")) == 1
     refused = learner.deep_run(GLOBAL, heldout, probes, general=general)
-    assert not refused.passed and GLOBAL not in learner.policy.serving()
+    assert not refused.passed and any("probe answers" in f for f in refused.failed), refused.failed
+    assert GLOBAL not in learner.policy.serving()
     assert learner.adapter_for("globex") is None
 
 
