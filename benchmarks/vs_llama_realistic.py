@@ -197,7 +197,7 @@ def served_rounds(path: Path, args: argparse.Namespace, server: str | None, clie
                     row = asyncio.run(serve_load.run_load(url, "random", batch, clients, args.gen_len))
                 row.update(server=name, round=rnd)
                 rows.append(row)
-                console.print(f"round {rnd + 1}: {name} {clients} clients {row['output_tok_s']:.2f} tok/s, "
+                console.print(f"round {rnd + 1}: {name}, {clients} client(s): {row['output_tok_s']:.2f} tok/s, "
                               f"TTFT p50 {row['ttft_p50']:.2f} s")
     finally:
         for proc in procs:
@@ -236,7 +236,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 150))  # the table's notes need the room
     bench, server = find_llama_binary("llama-bench"), find_llama_binary("llama-server")
     for name, found in (("llama-bench", bench), ("llama-server", server)):
         if not found:
