@@ -137,19 +137,26 @@ def offline_rounds(path: Path, args: argparse.Namespace, bench: str | None, cons
     with console.status("ruvllm warm-up"):
         llm.generate([[1] * 32], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     ours, theirs = [], []
-    for rnd in range(args.rounds):
+
+    def peer(rnd: int) -> None:
         if bench:
             with console.status(f"llama-bench pp{args.pp} tg{args.tg}, round {rnd + 1}/{args.rounds}"):
                 theirs.append(llama_bench_rates(bench, str(path), args.pp, args.tg, args.threads, args.repetitions))
+
+    def own(rnd: int) -> None:
         with console.status(f"ruvllm pp{args.pp} tg{args.tg}, round {rnd + 1}/{args.rounds}"):
             ours.append(tuple(statistics.median(x) for x in zip(
                 *(ruvllm_offline(llm, args.pp, args.tg, seed=rnd * 100 + i) for i in range(args.repetitions)))))
+
+    for rnd in range(args.rounds):
+        # The engines take turns, the first of a round alternating: a drift in the host's speed then
+        # touches both sides alike.
+        for side in ((peer, own) if rnd % 2 == 0 else (own, peer)):
+            side(rnd)
         console.print(f"round {rnd + 1}: ruvllm pp {ours[-1][0]:.1f} tg {ours[-1][1]:.2f} tok/s"
                       + (f"; llama-bench pp {theirs[-1][0]:.1f} tg {theirs[-1][1]:.2f}" if bench else ""))
-    extra = {"bandwidth": bandwidth, "bytes_per_token": bytes_per_token(llm), "dtype": str(llm.info.dtype)}
-    del llm
-    gc.collect()
-    return ours, theirs, extra
+    # The engine goes when this returns (the caller collects it): the servers then load their own.
+    return ours, theirs, {"bandwidth": bandwidth, "bytes_per_token": bytes_per_token(llm), "dtype": str(llm.info.dtype)}
 
 
 # -- served: N clients ------------------------------------------------------------------------------
@@ -250,6 +257,7 @@ def main() -> None:
         if not args.no_offline:
             ours, theirs, extra = offline_rounds(path, args, bench, console)
             result["offline"] = {"ruvllm": ours, "llama-bench": theirs, **extra}
+            gc.collect()
         result["served"] = [row for n in args.clients for row in served_rounds(path, args, server, n, console)]
     result["load"] = load.samples
 
