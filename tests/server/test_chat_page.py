@@ -78,17 +78,21 @@ def test_the_page_streams_stops_and_keeps_the_conversation(browser, server: Runn
     page.close()
 
 
-def test_feedback_buttons_teach_when_the_server_learns(browser, tmp_path: Path) -> None:
+def test_feedback_buttons_teach_when_the_server_learns(browser, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The page's buttons and what the API does with them: the tiny model serves (the default one
+    with LoRA was a second load of the real model, and its float copy for the learner, for a reply
+    nobody reads; learning on the real model is tests/e2e/test_learning.py's)."""
     from ruvllm import LLM
     from ruvllm.learning.config import InstantConfig, LearningConfig
     from tests.server.conftest import start_server
 
-    llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=4)
+    llm = LLM(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=4, quantization="none")
     learning = LearningConfig(instant=InstantConfig(layers=1), root=str(tmp_path / "learned"))
     for running in start_server(llm, learning=learning):
         page = browser.new_page()
         page.goto(running.url + "/")
         page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+        page.fill("#temperature", "0")  # greedy: the random model's reply is the same every run
         page.fill("#max_tokens", "12")
         page.fill("#input", "Say hello.")
         page.click("#send")
