@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +35,8 @@ def _metric(text: str, name: str, replica: int) -> float:
 def dp_server(tiny_model_dir):
     port = _port()
     proc = subprocess.Popen([*SERVE, str(tiny_model_dir), "--port", str(port), "--num-blocks", "256",
-                             "--served-model-name", "tiny", "--data-parallel-size", "2", "--threads-per-replica", "1"],
+                             "--served-model-name", "tiny", "--data-parallel-size", "2", "--threads-per-replica", "1",
+                             "--drain-timeout", "1"],  # test_zzz's stream outlasts the drain
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -133,3 +135,37 @@ def test_zz_a_killed_replica_ends_only_its_streams_and_is_restarted(dp_server) -
                 break
             time.sleep(0.1)
         assert _metric(text, "ruvllm:kv_cache_usage_perc", r) == 0
+
+
+def test_zzz_sigterm_stops_the_server_with_exit_0(dp_server) -> None:
+    """Last (it stops the module's server), and the SIGTERM half of test_serve_process.py's signal
+    test, as the stop a supervisor sends: exit 0, the in-flight stream ended by the drain, both
+    replicas' cores gone."""
+    proc, url = dp_server
+    cores = _children(proc.pid)
+    assert len(cores) == 2
+    streaming, ended = threading.Event(), threading.Event()
+    chunks: list[str] = []
+
+    def long_stream() -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to 1000"}],
+                "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(line)
+                        streaming.set()
+        except httpx.HTTPError:
+            pass
+        ended.set()
+
+    threading.Thread(target=long_stream, daemon=True).start()
+    assert streaming.wait(30), "the stream did not start"
+    proc.send_signal(signal.SIGTERM)  # mid-reply: 3000 tokens outlast the 1 s drain
+    assert not ended.is_set()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert ended.wait(10), "the in-flight stream was not ended"
+    # Cut by the drain (a request just started counts as in flight), not left to run to its end.
+    assert len(chunks) < 3000 and '"finish_reason":"length"' not in chunks[-1].replace(" ", ""), chunks[-1]
+    assert all(_wait_gone(pid) for pid in cores), "a replica outlived the server"
