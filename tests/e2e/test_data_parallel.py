@@ -130,8 +130,15 @@ def test_zz_a_killed_replica_fails_only_its_requests_and_comes_back(dp_engine: A
     assert len(done) + len(lost) == len(prompts), "a request was neither finished nor failed"
     assert lost and done, f"both replicas were meant to hold requests: {len(done)} done, {len(lost)} lost"
     assert all("replica 0 failed" in str(e) for e in lost.values())
+    alone: dict[int, list[tuple]] = {}  # each prompt run alone once (32 fp32 decode steps), compared twice
+
+    def expected(i: int) -> list[tuple]:
+        if i not in alone:
+            alone[i] = _key(llm.generate([prompts[i]], params)[0])
+        return alone[i]
+
     for i, out in done.items():  # the other replica's requests lost nothing
-        assert _key(out) == _key(llm.generate([prompts[i]], params)[0]), f"request {i} changed"
+        assert _key(out) == expected(i), f"request {i} changed"
     assert engine.is_alive and engine.failure is None  # the engine serves on
     deadline = time.monotonic() + 120
     while engine.replicas[0].status != "up" and time.monotonic() < deadline:
@@ -146,7 +153,7 @@ def test_zz_a_killed_replica_fails_only_its_requests_and_comes_back(dp_engine: A
 
     outs = asyncio.run(again())
     for i, out in enumerate(outs):
-        assert _key(out) == _key(llm.generate([prompts[i]], params)[0])
+        assert _key(out) == expected(i)
     _settle(engine)
 
 
