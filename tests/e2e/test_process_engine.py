@@ -19,11 +19,14 @@ from ruvllm.outputs import OutputKind, RequestOutput
 
 from tests.conftest import novel_prompts
 
-# Small on purpose: 16 requests of ~37-token prompts (3 blocks) grow to ~53 tokens (4 blocks) with 16
-# new tokens. 28 blocks admit 9 prompts, and the first of them to need a 4th block preempts
-# another (however the requests' arrivals interleave with the first steps); a 48-token budget
-# shared with decodes chunks prompts: every invariant is exercised at once.
-TIGHT = dict(cache=CacheConfig(num_blocks=28), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
+# Small on purpose: 16 requests of 35-48-token prompts (3 blocks each) grow by up to 8 new tokens,
+# which takes 10 of them past 48 tokens (a 4th block). 18 blocks hold 6 prompts, and a running one
+# that needs a block when none is free preempts another (however the requests' arrivals interleave
+# with the first steps); a 48-token budget shared with decodes chunks prompts: every invariant is
+# exercised at once. (3 preemptions, counted on a thread core with these settings, as the former
+# 28 blocks with 16 new tokens had. Prompts near a block's end let 8 new tokens cross it: the 16
+# requests alone in this process, one at a time, were half this file's CPU time at 16 tokens.)
+TIGHT = dict(cache=CacheConfig(num_blocks=18), scheduler=SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +39,10 @@ def process_engine() -> Iterator[AsyncEngine]:
 
 def _params() -> list[SamplingParams]:
     """Greedy, seeded sampling with n > 1, stop strings, logprobs, penalties: what crosses the wire."""
-    return [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
-            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
-            SamplingParams(temperature=0, max_tokens=16, stop=[".", ","], include_stop_str_in_output=True),
-            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3,
+    return [SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=8),
+            SamplingParams(temperature=0, max_tokens=8, stop=[".", ","], include_stop_str_in_output=True),
+            SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=8, repetition_penalty=1.3,
                            presence_penalty=0.5, min_tokens=4)]
 
 
@@ -64,7 +67,7 @@ def test_sixteen_concurrent_through_the_process_equal_each_alone_in_process(proc
                                                                           llm: LLM) -> None:
     """Isolation, 16 concurrent = alone, chunked = unchunked and preempted = uninterrupted, through
     the process boundary: the tight pool preempts and the small budget chunks every prompt."""
-    prompts = novel_prompts(16, words=28)
+    prompts = novel_prompts(16, words=32)  # 35-48 tokens with the default model's tokenizer
     params = [_params()[i % 4] for i in range(16)]
     before = process_engine.stats()
     together = asyncio.run(_collect(process_engine, prompts, params))
@@ -77,8 +80,8 @@ def test_sixteen_concurrent_through_the_process_equal_each_alone_in_process(proc
 
 
 def test_prefix_hit_through_the_process_equals_miss(process_engine: AsyncEngine, llm: LLM) -> None:
-    prompt = novel_prompts(1, words=60)[0]
-    params = SamplingParams(temperature=0, max_tokens=16)
+    prompt = novel_prompts(1, words=60)[0]  # 68 tokens: 4 full blocks to hit
+    params = SamplingParams(temperature=0, max_tokens=8)
     hits = process_engine.stats().prefix_hits
     first = asyncio.run(_collect(process_engine, [prompt], [params]))[0]
     second = asyncio.run(_collect(process_engine, [prompt], [params]))[0]
@@ -111,7 +114,7 @@ def test_a_grammar_compiles_in_the_core_process_and_equals_in_process(process_en
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(process_engine: AsyncEngine) -> None:
-    params = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20, logprobs=1)
+    params = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=10, logprobs=1)
 
     async def run(kind: OutputKind) -> list[RequestOutput]:
         return [o async for o in process_engine.generate("The weather today", params, output_kind=kind)]

@@ -4,10 +4,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import MODEL, RunningServer
+from ruvllm import LLM
+from tests.server.conftest import MODEL, RunningServer, start_server
+
+
+@pytest.fixture(scope="module")
+def server(_default_llm: LLM) -> Iterator[RunningServer]:
+    """The model as a user gets it (packed 4-bit weights): what these tests check is the clients'
+    round trip, not the fp32 reference's arithmetic, and a decode step costs 10 ms of CPU here rather
+    than 35."""
+    yield from start_server(_default_llm)
 
 
 class City(BaseModel):
