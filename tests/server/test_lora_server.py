@@ -4,8 +4,6 @@ The server runs over the tiny model's folder, with adapters made by peft at test
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,9 +164,18 @@ def test_lora_disabled_server_says_so(_tiny_llm: LLM, adapters: Path) -> None:
 
 
 def test_serve_with_a_bad_lora_flag_is_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "ruvllm.cli.main", "serve", str(tiny_model_dir), "--port", "0",
-                          "--lora", f"x={tmp_path / 'none'}"], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
+    """The command in this process (typer's runner: the code `ruvllm serve` runs, its core process
+    included), not a `ruvllm serve` of its own: that was an interpreter and its imports more for one
+    line (tests/server/test_serve_process.py runs the real process, one-line failures included)."""
+    from typer.testing import CliRunner
+
+    from ruvllm.cli import main as cli_main
+
+    if not any(c.name == "serve" for c in cli_main.app.registered_commands):
+        cli_main._register()
+    out = CliRunner().invoke(cli_main.app, ["serve", str(tiny_model_dir), "--port", "0",
+                                            "--lora", f"x={tmp_path / 'none'}"])
+    assert out.exit_code != 0 and isinstance(out.exception, SystemExit), out.exception  # not a traceback
     lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
     assert "no such folder" in lines[-1] and "Traceback" not in out.stderr
 
