@@ -199,17 +199,19 @@ def default_xlora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
     from tests.reference import hf_reference
 
     root = tmp_path_factory.mktemp("default-xlora")
-    src = resolve_model(None)
+    # One load of transformers' model serves all three: each adapter is unloaded (peft takes its
+    # layers out, the base weights untouched) before the next is made; loading it for each took 4 s.
+    hf = hf_reference(resolve_model(None))
     for i in range(2):
         torch.manual_seed(30 + i)
-        model = get_peft_model(hf_reference(src), LoraConfig(r=8, lora_alpha=16, target_modules=ALL,
-                                                             init_lora_weights=False))
+        model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=ALL, init_lora_weights=False))
         with torch.no_grad():  # peft's random B is large for a 576-wide model: keep each delta a nudge
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.mul_(0.05)
         model.save_pretrained(root / f"e{i}")
-    ref = make_xlora(None, root / "x", [root / "e0", root / "e1"], seed=9, model=hf_reference(src),
+        hf = model.unload()
+    ref = make_xlora(None, root / "x", [root / "e0", root / "e1"], seed=9, model=hf,
                      xlora_depth=2, xlora_size=64, layerwise_scalings=True)
     return root / "x", ref
 
