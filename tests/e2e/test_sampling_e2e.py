@@ -4,45 +4,47 @@ from __future__ import annotations
 
 import math
 
-from ruvllm import LLM, SamplingParams
+from ruvllm import LLM, CacheConfig, SamplingParams
 from tests.conftest import novel_prompts
 
 PROMPT = "Write a short story about a cat who learns to fly."
 
 
 def test_same_seed_same_output_whatever_shares_the_batch(llm: LLM) -> None:
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    # Lengths as before in two thirds of the steps: others outlast the seeded request, one leaves early
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
     alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=0.8, max_tokens=30, seed=s, ignore_eos=True) for s in range(5)]
-    others += [SamplingParams(temperature=1.2, max_tokens=10, ignore_eos=True)]
+    others = [SamplingParams(temperature=0.8, max_tokens=20, seed=s, ignore_eos=True) for s in range(5)]
+    others += [SamplingParams(temperature=1.2, max_tokens=6, ignore_eos=True)]
     outs = llm.generate(["Tell me about dogs."] * 3 + [PROMPT] + ["Why is the sky blue?"] * 3,
                         others[:3] + [params] + others[3:])
     assert outs[3].outputs[0].token_ids == alone
-    different = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=24,
+    different = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=16,
                                                     seed=4321, ignore_eos=True))[0].outputs[0].token_ids
     assert different != alone
 
 
 def test_stop_string_cuts_at_the_right_place(llm: LLM) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 16 tokens: " Paris.\n\nThe answer is: 2018-01" holds the stop string (40 decoded 24 more, 1 s of CPU)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     full = llm.generate("The capital of France is", greedy)[0].outputs[0].text
     stop = "answer"  # the greedy continuation is " Paris.\n\nThe answer is: ..."
     assert stop in full
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=40, stop=[stop, "zzz"]))
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16, stop=[stop, "zzz"]))
     c = out[0].outputs[0]
     assert c.text == full[: full.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
-    assert len(c.token_ids) < 40
+    assert len(c.token_ids) < 16
     kept = llm.generate("The capital of France is",
-                        SamplingParams(temperature=0, max_tokens=40, stop=stop, include_stop_str_in_output=True))
+                        SamplingParams(temperature=0, max_tokens=16, stop=stop, include_stop_str_in_output=True))
     assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
 
 
 def test_stop_token_ids(llm: LLM) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # the stop token is the 4th
     toks = llm.generate("The capital of France is", greedy)[0].outputs[0].token_ids
     out = llm.generate("The capital of France is",
-                       SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[toks[3]]))[0].outputs[0]
+                       SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[toks[3]]))[0].outputs[0]
     assert out.token_ids == toks[: toks.index(toks[3]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == toks[3]
 
@@ -107,6 +109,7 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)  # no per-request seed
     runs = []
     for _ in range(2):
-        fresh = llm.with_settings()  # a fresh engine: its generator starts from the config's seed
+        # a fresh engine: its generator starts from the config's seed (a small pool: 750 MB less to allocate)
+        fresh = llm.with_settings(cache=CacheConfig(num_blocks=32))
         runs.append(fresh.generate([PROMPT, "Tell me about dogs."], params))
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
