@@ -50,9 +50,14 @@ def default_weights(default_src: ModelSource) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference_state_dict(default_src: ModelSource) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF loader (slow, ~20 s): loaded once for the module."""
-    path = default_src.path
+def reference_state_dict(default_src: ModelSource, tmp_path_factory: pytest.TempPathFactory
+                         ) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF loader: loaded once for the module, from a copy of the file without the
+    tokenizer's arrays (every tensor byte for byte; its reader parses them string by string, twice:
+    tests/gguf_copy.py), which took most of its 18 s of CPU."""
+    from tests.gguf_copy import without_vocabulary
+
+    path = without_vocabulary(default_src.path, tmp_path_factory.mktemp("model-only") / default_src.path.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
     )
