@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -127,4 +126,4 @@ def test_llama_cpp_runs_the_file(files: dict[str, Path]) -> None:
                               "-o", "json"], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert run.returncode == 0, run.stderr[-2000:]
-        assert shutil.which(_llama_bench()) and '"avg_ts"' in run.stdout
+        assert '"avg_ts"' in run.stdout
