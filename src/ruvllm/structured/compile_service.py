@@ -93,11 +93,6 @@ class _Child:
 
 class CompileService:
     def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        """Empty; also in a forked child, where the thread, the children and the lock were the parent's
-        (a job queued there would wait forever)."""
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._children: dict[str, _Child] = {}  # by vocabulary key
@@ -136,8 +131,8 @@ class CompileService:
                     del self._users[key]
                     child = self._children.pop(key, None)
                     if child is not None:
-                        child.process.kill()
-                        if child is not self._running_child:  # else the serving thread, which sees its pipe close
+                        child.process.kill()  # reaped by whoever next touches it, or at once below
+                        if child is not self._running_child:
                             child.close()
 
     def child(self, key: str) -> subprocess.Popen | None:
@@ -221,7 +216,6 @@ class CompileService:
 
 # The process's one compile service: what lets engines in one process share a child (module docs).
 PROCESS_SERVICE = CompileService()
-os.register_at_fork(after_in_child=PROCESS_SERVICE._reset)
 
 
 def _child_main() -> None:
