@@ -26,13 +26,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEM
 ASK = [{"role": "user", "content": "Name a city and its population, as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def server(_default_llm: LLM) -> Iterator[RunningServer]:
-    """The model as a user gets it (packed 4-bit weights): what these tests check is the API's, not
-    the fp32 reference's arithmetic, and a decode step costs 10 ms of CPU here rather than 35."""
-    yield from start_server(_default_llm)
-
-
 def _client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
@@ -172,10 +165,8 @@ class _WithCompileDeadline:
 
 
 @pytest.fixture(scope="module")
-def deadline_server(_default_llm: LLM) -> Iterator[RunningServer]:
-    """(Its compiles run in the child the `server` fixture's engine started: one per process and
-    vocabulary, structured/compile_service.py.)"""
-    yield from start_server(_WithCompileDeadline(_default_llm))  # type: ignore[arg-type]
+def deadline_server(_shared_llm: LLM) -> Iterator[RunningServer]:
+    yield from start_server(_WithCompileDeadline(_shared_llm))  # type: ignore[arg-type]
 
 
 def test_a_runaway_compile_ends_in_a_400_at_its_deadline(deadline_server: RunningServer) -> None:
