@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.test_serve_process import _children, _port, _wait_gone
+from tests.server.test_serve_process import _children, _port, _wait_gone, stop_mid_stream
 
 SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
 
@@ -144,28 +144,5 @@ def test_zzz_sigterm_stops_the_server_with_exit_0(dp_server) -> None:
     proc, url = dp_server
     cores = _children(proc.pid)
     assert len(cores) == 2
-    streaming, ended = threading.Event(), threading.Event()
-    chunks: list[str] = []
-
-    def long_stream() -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to 1000"}],
-                "max_tokens": 3000, "stream": True, "ignore_eos": True}
-        try:
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunks.append(line)
-                        streaming.set()
-        except httpx.HTTPError:
-            pass
-        ended.set()
-
-    threading.Thread(target=long_stream, daemon=True).start()
-    assert streaming.wait(30), "the stream did not start"
-    proc.send_signal(signal.SIGTERM)  # mid-reply: 3000 tokens outlast the 1 s drain
-    assert not ended.is_set()
-    assert proc.wait(timeout=60) == 0, proc.stderr.read()
-    assert ended.wait(10), "the in-flight stream was not ended"
-    # Cut by the drain (a request just started counts as in flight), not left to run to its end.
-    assert len(chunks) < 3000 and '"finish_reason":"length"' not in chunks[-1].replace(" ", ""), chunks[-1]
+    stop_mid_stream(proc, url, signal.SIGTERM)
     assert all(_wait_gone(pid) for pid in cores), "a replica outlived the server"

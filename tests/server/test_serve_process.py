@@ -49,31 +49,7 @@ def test_sigint_stops_the_server_with_exit_0(tiny_model_dir) -> None:
         else:
             pytest.fail("server did not come up: " + proc.stderr.read() if proc.poll() is not None else "timeout")
         (core,) = _children(proc.pid)  # the engine core's process
-        streaming, ended = threading.Event(), threading.Event()
-        chunks: list[str] = []
-
-        def long_stream() -> None:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to 1000"}],
-                    "max_tokens": 3000, "stream": True, "ignore_eos": True}
-            try:
-                with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            chunks.append(line)
-                            streaming.set()
-            except httpx.HTTPError:
-                pass
-            ended.set()
-
-        t = threading.Thread(target=long_stream, daemon=True)
-        t.start()
-        assert streaming.wait(30), "the stream did not start"
-        proc.send_signal(sig)  # mid-reply: 3000 tokens outlast the 1 s drain
-        assert not ended.is_set()
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
-        assert ended.wait(10), "the in-flight stream was not ended"
-        # Cut by the drain (a request just started counts as in flight), not left to run to its end.
-        assert len(chunks) < 3000 and '"finish_reason":"length"' not in chunks[-1].replace(" ", ""), chunks[-1]
+        stop_mid_stream(proc, url, sig)
         assert _wait_gone(core), "the engine core outlived the server"
     finally:
         if proc.poll() is None:
@@ -174,3 +150,32 @@ def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1(tiny_mo
 # A killed front leaves no orphan core (SIGKILL gives it no chance to stop its child; the core notices
 # and leaves by itself): tests/e2e/test_cli_chat.py kills `ruvllm chat`, whose core is this one, at
 # the end of its adapter test, rather than a server being started here only to be killed.
+
+
+def stop_mid_stream(proc: subprocess.Popen, url: str, sig: int) -> None:
+    """`sig` sent to a `ruvllm serve` (started with --drain-timeout 1) while a long stream runs: it
+    exits 0, and the stream is ended by the drain, not left to run to its end."""
+    streaming, ended = threading.Event(), threading.Event()
+    chunks: list[str] = []
+
+    def long_stream() -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to 1000"}],
+                "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(line)
+                        streaming.set()
+        except httpx.HTTPError:
+            pass
+        ended.set()
+
+    threading.Thread(target=long_stream, daemon=True).start()
+    assert streaming.wait(30), "the stream did not start"
+    proc.send_signal(sig)  # mid-reply: 3000 tokens outlast the 1 s drain
+    assert not ended.is_set()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert ended.wait(10), "the in-flight stream was not ended"
+    # Cut by the drain (a request just started counts as in flight), not left to run to its end.
+    assert len(chunks) < 3000 and '"finish_reason":"length"' not in chunks[-1].replace(" ", ""), chunks[-1]
