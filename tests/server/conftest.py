@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -46,17 +47,26 @@ class RunningServer:
             time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A free port for a server to listen on, from 20000-32767: below the kernel's ephemeral range
+    (32768+), where every outgoing connection and Ray's many processes take ports, and above Ray's worker
+    ports (10002-19999). A port the kernel hands out from its ephemeral range was taken again by Ray before
+    its proxy could bind it (a fresh-clone CI run)."""
+    rng = random.Random()
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", rng.randrange(20000, 32768)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
 
 
 def start_server(llm: LLM, max_num_seqs: int = 32, **server_kwargs) -> Iterator[RunningServer]:
     """max_num_seqs: the engine's running cap, which the server admits (plus max_queue waiting)."""
     sched = SchedulerConfig(max_num_seqs=max_num_seqs)
     engine = llm.with_settings(cache=CacheConfig(num_blocks=512), scheduler=sched).async_engine()
-    port = _free_port()
+    port = free_port()
     cfg = ServerConfig(port=port, served_model_name=MODEL, **server_kwargs)
     app = create_app(engine, cfg)
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))

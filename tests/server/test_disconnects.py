@@ -19,7 +19,7 @@ from ruvllm.messages import EngineStats
 from ruvllm.server.app import create_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.process import serve
-from tests.server.conftest import MODEL, RunningServer, _free_port, start_server
+from tests.server.conftest import MODEL, RunningServer, free_port, start_server
 
 COMP = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
@@ -95,7 +95,7 @@ def test_engine_failure_fails_open_requests_and_health(_shared_llm: LLM) -> None
 def test_serve_stops_when_the_engine_fails(_shared_llm: LLM) -> None:
     small = _shared_llm.with_settings(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=4))
     engine = small.async_engine()
-    port = _free_port()
+    port = free_port()
     app = create_app(engine, ServerConfig(port=port, served_model_name=MODEL), owns_engine=True)
     outcome: dict[str, object] = {}
 

@@ -25,7 +25,7 @@ from ruvllm.grpc.ruvllm_pb2_grpc import GenerationStub
 from ruvllm.grpc.translate import sampling_params
 from ruvllm.server.config import RayServeConfig, ServerConfig
 from ruvllm.structured.spec import StructuredOutputs
-from tests.server.conftest import MODEL, RunningServer, _free_port, start_server
+from tests.server.conftest import MODEL, RunningServer, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
@@ -34,7 +34,7 @@ GREEDY = pb.SamplingOptions(max_tokens=12, temperature=0)
 
 @pytest.fixture(scope="module")
 def server(_shared_llm: LLM) -> Iterator[RunningServer]:
-    yield from start_server(_shared_llm, grpc_port=_free_port())
+    yield from start_server(_shared_llm, grpc_port=free_port())
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ KEYS = (("alice-key", "alice"),)
 
 @pytest.fixture(scope="module")
 def keyed(_shared_llm: LLM) -> Iterator[tuple[RunningServer, GenerationStub]]:
-    for running in start_server(_shared_llm, max_num_seqs=1, max_queue=0, grpc_port=_free_port(), api_key="shared",
+    for running in start_server(_shared_llm, max_num_seqs=1, max_queue=0, grpc_port=free_port(), api_key="shared",
                                 api_keys=KEYS, max_request_bytes=1 << 16):
         with grpc.insecure_channel(f"127.0.0.1:{running.app.state.grpc_port}") as channel:
             yield running, GenerationStub(channel)
@@ -271,7 +271,7 @@ def test_grpc_port_in_use_is_one_line() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        r = subprocess.run([*SERVE, "--port", str(_free_port()), "--grpc-port", str(s.getsockname()[1])],
+        r = subprocess.run([*SERVE, "--port", str(free_port()), "--grpc-port", str(s.getsockname()[1])],
                            capture_output=True, text=True, timeout=180)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "in use" in r.stderr
 

@@ -9,7 +9,6 @@ The tiny model from a folder (tiny_model_dir): what is tested is the deployment,
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,9 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import free_port
+
 ray = pytest.importorskip("ray", reason="ray[serve] is a test dependency (pyproject's test extra)")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine_actors() -> list:
@@ -42,7 +37,7 @@ def ray_app(tiny_model_dir):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "ray-serve", str(tiny_model_dir),
                              "--address", cluster.address, "--replicas", "2", "--threads", "1", "--port", str(port),
                              "--served-model-name", "tiny", "--num-blocks", "256"],

@@ -19,20 +19,16 @@ import time
 import httpx
 import pytest
 
+from tests.server.conftest import free_port
+
 SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigint_stops_the_server_with_exit_0(tiny_model_dir) -> None:
     """SIGTERM, the other stop signal, is sent to the data-parallel server at the end of
     tests/server/test_data_parallel_server.py with the same checks: a server start less here."""
     sig = signal.SIGINT
-    port = _port()
+    port = free_port()
     # A short drain: the stream below outlasts it, so it is aborted (and must end) either way.
     proc = subprocess.Popen([*SERVE, str(tiny_model_dir), "--port", str(port), "--num-blocks", "256",
                              "--drain-timeout", "1", "--served-model-name", "tiny"],
@@ -112,7 +108,7 @@ def _start(port: int, model) -> subprocess.Popen:
 
 
 def test_killed_core_fails_every_stream_within_2s_and_the_server_exits_1(tiny_model_dir) -> None:
-    port = _port()
+    port = free_port()
     proc = _start(port, tiny_model_dir)
     try:
         (core,) = _children(proc.pid)

@@ -221,7 +221,8 @@ class ByteBudget(Generic[K, V]):
 
     @property
     def nbytes(self) -> int:
-        return sum(self.size(k, v) for k, v in self.entries.items())
+        with self.lock:  # another thread may put or trim meanwhile (a CI run caught the race)
+            return sum(self.size(k, v) for k, v in self.entries.items())
 
 
 # the front's checks, by constraint: its text is most of an entry (64 KiB at most)
