@@ -33,6 +33,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo scoring)
+    # Tokens whose logprobs (and ranks) every generated position reports beside the chosen and top ones,
+    # however unlikely they are: a yes/no judgment's two answers (server/rerank.py). Needs `logprobs`.
+    logprob_token_ids: tuple[int, ...] | None = None
     skip_special_tokens: bool = True
     # What the output must match (a JSON schema, a regex, a choice, a grammar): docs/structured.md
     structured: StructuredOutputs | None = None
@@ -76,6 +79,15 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if self.logprob_token_ids is not None:
+            if not isinstance(self.logprob_token_ids, (list, tuple)):
+                raise bad("logprob_token_ids", f"must be a list of token ids, got {self.logprob_token_ids!r}")
+            self.logprob_token_ids = tuple(self.logprob_token_ids)
+            if self.logprobs is None:
+                raise bad("logprob_token_ids", "needs logprobs (0: no top tokens beside them)")
+            if not 1 <= len(self.logprob_token_ids) <= 20 or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+                raise bad("logprob_token_ids", f"must be 1 to 20 token ids, got {self.logprob_token_ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")

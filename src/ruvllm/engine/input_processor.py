@@ -38,7 +38,8 @@ def check_request(ids: list[int], params: SamplingParams, info: EngineInfo) -> N
         raise RequestError(f"top_k must be -1 (off) or at most the vocabulary size ({vocab}), "
                            f"got {params.top_k}", "top_k")
     for field_name, tids in (("logit_bias", list((params.logit_bias or {}).keys())),
-                             ("stop_token_ids", list(params.stop_token_ids or []))):
+                             ("stop_token_ids", list(params.stop_token_ids or [])),
+                             ("logprob_token_ids", list(params.logprob_token_ids or []))):
         for tid in tids:
             if not 0 <= tid < vocab:
                 raise RequestError(f"token id {tid} is outside the vocabulary [0, {vocab})", field_name)

@@ -158,7 +158,8 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
     logprobs: list[dict[int, Logprob] | None] = [None] * len(reqs)
     if raw_logprobs is not None:
         rows = [i for i, n in enumerate(want_lp) if n is not None]
-        entries = token_logprobs(raw_logprobs[rows], [tokens[i] for i in rows], [want_lp[i] for i in rows])
+        entries = token_logprobs(raw_logprobs[rows], [tokens[i] for i in rows], [want_lp[i] for i in rows],
+                                 [reqs[i].params.logprob_token_ids for i in rows])
         for i, entry in zip(rows, entries):
             logprobs[i] = entry
     return tokens, logprobs
@@ -209,8 +210,10 @@ def accept_or_resample(p: torch.Tensor, token: int, q: torch.Tensor, generator: 
     return int((residual / noise).argmax())
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[dict[int, Logprob]]:
-    """For each row: the logprob and rank of `tokens[i]`, plus the row's `top_n[i]` most likely tokens."""
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int],
+                   wanted: list[tuple[int, ...] | None] | None = None) -> list[dict[int, Logprob]]:
+    """For each row: the logprob and rank of `tokens[i]`, plus the row's `top_n[i]` most likely tokens
+    and the tokens `wanted[i]` names (SamplingParams.logprob_token_ids), each read off its own row alone."""
     if not tokens:
         return []
     ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)
@@ -224,6 +227,12 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: list[int]) 
         entry = {tok: Logprob(tok, chosen_l[i], ranks[i])}
         if top_n[i] > 0:
             for rank, (tid, val) in enumerate(zip(top_ids[i, : top_n[i]].tolist(), top_vals[i, : top_n[i]].tolist()), 1):
+                entry.setdefault(tid, Logprob(tid, val, rank))
+        if wanted is not None and wanted[i]:
+            ids_i = torch.tensor(wanted[i], dtype=torch.long, device=logprobs.device)
+            vals = logprobs[i].index_select(0, ids_i)
+            wanted_ranks = ((logprobs[i].unsqueeze(0) > vals.unsqueeze(1)).sum(dim=1) + 1).tolist()
+            for tid, val, rank in zip(wanted[i], vals.tolist(), wanted_ranks):
                 entry.setdefault(tid, Logprob(tid, val, rank))
         out.append(entry)
     return out

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.engine.generation import GenerationService
 from ruvllm.server import adapters, anthropic_api, embeddings, feedback, health, ollama_api, openai_api, responses_api
+from ruvllm.server import rerank
 from ruvllm.server import responses as R
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import install_error_handlers
@@ -76,6 +77,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     if keys:  # the chat page holds no data: it asks for the key and sends it with its API calls
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=("/health", "/", *cfg.routes_without_key),
                            required=bool(cfg.api_key or cfg.api_keys))
-    for module in (health, adapters, feedback, openai_api, embeddings, anthropic_api, ollama_api, responses_api):
+    for module in (health, adapters, feedback, openai_api, embeddings, rerank, anthropic_api, ollama_api,
+                   responses_api):
         app.include_router(module.router)
     return app

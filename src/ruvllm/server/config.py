@@ -39,6 +39,11 @@ class ServerConfig(Checked):
         None, "The tags a thinking model writes its reasoning between, served apart from its answer (default: "
               "<think>,</think> when the chat template mentions <think> or enable_thinking; `off`: none).",
         metavar="START,END")
+    # How /v1/rerank and /v1/score score a pair (server/rerank.py): what the served model is for
+    score_mode: str = setting("logits", "How /v1/rerank and /v1/score score a pair: logits (a yes/no judgment by a "
+                                        "chat or reranker model: p(yes) / (p(yes) + p(no))) or embedding (the cosine "
+                                        "of the two texts' vectors, for an embedding model).",
+                              choices=("logits", "embedding"))
     graceful_shutdown_s: float = setting(10.0, "Seconds in-flight requests get to finish after SIGINT/SIGTERM.",
                                          flag="--drain-timeout", minimum=0)
     max_request_bytes: int = setting(16 * 2**20, "Largest request body; a larger one gets 413 (a 128k-token prompt "
