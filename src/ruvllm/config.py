@@ -145,6 +145,7 @@ class Checked:
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_DISK_BYTES = 8 << 30  # the disk tier's budget when only its folder is given
 
 # "auto": the compute dtype. bf16/fp16: the same, named (it must be the compute dtype). int8/int4: a
 # two-tier cache, recent tokens in the compute dtype and older blocks quantized (docs/quantization.md).
@@ -172,10 +173,32 @@ class CacheConfig(Checked):
     # of the query (the hot window); older blocks are read dequantized and move to the cold tier.
     kv_hot_tokens: int = setting(64, "With --kv-cache-dtype int8/int4: tokens per sequence read exactly "
                                      "(the hot window).", minimum=0)
+    # The disk tier (docs/architecture.md, KV cache manager): prefix-cache blocks about to be evicted
+    # are written to this folder, and a later prompt whose prefix they hold loads them instead of
+    # recomputing, in this process or after a restart. None: nothing is written.
+    kv_disk_path: str | None = setting(
+        None, "A folder for a disk tier of the prefix cache: evicted prefix blocks are written there and loaded "
+              "back by later prompts, also after a restart (default: no disk tier).", metavar="DIR")
+    kv_disk_bytes: int | None = setting(
+        None, "With --kv-disk-path: the disk tier's budget in GiB; its least recently used blocks are "
+              f"deleted past it (default: {DEFAULT_KV_DISK_BYTES >> 30} GiB).", flag="--kv-disk-gib", unit=2**30,
+        minimum=1)
 
     @property
     def quantized_kv(self) -> bool:
         return self.kv_cache_dtype in ("int8", "int4")
+
+    @property
+    def kv_disk_budget(self) -> int:
+        """The disk tier's byte budget (0: no disk tier)."""
+        if self.kv_disk_path is None:
+            return 0
+        return self.kv_disk_bytes if self.kv_disk_bytes is not None else DEFAULT_KV_DISK_BYTES
+
+    def check_across(self) -> None:
+        if self.kv_disk_bytes is not None and self.kv_disk_path is None:
+            raise ValueError("kv_disk_bytes (--kv-disk-gib) needs a folder for the disk tier (kv_disk_path / "
+                             "--kv-disk-path)")
 
 
 # The token budget of one step when none is given: on a CPU a step's time grows with its tokens, so

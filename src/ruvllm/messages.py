@@ -27,6 +27,9 @@ class CoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # The first completion of the same prompt (n > 1): this one waits until that prompt is cached.
     prompt_sibling: str | None = None
     adapter: str | None = None  # a loaded LoRA adapter's name (None: the base model)
+    # Adapters stacked on `adapter` (its tenant's learned micro-LoRA): each row's deltas are added in
+    # this order after the named adapter's (docs/adapters.md, "Stacking"). Empty without `adapter`.
+    stacked: tuple[str, ...] = ()
     # Mixed into the prefix cache's keys (vLLM's cache_salt): requests with different salts share
     # no cached block, so one tenant cannot time another's prompts through cache hits.
     cache_salt: str | None = None

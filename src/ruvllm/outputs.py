@@ -22,6 +22,8 @@ class ScheduledSeq:
     # wanted (echo scoring). None when the request does not ask for prompt logprobs.
     prompt_logprob_targets: tuple[int, list[int]] | None = None
     adapter: str | None = None  # the LoRA adapter the sequence runs with (None: the base model)
+    # Adapters stacked on it, their deltas added after its own in this order (its tenant's learned micro-LoRA)
+    stacked: tuple[str, ...] = ()
     # An X-LoRA sequence's scaling-pass block table (None for every other sequence)
     scaling_block_table: list[int] | None = None
     # Speculative decoding: a decoding sequence may have up to this many proposed tokens scored

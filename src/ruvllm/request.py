@@ -70,6 +70,7 @@ class Request:
     prompt_sibling: Request | None = None
     max_total_tokens: int = 1 << 30  # context length cap
     adapter: AdapterRun | None = None  # its LoRA adapter (None: the base model)
+    stacked: tuple[AdapterRun, ...] = ()  # adapters stacked on it, their deltas added after its own in order
     # The CoreRequest's cache_salt (a tenant's): requests with different salts share no cached block.
     salt: str | None = None
     # Structured outputs: the future of its compiled grammar (the core's GrammarCompiler); the
@@ -98,6 +99,9 @@ class Request:
     def cache_salt(self) -> object:
         """Mixed into the first block's prefix-cache hash: blocks computed under one adapter (one load
         of it: a name loaded again is another adapter) are never a hit for another, or for the base."""
+        if self.stacked:  # a stack is its own adapter: blocks computed under it are a hit for it alone
+            assert self.adapter is not None
+            return _salt((self.adapter.load_id, *(r.load_id for r in self.stacked)), self.salt)
         return _salt(self.adapter.load_id if self.adapter is not None else None, self.salt)
 
     @property
@@ -114,6 +118,11 @@ class Request:
         if not self.scaling_pass:
             return [own]
         return [own, (scaling_key(self.request_id), _salt(None, self.salt))]
+
+    @property
+    def adapter_runs(self) -> tuple[AdapterRun, ...]:
+        """Every adapter it holds, in the order their deltas are added."""
+        return (self.adapter, *self.stacked) if self.adapter is not None else ()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -155,7 +164,7 @@ class ArrivalCounter:
         return next(self._it)
 
 
-def _salt(adapter_load: int | None, salt: str | None) -> object:
+def _salt(adapter_load: int | tuple[int, ...] | None, salt: str | None) -> object:
     """The prefix cache's salt: an adapter's load and a request's own salt (None when neither
     applies: the base model's blocks, shared by every unsalted request)."""
     if adapter_load is None and salt is None:

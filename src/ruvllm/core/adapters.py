@@ -3,6 +3,10 @@ each asks of a step, how many requests hold it, and which are waiting to be unlo
 
 The worker keeps only the weights (by name); everything a caller can be refused for is decided
 here. Loads happen on a thread of their own while the loop steps, so every method takes the lock.
+
+A request holds an ordered tuple of runs: the adapter it names, then any stacked on it (its tenant's
+learned micro-LoRA, docs/adapters.md "Stacking"). It holds each of them, so an unload of any waits
+for it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,26 @@ class AdapterRegistry:
                 raise AdapterNotFoundError(f"no adapter named {name!r} is loaded", param="model")
             entry.refs += 1
             return entry.run
+
+    def acquire_stack(self, names: tuple[str, ...]) -> tuple[AdapterRun, ...]:
+        """A new request's holds on the adapters it runs with, in the order their deltas are added:
+        all of them or none (AdapterNotFoundError names the first that is not servable). A stack
+        that needs more slots than the engine has is run without the adapters that do not fit (an
+        X-LoRA model using every slot keeps its mixture, without the tenant's micro-LoRA): it could
+        never be scheduled otherwise. Only plain adapters stack on another."""
+        with self._lock:
+            entries = [self._entries.get(name) for name in names]
+            for name, entry in zip(names, entries):
+                if entry is None or entry.unloading:
+                    raise AdapterNotFoundError(f"no adapter named {name!r} is loaded", param="model")
+            runs: list[AdapterRun] = []
+            for i, entry in enumerate(entries):
+                assert entry is not None
+                fits = sum(r.slots for r in runs) + entry.run.slots <= self.max_loras
+                if i == 0 or (fits and not entry.run.scaling_pass and entry.run.name not in {r.name for r in runs}):
+                    entry.refs += 1
+                    runs.append(entry.run)
+            return tuple(runs)
 
     def release(self, run: AdapterRun) -> bool:
         """A request let go of its adapter: True when that was the last hold of one being unloaded

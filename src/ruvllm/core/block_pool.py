@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ruvllm.core.disk_index import DiskBlock
 
 
 @dataclass(slots=True, eq=False)
@@ -22,6 +26,7 @@ class KVBlock:
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and registered in the prefix cache
     token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit token by token
+    disk: DiskBlock | None = None  # its name in the disk tier (core/disk_index.py), when it may go there
 
 
 class BlockPool:
@@ -39,6 +44,10 @@ class BlockPool:
         # hash -> the hot block a moved block left behind, still holding its exact K/V (free until
         # a prefix hit revives it or the hot tier needs the id): see migrate.
         self._exact: dict[int, KVBlock] = {}
+        # With a disk tier: (block id, its disk name) of each cached block handed out again since
+        # the caller last took them; its K/V are still in the pool until this step's forward pass
+        # overwrites them, so the worker copies them out first (KVCacheManager.take_spills).
+        self.spills: list[tuple[int, DiskBlock]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -61,6 +70,10 @@ class BlockPool:
 
     def _take(self, free: OrderedDict[int, KVBlock]) -> KVBlock:
         _, block = free.popitem(last=False)
+        if block.disk is not None:
+            if self.spills is not None and self._cached.get(block.block_hash) is block:
+                self.spills.append((block.block_id, block.disk))
+            block.disk = None
         if block.block_hash is not None:  # evict its cached contents
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
@@ -136,17 +149,25 @@ class BlockPool:
                 if first:
                     free.move_to_end(block.block_id, last=False)
 
-    def register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Make a full block findable by its hash; a block with the same contents already cached wins."""
+    def register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
+                 disk: DiskBlock | None = None) -> None:
+        """Make a full block findable by its hash; a block with the same contents already cached wins.
+        `disk`: its disk-tier name, for a spill when it is evicted."""
         if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.disk = disk
         self._cached[block_hash] = block
+
+    def cached_disk_blocks(self) -> list[tuple[int, DiskBlock]]:
+        """(block id, disk name) of every cached block that may go to the disk tier."""
+        return [(b.block_id, b.disk) for b in self._cached.values() if b.disk is not None]
 
     def reset_prefix_cache(self) -> None:
         for block in [*self._cached.values(), *self._exact.values()]:
             block.block_hash = None
             block.token_ids = None
+            block.disk = None
         self._cached.clear()
         self._exact.clear()

@@ -94,9 +94,10 @@ class EngineCore:
         self.executor.remove_adapter(name)
 
     def _release(self, req: Request) -> None:
-        """A request left the core: its hold on its adapter ends."""
-        if req.adapter is not None and self.adapter_registry.release(req.adapter):
-            self._drop_adapter(req.adapter.name)
+        """A request left the core: its holds on its adapters (stacked ones too) end."""
+        for run in req.adapter_runs:
+            if self.adapter_registry.release(run):
+                self._drop_adapter(run.name)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, cr: CoreRequest) -> None:
@@ -106,12 +107,13 @@ class EngineCore:
             raise RequestError(f"request id {cr.request_id!r} is already in use")
         # admitted once _failed_compiles has seen its grammar compiled (a failed compile ends it)
         grammar = self._grammar_compiler().submit(cr.params.structured) if cr.params.structured else None
-        adapter = self.adapter_registry.acquire(cr.adapter) if cr.adapter is not None else None
+        runs = self.adapter_registry.acquire_stack((cr.adapter, *cr.stacked)) if cr.adapter is not None else ()
+        adapter, stacked = (runs[0], runs[1:]) if runs else (None, ())
         sibling = self.scheduler.requests.get(cr.prompt_sibling) if cr.prompt_sibling else None
         req = Request(request_id=cr.request_id, prompt_token_ids=list(cr.prompt_token_ids), params=cr.params,
                       eos_token_ids=tuple(cr.eos_token_ids), priority=Priority(cr.priority),
                       arrival=self._arrivals.next(), prompt_sibling=sibling, max_total_tokens=self.info.max_seq_len,
-                      adapter=adapter, salt=cr.cache_salt, grammar=grammar, pooling=cr.pooling)
+                      adapter=adapter, stacked=stacked, salt=cr.cache_salt, grammar=grammar, pooling=cr.pooling)
         if cr.arrival_time:
             req.arrival_time = cr.arrival_time
         if grammar is not None:

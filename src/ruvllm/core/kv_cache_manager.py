@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ruvllm.core.block_pool import BlockPool, KVBlock
+from ruvllm.core.disk_index import DiskBlock, DiskTier, chain_key, chain_seed
 from ruvllm.request import Request
 
 
@@ -19,6 +20,8 @@ from ruvllm.request import Request
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens served from the cache
+    disk_queries: int = 0  # prompt tokens past the memory hits looked up in the disk tier
+    disk_hits: int = 0  # of those, tokens loaded from disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +39,11 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  num_cold_blocks: int = 0, hot_tokens: int = 0,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
+                 windows: tuple[int | None, ...] = (None,), disk: DiskTier | None = None) -> None:
         if num_cold_blocks and any(w is not None for w in windows):
             raise ValueError("a quantized KV tier cannot be combined with sliding-window layers")
+        if disk is not None and (num_cold_blocks or len(windows) > 1 or not enable_prefix_caching):
+            raise ValueError("the disk KV tier needs prefix caching, one KV group and no quantized cold tier")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hot_tokens = hot_tokens
@@ -52,6 +57,12 @@ class KVCacheManager:
         self._hashes: dict[str, list[int]] = {}  # chained hashes of the stream's full blocks
         self._cold_upto: dict[str, int] = {}  # leading blocks of the stream already cold
         self._requests: dict[str, Request] = {}  # the request of every stream holding blocks (for migrate_cold)
+        # The disk tier (core/disk_index.py): the worker's store, and the disk keys of each eligible
+        # request's full blocks (stream key -> chain), next to the in-memory hashes.
+        self.disk = disk
+        self._disk_chains: dict[str, list[bytes]] = {}
+        if disk is not None:
+            self.pool.spills = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -208,9 +219,67 @@ class KVCacheManager:
                 chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
                 h = hash((parent, chunk))
                 if blocks[i] is not self._null:
-                    self.pool.register(blocks[i], h, chunk)
+                    self.pool.register(blocks[i], h, chunk, self._disk_name(req, s.key, i, chunk))
                 hashes.append(h)
                 parent = h
+
+    # --- the disk tier ---------------------------------------------------------------------------
+    def _disk_seed(self, req: Request) -> bytes | None:
+        """The disk chain's seed of the request's own stream, None when its blocks never go to
+        disk: an adapter's (its load id names it in memory only; docs/decisions.md)."""
+        if self.disk is None or req.adapter is not None:
+            return None
+        return chain_seed(self.disk.fingerprint, req.salt)
+
+    def _disk_name(self, req: Request, key: str, i: int, chunk: tuple[int, ...]) -> DiskBlock | None:
+        """The disk name of the stream's full block i (blocks are named in order, 0 first)."""
+        if key != req.request_id:
+            return None
+        chain = self._disk_chains.setdefault(key, [])
+        if len(chain) != i:  # (a stream is hashed once, in order; anything else is not named)
+            return None
+        seed = self._disk_seed(req)
+        if seed is None:
+            return None
+        parent = chain[-1] if chain else seed
+        chain.append(chain_key(parent, chunk))
+        return DiskBlock(chain[-1], parent, chunk)
+
+    def disk_lookup(self, req: Request, num_hit_blocks: int) -> list[DiskBlock]:
+        """The request's full blocks after its `num_hit_blocks` memory hits that the disk tier
+        holds, up to the first it lacks (never the block of the last token, as for memory hits)."""
+        seed = self._disk_seed(req)
+        if seed is None:
+            return []
+        tokens, bs = req.all_token_ids, self.block_size
+        parent, out = seed, []
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            key = chain_key(parent, chunk)
+            if i >= num_hit_blocks:
+                if key not in self.disk.index:  # type: ignore[union-attr]
+                    break
+                out.append(DiskBlock(key, parent, chunk))
+            parent = key
+        return out
+
+    def count_disk_lookup(self, looked_up: int, loaded: int) -> None:
+        self.stats.disk_queries += looked_up
+        self.stats.disk_hits += loaded
+
+    def take_spills(self) -> list[tuple[int, DiskBlock]]:
+        """Cached blocks evicted since the last call whose K/V the worker must write to disk (before
+        this step's forward pass reuses them); those already on disk are only marked used."""
+        if self.pool.spills is None or not self.pool.spills:
+            return []
+        spills, self.pool.spills = self.pool.spills, []
+        return [(b, d) for b, d in spills if not self.disk.index.touch(d.key)]  # type: ignore[union-attr]
+
+    def spill_cached(self) -> list[tuple[int, DiskBlock]]:
+        """Every cached block not yet on disk (the engine is closing: the prefix cache outlives it)."""
+        if self.disk is None:
+            return []
+        return [(b, d) for b, d in self.pool.cached_disk_blocks() if not self.disk.index.touch(d.key)]
 
     def _num_movable(self, req: Request, key: str) -> int:
         """Leading blocks of the request that none of its later queries reads exactly: old for a
@@ -292,6 +361,7 @@ class KVCacheManager:
         for s in self._streams(req):
             blocks = self._blocks.pop(s.key, [])
             self._hashes.pop(s.key, None)
+            self._disk_chains.pop(s.key, None)
             self._cold_upto.pop(s.key, None)
             self._requests.pop(s.key, None)
             if hit_blocks is None:

@@ -91,7 +91,8 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            adapters = {r.adapter.name: r.adapter.slots for r in self.running if r.adapter}
+            # every adapter the running requests hold, stacked ones included: each takes its own slots
+            adapters = {a.name: a.slots for r in self.running for a in r.adapter_runs}
             for req in list(self.waiting):
                 if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                     break
@@ -100,8 +101,8 @@ class Scheduler:
                 if req.grammar is not None and not req.grammar_ready:  # its compile runs beside the loop
                     continue
                 # The slots hold adapters running requests use: this one waits for slots.
-                if req.adapter and req.adapter.name not in adapters \
-                        and sum(adapters.values()) + req.adapter.slots > self.max_loras:
+                new = {a.name: a.slots for a in req.adapter_runs if a.name not in adapters}
+                if new and sum(adapters.values()) + sum(new.values()) > self.max_loras:
                     continue
                 # Prompt logprobs and mean pooling need every prompt position computed: no prefix-cache hits.
                 hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None or req.pools_every_row \
@@ -119,8 +120,7 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if req.adapter:
-                    adapters[req.adapter.name] = req.adapter.slots
+                adapters.update(new)
                 scheduled.append((req, n, 0))
                 budget -= n
 
@@ -136,6 +136,7 @@ class Scheduler:
                 sample=start + n == req.num_tokens,
                 prompt_logprob_targets=self._prompt_logprob_targets(req, start, n),
                 adapter=req.adapter.name if req.adapter else None,
+                stacked=tuple(a.name for a in req.stacked),
                 scaling_block_table=self.kv.block_table(scaling_key(req.request_id)) if req.scaling_pass else None,
                 num_lookahead=k,
                 pool=req.pooling is not None,

@@ -99,21 +99,21 @@ class AsyncEngine:
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority = Priority.NORMAL,
                        output_kind: OutputKind = OutputKind.CUMULATIVE, lora: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, stacked: tuple[str, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs after every step that changes it (what `output_kind` says:
         everything so far, only what is new, or only the end); the last one is finished.
 
         Leaving the iteration early (break, cancellation, a disconnected client) aborts the request.
         `lora`: a loaded adapter's name (AdapterNotFoundError when none has it). `cache_salt`: prefix-
-        cache blocks are shared only among requests with the same salt (a tenant's)."""
+        cache blocks are shared only among requests with the same salt (a tenant's). `stacked`:
+        loaded adapters whose deltas are added after `lora`'s, in order (a tenant's micro-LoRA)."""
         if self._closed is not None:
             raise self._closed
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids, text = encode_prompt(self.tokenizer, prompt)
-        if lora is not None and lora not in self.loras:
-            raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
-        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora, cache_salt)
+        self._check_loaded(lora, stacked)
+        seqs = core_requests(request_id, token_ids, params, priority, self.info, self._eos, lora, cache_salt, stacked)
         stream = Stream(asyncio.get_running_loop())
         with self._lock:
             if self._closed is not None:
@@ -142,7 +142,7 @@ class AsyncEngine:
 
     async def embed(self, prompt: PromptInput, request_id: str | None = None, priority: Priority = Priority.NORMAL,
                     lora: str | None = None, cache_salt: str | None = None,
-                    pooling: str | None = None) -> EmbeddingOutput:
+                    pooling: str | None = None, stacked: tuple[str, ...] = ()) -> EmbeddingOutput:
         """The input's final hidden states pooled (`pooling`, else the engine's EngineInfo.pooling) and
         L2-normalized. Scheduled beside generation under the same token budget; its K/V is freed as
         soon as it is computed. Cancelling the call aborts the request."""
@@ -150,9 +150,8 @@ class AsyncEngine:
             raise self._closed
         request_id = request_id or f"emb-{next(self._ids)}"
         token_ids, _ = encode_prompt(self.tokenizer, prompt)
-        if lora is not None and lora not in self.loras:
-            raise AdapterNotFoundError(f"no adapter named {lora!r} is loaded", param="model")
-        core_request = embed_request(request_id, token_ids, priority, self.info, pooling, lora, cache_salt)
+        self._check_loaded(lora, stacked)
+        core_request = embed_request(request_id, token_ids, priority, self.info, pooling, lora, cache_salt, stacked)
         stream = Stream(asyncio.get_running_loop())
         with self._lock:
             if self._closed is not None:
@@ -173,6 +172,12 @@ class AsyncEngine:
                 self._embeds.pop(request_id, None)
             if not finished:
                 self._client.abort([request_id])
+
+    def _check_loaded(self, lora: str | None, stacked: tuple[str, ...]) -> None:
+        loaded = self.loras
+        for name in ((lora, *stacked) if lora is not None else ()):
+            if name not in loaded:
+                raise AdapterNotFoundError(f"no adapter named {name!r} is loaded", param="model")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id (another task's): its stream ends with a finished output whose

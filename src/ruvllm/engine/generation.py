@@ -1,7 +1,8 @@
 """The generation service: what a generation call decides once, whichever front it comes through (the
 server's API dialects, the offline `LLM`): its tenant (and with it the prefix-cache salt), its adapter
-(the one named, else the tenant's learned one), and who is told what it produced (the learner keeps
-completions for feedback, the witness log records them)."""
+(the one named, else the tenant's learned one; with learning, a named adapter carries the tenant's
+learned micro-LoRA stacked on it), and who is told what it produced (the learner keeps completions
+for feedback, the witness log records them)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ruvllm.errors import AdapterNotFoundError, RequestError, RuvllmError
 from ruvllm.outputs import CompletionOutput, EmbeddingOutput, OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
-from ruvllm.tenants import may_use, tenant_salt
+from ruvllm.tenants import LEARNED_PREFIX, may_use, tenant_salt
 
 if TYPE_CHECKING:
     from ruvllm.engine.async_engine import AsyncEngine
@@ -43,12 +44,19 @@ class GenerationService:
     def open(self, request_id: str, tenant: str, adapter: str | None, prompts: list[list[int]],
              params: list[SamplingParams]) -> Call:
         """The call decided: with learning, a call that names no adapter runs with the tenant's; one
-        that names another tenant's learned adapter is refused as if it were not loaded."""
+        that names an adapter (LoRA or X-LoRA) runs with it and the micro-LoRA the tenant learned on
+        it stacked on top (docs/adapters.md, "Stacking"); one that names another tenant's learned
+        adapter is refused as if it were not loaded."""
         if adapter is not None and not may_use(tenant, adapter):
             raise AdapterNotFoundError(f"no adapter named {adapter!r} is loaded", "model")
-        if adapter is None and self.learner is not None:
-            adapter = self.learner.adapter_for(tenant)
-        return Call(self, request_id, tenant, adapter, prompts, params)
+        stacked: tuple[str, ...] = ()
+        if self.learner is not None:
+            if adapter is None:
+                adapter = self.learner.adapter_for(tenant)
+            elif not adapter.startswith(LEARNED_PREFIX):  # a learned version is a micro-LoRA already
+                micro = self.learner.adapter_for(tenant, adapter)
+                stacked = (micro,) if micro is not None else ()
+        return Call(self, request_id, tenant, adapter, prompts, params, stacked)
 
     async def start(self, engine: AsyncEngine, request_id: str, tenant: str, adapter: str | None,
                     prompts: list[list[int]], params: list[SamplingParams], priority: Priority,
@@ -77,7 +85,7 @@ class GenerationService:
         async def one(i: int) -> EmbeddingOutput:
             async with gate:
                 return await engine.embed(prompts[i], f"{request_id}-{i}", priority, call.adapter, call.cache_salt,
-                                          pooling)
+                                          pooling, call.stacked)
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         try:
@@ -104,14 +112,16 @@ class GenerationService:
 
 @dataclass
 class Call:
-    """One generation call as decided: one id, one tenant, one adapter, one or more prompts."""
+    """One generation call as decided: one id, one tenant, one adapter (and those stacked on it), one
+    or more prompts."""
 
     service: GenerationService
     request_id: str
     tenant: str
-    adapter: str | None
+    adapter: str | None  # the adapter named (else, with learning, the tenant's learned version)
     prompts: list[list[int]]
     params: list[SamplingParams]
+    stacked: tuple[str, ...] = ()  # added after `adapter`'s deltas: the tenant's micro-LoRA for it
 
     @property
     def cache_salt(self) -> str | None:
@@ -124,9 +134,11 @@ class Call:
         if s.witness is not None:
             from ruvllm.witness.records import completion_record
 
-            s.witness.append(self.request_id, "completion", self.tenant, completion_record(
-                s.model_name, self.adapter, self.params[i], self.prompts[i], choices, s.witness_store_tokens,
-                index=i))
+            body = completion_record(s.model_name, self.adapter, self.params[i], self.prompts[i], choices,
+                                     s.witness_store_tokens, index=i)
+            if self.stacked:  # the micro-LoRA version that ran on top of the named adapter
+                body["stacked"] = list(self.stacked)
+            s.witness.append(self.request_id, "completion", self.tenant, body)
         if s.learner is not None and i == 0:  # feedback names the call: its first prompt's first choice
             s.learner.remember(self.request_id, self.tenant, self.prompts[0], choices[0][0], self.adapter)
 
@@ -183,7 +195,7 @@ class Following:
         async def pump(i: int) -> None:
             try:
                 async for out in engine.generate(call.prompts[i], call.params[i], f"{call.request_id}-{i}", priority,
-                                                 OutputKind.DELTA, call.adapter, call.cache_salt):
+                                                 OutputKind.DELTA, call.adapter, call.cache_salt, call.stacked):
                     self.gathered[i].add(out)
                     if self.observe is not None:
                         self.observe(out)

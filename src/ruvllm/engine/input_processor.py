@@ -56,9 +56,10 @@ def child_ids(request_id: str, n: int) -> list[str]:
 
 def core_requests(request_id: str, ids: list[int], params: SamplingParams, priority: Priority,
                   info: EngineInfo, eos_token_ids: tuple[int, ...], adapter: str | None = None,
-                  cache_salt: str | None = None) -> list[CoreRequest]:
+                  cache_salt: str | None = None, stacked: tuple[str, ...] = ()) -> list[CoreRequest]:
     """One CoreRequest per completion: n > 1 becomes n sequences over the same prompt, each with
-    its own seed (seed + i, wrapping in the generator's 64-bit range) when the request has one."""
+    its own seed (seed + i, wrapping in the generator's 64-bit range) when the request has one.
+    `stacked`: adapters whose deltas are added after `adapter`'s (its tenant's micro-LoRA)."""
     check_request(ids, params, info)
     now = time.monotonic()
     out = []
@@ -69,7 +70,7 @@ def core_requests(request_id: str, ids: list[int], params: SamplingParams, prior
             p = dataclasses.replace(params, n=1, seed=seed)
         out.append(CoreRequest(cid, list(ids), p, eos_token_ids, int(priority), now,
                                prompt_sibling=out[0].request_id if out else None, adapter=adapter,
-                               cache_salt=cache_salt))
+                               cache_salt=cache_salt, stacked=stacked if adapter is not None else ()))
     return out
 
 
@@ -91,9 +92,10 @@ def check_embed_request(ids: list[int], info: EngineInfo, pooling: str | None = 
 
 def embed_request(request_id: str, ids: list[int], priority: Priority, info: EngineInfo,
                   pooling: str | None = None, adapter: str | None = None,
-                  cache_salt: str | None = None) -> CoreRequest:
+                  cache_salt: str | None = None, stacked: tuple[str, ...] = ()) -> CoreRequest:
     """One embedding for the core: prefill only, pooled as `pooling` says (None: the engine's)."""
     check_embed_request(ids, info, pooling)
     # (its SamplingParams are never read: nothing is sampled)
     return CoreRequest(request_id, list(ids), SamplingParams(max_tokens=1), (), int(priority), time.monotonic(),
-                       adapter=adapter, cache_salt=cache_salt, pooling=pooling or info.pooling)
+                       adapter=adapter, cache_salt=cache_salt, pooling=pooling or info.pooling,
+                       stacked=stacked if adapter is not None else ())

@@ -183,7 +183,7 @@ class LLM:
         calls = [service.open(str(next(self._ids)), tenant, adapter, [tokens], [p])
                  for (tokens, _), p, adapter in zip(encoded, params, adapters or [None] * len(encoded))]
         rids = [c.request_id for c in calls]
-        seqs = [core_requests(c.request_id, tokens, p, prio, self.info, self._eos, c.adapter, c.cache_salt)
+        seqs = [core_requests(c.request_id, tokens, p, prio, self.info, self._eos, c.adapter, c.cache_salt, c.stacked)
                 for c, (tokens, _), p, prio in zip(calls, encoded, params, prios)]
         processor = OutputProcessor(self.tokenizer)
         for rid, (tokens, text), p, group in zip(rids, encoded, params, seqs):
@@ -224,7 +224,7 @@ class LLM:
         encoded = [encode_prompt(self.tokenizer, p)[0] for p in items]
         # Every input is checked before any is added: a bad one refuses the whole call.
         requests = [embed_request(f"{call.request_id}-{i}", ids, priority, self.info, pooling, call.adapter,
-                                  call.cache_salt) for i, ids in enumerate(encoded)]
+                                  call.cache_salt, call.stacked) for i, ids in enumerate(encoded)]
         wanted = {r.request_id: i for i, r in enumerate(requests)}
         results: dict[int, EmbeddingOutput] = {}
         self._client.add(requests)

@@ -26,6 +26,7 @@ from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
 from ruvllm.learning.tail import MicroLora
+from ruvllm.tenants import LEARNED_PREFIX
 
 if TYPE_CHECKING:
     from ruvllm.witness.log import WitnessLog
@@ -101,13 +102,16 @@ class Learner:
                  adapter: str | None) -> None:
         self.store.add(completion_id, Completion(tenant, list(prompt_ids), list(output_ids), adapter, time.time()))
 
-    def adapter_for(self, tenant: str) -> str | None:
+    def adapter_for(self, tenant: str, adapter: str | None = None) -> str | None:
         """The adapter serving the tenant: its own newest version (or what the policy store was told
-        since), else the version promoted for everyone, else None: the base model."""
+        since), else the version promoted for everyone, else None: the base model. With `adapter`
+        (one the request names), the micro-LoRA stacked on it: the (tenant, adapter) pair's own
+        version, else what would serve the tenant on the base model."""
         if self.policy.changed_elsewhere():  # `ruvllm learn rollback / reset / run` on a running server
             with self._lock:
                 self._sync()
-        for scope in (tenant, GLOBAL):
+        scopes = (tenant, GLOBAL) if adapter is None else (stack_scope(tenant, adapter), tenant, GLOBAL)
+        for scope in scopes:
             n = self._versions.get(scope)
             if n is not None:
                 with self._loads:
@@ -243,6 +247,10 @@ class Learner:
                 raise FeedbackError("the completion has no output tokens to learn from", "id")
             if score == 0:
                 raise FeedbackError("a score of 0 without a correction teaches nothing", "score")
+        # Feedback on a completion of a named adapter teaches the (tenant, adapter) pair's micro-LoRA,
+        # stacked on that adapter when served; never the adapter itself, nor the tenant's own.
+        scope = tenant if done.adapter is None or done.adapter.startswith(LEARNED_PREFIX) \
+            else stack_scope(tenant, done.adapter)
         with self._lock:
             key = (self.config.instant.context, tuple(done.prompt_ids), tuple(target))
             prep = self._prepared.get(key)
@@ -253,20 +261,22 @@ class Learner:
                 self._prepared[key] = prep
                 while len(self._prepared) > 64:
                     self._prepared.popitem(last=False)
-            state = self._tenants.get(tenant)
-            if state is None:
-                state = self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
+            state = self._tenants.get(scope)
+            if state is None:  # a pair starts from what the tenant learned on the base (it served the pair till now)
+                own = self._tenants.get(tenant) if scope != tenant else None
+                state = self._tenants[scope] = self.instant.new_tenant(
+                    _seed(scope), own.lora.peft_tensors() if own is not None else None)
             state.taught.append(completion_id)
             timing = self.instant.step(state, prep, score)
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
             try:
-                version = self._publish(tenant, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
+                version = self._publish(scope, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
             except AdapterError as exc:  # the engine keeps no more adapters (max_cpu_loras)
                 raise UpdateNotServedError(f"the update could not be served: {exc}") from exc
             publish_ms = (time.perf_counter() - t) * 1000
-            self._pending[tenant] = self._pending.get(tenant, 0) + 1
+            self._pending[scope] = self._pending.get(scope, 0) + 1
         if self._background is not None:
             self._background.notify()
         return FeedbackResult(tenant, version, timing.loss, prepare_ms,
@@ -325,9 +335,15 @@ class Learner:
 
     def _fisher_samples(self, tenant: str, taught: set[str]) -> list[Prepared]:
         """The tenant's own recent completions, none it gave feedback on (another tenant's text never
-        shapes its Fisher), prepared; the shared cache is only touched under the lock."""
+        shapes its Fisher), prepared; the shared cache is only touched under the lock. A (tenant,
+        adapter) pair's: the tenant's completions of that adapter."""
+        n, pair = self.config.instant.fisher_samples, _pair(tenant)
+        if pair is None:
+            recent = self.store.recent(tenant, n, taught)
+        else:
+            recent = [c for c in self.store.recent(pair[0], self.store.max_count, taught) if c.adapter == pair[1]][:n]
         samples = []
-        for done in self.store.recent(tenant, self.config.instant.fisher_samples, taught):
+        for done in recent:
             key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
             with self._lock:
                 prep = self._prepared.get(key)
@@ -384,6 +400,28 @@ class Learner:
 
 def _name(tenant: str, n: int) -> str:
     return f"learned:{tenant}:v{n}"
+
+
+def stack_scope(tenant: str, adapter: str) -> str:
+    """The learner's scope (policy-store key, version name `learned:<scope>:v<N>`) of the micro-LoRA
+    a tenant learns on a named adapter: `["tenant", "adapter"]` as JSON. It holds a space, which no
+    tenant of an API-keys file can (keys and tenants are split at whitespace), so no authenticated
+    tenant's own scope is ever a pair's; it is nobody's to name as a model (tenants.may_use)."""
+    return json.dumps([tenant, adapter])
+
+
+def _pair(scope: str) -> tuple[str, str] | None:
+    """(tenant, adapter) of a pair's scope, None for a tenant's own (or everyone's)."""
+    if not scope.startswith('["'):
+        return None
+    try:
+        value = json.loads(scope)
+    except ValueError:
+        return None
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value) \
+            and stack_scope(*value) == scope:
+        return value[0], value[1]
+    return None
 
 
 def _safe(tenant: str) -> str:

@@ -4,7 +4,7 @@ projection adds for those rows (the base matmul has already run for every row)."
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,12 +41,20 @@ def lora_add_torch(y: torch.Tensor, x: torch.Tensor, p: ProjectionSlots, row_slo
 
 @dataclass
 class LoraBatch:
+    """A step's adapters: per level, each row's slot. Level 0 holds each row's adapter (its named
+    one, or its tenant's learned micro-LoRA when it names none); level 1 a stacked row's micro-LoRA
+    on top of its named adapter (-1 for every other row). The deltas are added level by level, so a
+    stacked row's output is y + d_named + d_micro in that order, whatever else shares the batch."""
+
     slots: LoraSlots
-    row_slot: list[int]  # per row of the flat batch: the adapter slot, or -1 for the base model
+    row_slot: list[int]  # level 0: per row of the flat batch, the adapter slot, or -1 for the base model
     kernel: Callable[..., None] | None = None
+    stacked: list[list[int]] = field(default_factory=list)  # levels 1..: the same, for stacked adapters
 
     def __post_init__(self) -> None:
-        self.rows = torch.tensor(self.row_slot, dtype=torch.int32)
+        levels = [self.row_slot, *self.stacked]
+        # [T] for one level (as always), [D, T] for stacks: the kernel adds level by level
+        self.rows = torch.tensor(levels if self.stacked else self.row_slot, dtype=torch.int32)
 
     @property
     def in_layer_loop(self) -> bool:
@@ -59,7 +67,8 @@ class LoraBatch:
         if self.kernel is not None and _kernel_takes(x, y):
             self.kernel(y, x, p.A, p.B, p.ranks, self.rows, list(p.bounds))
         else:
-            lora_add_torch(y, x, p, self.row_slot)
+            for level in (self.row_slot, *self.stacked):
+                lora_add_torch(y, x, p, level)
         return y
 
 
@@ -80,11 +89,15 @@ class XLoraBatch:
     member_slots: list[list[int]]
     weights: dict[tuple[int, str], torch.Tensor]
     kernel: Callable[..., None] | None = None
+    # Adapters stacked on the mixture (a tenant's learned micro-LoRA): per level, each row's slot
+    # (-1: none), added after every expert's delta, unweighted.
+    stacked: list[list[int]] = field(default_factory=list)
 
     in_layer_loop = False  # the C++ loop takes one adapter per row: the Python loop runs these steps
 
     def __post_init__(self) -> None:
         self.rows = [torch.tensor(r, dtype=torch.int32) for r in self.member_slots]
+        self.stacked_rows = torch.tensor(self.stacked, dtype=torch.int32) if self.stacked else None
 
     def add(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         p = self.slots.layers[layer][fused]
@@ -94,4 +107,10 @@ class XLoraBatch:
                 self.kernel(y, x, p.A, p.B, p.ranks, rows, list(p.bounds), w[k])
             else:
                 lora_add_torch(y, x, p, row_slot, w[k])
+        if self.stacked_rows is not None:
+            if self.kernel is not None and _kernel_takes(x, y):
+                self.kernel(y, x, p.A, p.B, p.ranks, self.stacked_rows, list(p.bounds))
+            else:
+                for level in self.stacked:
+                    lora_add_torch(y, x, p, level)
         return y

@@ -84,17 +84,21 @@ class LoraManager:
         """The step's first forward pass: each row's slot (the base model for X-LoRA rows: their
         scaling pass), or None when no row uses an adapter there. Every adapter the step uses, X-LoRA
         experts included, is made resident here, for both passes."""
-        needed = {key for seq in so.seqs if seq.adapter for key in self._keys(seq.adapter)}
+        needed = {key for seq in so.seqs for name in _names(seq) for key in self._keys(name)}
         if not needed:
             return None
         slots = {key: self._slot_for(key, needed) for key in needed}
-        rows: list[int] = []
+        depth = max(len(seq.stacked) for seq in so.seqs)
+        levels: list[list[int]] = [[] for _ in range(1 + depth)]  # named (or learned alone), then stacked
         for seq in so.seqs:
-            plain = seq.adapter and seq.scaling_block_table is None
-            rows.extend([slots[(seq.adapter, -1)] if plain else -1] * len(seq.token_ids))
-        if all(r == -1 for r in rows):
+            plain = seq.adapter and seq.scaling_block_table is None  # X-LoRA rows: their stack comes in pass 2
+            names = [seq.adapter, *seq.stacked] if plain else []
+            for d, level in enumerate(levels):
+                level.extend([slots[(names[d], -1)] if d < len(names) else -1] * len(seq.token_ids))
+        levels = [level for level in levels if any(r != -1 for r in level)]
+        if not levels:
             return None
-        return LoraBatch(self.slots, rows, self.kernel)
+        return LoraBatch(self.slots, levels[0], self.kernel, levels[1:])
 
     def xlora_batch(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> XLoraBatch:
         """The real pass of X-LoRA sequences (resident since batch()), from their rows' scaling-pass
@@ -104,6 +108,7 @@ class LoraManager:
         T = hidden.shape[0]
         hidden = hidden.float().cpu()  # the classifiers are float32 on the CPU
         member_slots = [[-1] * T for _ in range(width)]
+        stacked = [[-1] * T for _ in range(max(len(seq.stacked) for seq in seqs))]
         weights = torch.zeros(self.cfg.num_layers, len(FUSED), width, T, 3)
         start = 0
         for seq, model in zip(seqs, served):
@@ -111,6 +116,8 @@ class LoraManager:
             assert isinstance(model, XLoraAdapter)
             for k in range(len(model.adapters)):
                 member_slots[k][start:start + n] = [self._slot_of[(model.name, k)]] * n
+            for d, name in enumerate(seq.stacked):  # after the mixture, in order (resident since batch())
+                stacked[d][start:start + n] = [self._slot_of[(name, -1)]] * n
             # each (layer, fused projection, sub-projection)'s module, or the zero column past the last
             gather = model.gather
             scalings = model.classifier.scalings(hidden[start:start + n]) * model.classifier.settings.global_scaling_weight
@@ -122,4 +129,9 @@ class LoraManager:
         device = self.slots.layers[0]["o"].A.device
         per_projection = {(layer, fused): weights[layer, f, :, :, :len(subs)].contiguous().to(device)
                           for layer in range(self.cfg.num_layers) for f, (fused, subs) in enumerate(FUSED.items())}
-        return XLoraBatch(self.slots, member_slots, per_projection, self.kernel)
+        return XLoraBatch(self.slots, member_slots, per_projection, self.kernel, stacked)
+
+
+def _names(seq: ScheduledSeq) -> tuple[str, ...]:
+    """The adapters a sequence runs with, in the order their deltas are added."""
+    return (seq.adapter, *seq.stacked) if seq.adapter else ()

@@ -34,6 +34,19 @@ class _EngineCollector(Collector):
          "prefix_queries"),
         (CounterMetricFamily, "ruvllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
          "prefix_hits"),
+        # The KV tiers (docs/architecture.md): memory (the prefix cache's hot and cold blocks) and disk
+        (CounterMetricFamily, "ruvllm:prefix_cache_misses", "Prompt tokens looked up in the prefix cache that "
+         "it lacked (memory tier).", lambda rep: rep.stats.prefix_queries - rep.stats.prefix_hits),
+        (CounterMetricFamily, "ruvllm:kv_disk_queries", "Prompt tokens past the memory hits looked up in the "
+         "disk KV tier.", "disk_queries"),
+        (CounterMetricFamily, "ruvllm:kv_disk_hits", "Prompt tokens loaded from the disk KV tier.", "disk_hits"),
+        (CounterMetricFamily, "ruvllm:kv_disk_misses", "Prompt tokens looked up in the disk KV tier that it "
+         "lacked.", lambda rep: rep.stats.disk_queries - rep.stats.disk_hits),
+        (GaugeMetricFamily, "ruvllm:kv_hot_bytes", "Bytes of KV blocks in use in the hot (16/32-bit) tier.",
+         "hot_bytes"),
+        (GaugeMetricFamily, "ruvllm:kv_cold_bytes", "Bytes of KV blocks in use in the quantized cold tier.",
+         "cold_bytes"),
+        (GaugeMetricFamily, "ruvllm:kv_disk_bytes", "Bytes of block files in the disk KV tier.", "disk_bytes"),
         (CounterMetricFamily, "ruvllm:num_preemptions", "Requests preempted (by recompute) so far.", "preemptions"),
         (CounterMetricFamily, "ruvllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
          "spec_proposed"),

@@ -37,6 +37,7 @@ from ruvllm.speculative.proposer import NgramProposer, Proposer
 from ruvllm.speculative.policy import SpeculationPolicy, step_seconds
 from ruvllm.speculative.verify import Proposal
 from ruvllm.worker.gpu_memory import check_weights_fit, kv_blocks_from_profile, profile_step_memory
+from ruvllm.worker import kv_disk
 from ruvllm.worker.kv_sizing import cold_kv_bytes_per_block, kv_bytes_per_block, kv_tier_blocks
 from ruvllm.worker.model_runner import ModelRunner
 from ruvllm.worker.pooling import Pooler
@@ -141,6 +142,16 @@ class Worker:
             self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
         # None with speculation on: every sequence takes all the room it is given (K)
         self.spec_policy = self._speculation_policy(config) if spec.method and spec.adaptive_speculation else None
+        self.kv_disk = self._open_kv_disk(config)  # the disk tier's store (None: no tier)
+
+    def _open_kv_disk(self, config: EngineConfig) -> kv_disk.KVDiskStore | None:
+        """The disk KV tier of --kv-disk-path; a combination it cannot serve is refused by name."""
+        if config.cache.kv_disk_path is None:
+            return None
+        refused = kv_disk.refusal(config, self.loaded, self.runner.layout.is_hybrid)
+        if refused is not None:
+            raise ValueError(refused)
+        return kv_disk.KVDiskStore.open(self.loaded, config, self.runner)
 
     @classmethod
     def load(cls, config: EngineConfig) -> Worker:
@@ -172,7 +183,11 @@ class Worker:
             raise
 
     def close(self) -> None:
-        """Stop what this worker's model started outside its process (tensor-parallel ranks); idempotent."""
+        """Stop what this worker's model started outside its process (tensor-parallel ranks); idempotent.
+        The disk tier's writer finishes what is queued first."""
+        store, self.kv_disk = getattr(self, "kv_disk", None), None
+        if store is not None:
+            store.close()
         self.loaded.close()
 
     # --- speculative decoding --------------------------------------------------------------------
@@ -349,6 +364,14 @@ class Worker:
                                                          tuple(req.eos_token_ids),
                                                          matcher=None if grammar is None else new_matcher(
                                                              grammar, req.params.structured.after_tokens))
+        if so.kv_spills and self.kv_disk is not None:
+            # Copied out before this step writes the pool: a spilled block may be one a load or the
+            # forward pass fills now. The files are written on the store's thread.
+            ids = [b for b, _ in so.kv_spills]
+            self.kv_disk.spill(kv_disk.read_blocks(self.runner, ids), [d for _, d in so.kv_spills],
+                               wait=so.is_empty)
+        for load in so.kv_loads:
+            kv_disk.write_blocks(self.runner, load)
         if so.kv_moves:
             self.runner.migrate_blocks(so.kv_moves)
         if so.is_empty:

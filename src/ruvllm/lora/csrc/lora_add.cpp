@@ -7,7 +7,11 @@
 //   B      [S, R, N]          the expand, scale folded in: column n of sub-projection i multiplies
 //                             u[i * R + j]; columns of one sub-projection are bounds[i] .. bounds[i+1]
 //   ranks  [S, n_sub] int32   each slot's rank per sub-projection (0: no LoRA there)
-//   row_slot [T] int32        the slot of each row of x, -1 for the base model alone
+//   row_slot [T] int32        the slot of each row of x, -1 for the base model alone; or
+//            [D, T] int32     D levels of stacked adapters (a named adapter, then its tenant's learned
+//                             micro-LoRA): level 0's deltas are added to y, then level 1's, and so on,
+//                             each level exactly as a call of its own (a row's sum y + d0 + d1 in that
+//                             fixed order, whichever levels the other rows of the batch use)
 //   row_weight [T, n_sub]     optional: each row's weight for each sub-projection's delta (X-LoRA's
 //                             per-token scalings; its mixture of adapters is one call per adapter)
 //
@@ -129,9 +133,35 @@ constexpr int TR = 3;         // rows of x a tile takes at once
 
 namespace ruvllm {
 
+namespace {
+
+// One level: each row's delta from its slot in `slot` [T] (-1: none), added to y once.
+void lora_add_level(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& ranks, const int32_t* slot, at::IntArrayRef bounds,
+                    const std::optional<at::Tensor>& row_weight);
+
+}  // namespace
+
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
               const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
               const std::optional<at::Tensor>& row_weight) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [T, K] and y [T, N]");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(row_slot.scalar_type() == at::kInt && row_slot.is_contiguous() &&
+                  ((row_slot.dim() == 1 && row_slot.size(0) == T) || (row_slot.dim() == 2 && row_slot.size(1) == T)),
+              "lora_add: row_slot int32 [T] or [D, T]");
+  TORCH_CHECK(!row_weight || row_slot.dim() == 1, "lora_add: row_weight takes one level of slots");
+  const int64_t levels = row_slot.dim() == 1 ? 1 : row_slot.size(0);
+  const int32_t* slots = row_slot.data_ptr<int32_t>();
+  // in order: a stacked row's deltas are summed into y as one call per level would
+  for (int64_t d = 0; d < levels; ++d) lora_add_level(y, x, A, B, ranks, slots + d * T, bounds, row_weight);
+}
+
+namespace {
+
+void lora_add_level(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& ranks, const int32_t* slot, at::IntArrayRef bounds,
+                    const std::optional<at::Tensor>& row_weight) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && A.scalar_type() == at::kFloat &&
               B.scalar_type() == at::kFloat, "lora_add: float32 tensors");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.is_contiguous() && x.size(0) == y.size(0),
@@ -145,12 +175,9 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
               "lora_add: A [S, n_sub R, K] and B [S, R, N]");
   TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.dim() == 2 && ranks.size(0) == S &&
               ranks.size(1) == n_sub, "lora_add: ranks int32 [S, n_sub]");
-  TORCH_CHECK(row_slot.scalar_type() == at::kInt && row_slot.is_contiguous() && row_slot.numel() == T,
-              "lora_add: row_slot int32 [T]");
   if (row_weight)
     TORCH_CHECK(row_weight->scalar_type() == at::kFloat && row_weight->is_contiguous() && row_weight->dim() == 2 &&
                 row_weight->size(0) == T && row_weight->size(1) == n_sub, "lora_add: row_weight float32 [T, n_sub]");
-  const int32_t* slot = row_slot.data_ptr<int32_t>();
   const int32_t* rk = ranks.data_ptr<int32_t>();
   std::vector<std::vector<int64_t>> rows(S);
   for (int64_t t = 0; t < T; ++t) {
@@ -251,5 +278,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
     }
   });
 }
+
+}  // namespace
 
 }  // namespace ruvllm
