@@ -105,6 +105,13 @@ class EngineStats(msgspec.Struct):
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_verifications: int = 0
+    # Bytes each KV tier holds now (hot and cold blocks in use, the disk tier's files), and the
+    # disk tier's prompt tokens looked up (past the memory hits) and loaded
+    hot_bytes: int = 0
+    cold_bytes: int = 0
+    disk_bytes: int = 0
+    disk_queries: int = 0
+    disk_hits: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -132,6 +139,8 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         for f in ("running", "waiting", "free_blocks", "total_blocks", "free_cold_blocks", "cold_blocks",
                   "prefix_queries", "prefix_hits", "preemptions", "spec_proposed", "spec_accepted",
                   "spec_verifications"):
+            setattr(total, f, getattr(total, f) + getattr(s, f))
+        for f in ("hot_bytes", "cold_bytes", "disk_bytes", "disk_queries", "disk_hits"):  # the KV tiers
             setattr(total, f, getattr(total, f) + getattr(s, f))
     return total
 

@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from ruvllm.core.disk_index import DiskBlock, DiskLoad
 from ruvllm.messages import CoreRequest
 from ruvllm.request import FinishReason, Logprob
 
@@ -53,6 +54,11 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # (hot block, cold block) pairs to quantize-copy before this step's forward pass.
     kv_moves: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier (core/disk_index.py). (block id, its disk name): cached blocks this step's
+    # allocations evicted, to be copied out and written to disk before anything writes the pool;
+    # then the loads: blocks read from disk, copied in before the forward pass.
+    kv_spills: list[tuple[int, DiskBlock]] = field(default_factory=list)
+    kv_loads: list[DiskLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +71,7 @@ class SchedulerOutput:
     @property
     def has_work(self) -> bool:
         """Anything for the worker to do (a step with no sequence may still move blocks or drop state)."""
-        return bool(self.seqs or self.kv_moves or self.finished_ids)
+        return bool(self.seqs or self.kv_moves or self.finished_ids or self.kv_spills)
 
 
 @dataclass(slots=True)

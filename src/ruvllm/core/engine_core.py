@@ -51,8 +51,10 @@ class EngineCore:
         self.executor = executor
         self.info = executor.info()
         cache = config.cache
+        # The disk tier is the executor's store (worker/kv_disk.py), when it has one.
         self.kv = KVCacheManager(self.info.num_hot_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 self.info.num_cold_blocks, cache.kv_hot_tokens, self.info.kv_windows)
+                                 self.info.num_cold_blocks, cache.kv_hot_tokens, self.info.kv_windows,
+                                 disk=getattr(executor, "kv_disk", None))
         # The worker resolved the device's defaults (the token budget); the scheduler uses the same.
         sched = dataclasses.replace(config.scheduler, max_num_batched_tokens=self.info.max_num_batched_tokens)
         self.scheduler = Scheduler(sched, self.kv, self.info.max_loras, config.speculation.num_lookahead)
@@ -152,6 +154,8 @@ class EngineCore:
         if not so.has_work:
             if self._compiling:  # nothing else to do: wait for a compile rather than spin
                 wait([r.grammar for r in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            elif self.scheduler.disk_reads:  # or for the disk tier's reads
+                wait(self.scheduler.disk_reads, timeout=0.05, return_when=FIRST_COMPLETED)
             return failed
         ro = self.executor.execute(so)
         if so.is_empty:
@@ -226,13 +230,31 @@ class EngineCore:
                            prefix_queries=self.kv.stats.queries, prefix_hits=self.kv.stats.hits,
                            preemptions=self.scheduler.num_preemptions, adapters=self.adapters(),
                            spec_proposed=self._spec.proposed, spec_accepted=self._spec.accepted,
-                           spec_verifications=self._spec.verifications)
+                           spec_verifications=self._spec.verifications, **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, int]:
+        """Bytes each KV tier holds now, and the disk tier's lookups."""
+        pool, info, disk = self.kv.pool, self.info, self.kv.disk
+        return {"hot_bytes": (pool.num_hot - pool.num_free_hot) * info.hot_block_bytes,
+                "cold_bytes": (pool.num_cold - pool.num_free_cold) * info.cold_block_bytes,
+                "disk_bytes": disk.index.bytes_used if disk is not None else 0,
+                "disk_queries": self.kv.stats.disk_queries, "disk_hits": self.kv.stats.disk_hits}
+
+    def _spill_cached(self, per_call: int = 64) -> None:
+        if self.kv.disk is None or self.scheduler.has_work:
+            return
+        spills = self.kv.spill_cached()
+        for i in range(0, len(spills), per_call):  # a step with no sequence: the worker only writes
+            self.executor.execute(SchedulerOutput(kv_spills=spills[i:i + per_call]))
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Release what the executor holds outside this process (a worker's tensor-parallel ranks)."""
+        """Release what the executor holds outside this process (a worker's tensor-parallel ranks).
+        With a disk tier, the cached blocks not on disk yet are written first: the prefix cache
+        outlives the process."""
+        self._spill_cached()
         if self._grammars is not None:
             self._grammars.close()
         close = getattr(self.executor, "close", None)  # an optional part of the Executor protocol

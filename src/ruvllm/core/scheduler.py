@@ -9,12 +9,17 @@ is preempted by recompute: its blocks are freed and it rejoins the queue, to res
 from __future__ import annotations
 
 import bisect
+import logging
 import time
+from concurrent.futures import Future
 
 from ruvllm.config import SchedulerConfig
+from ruvllm.core.disk_index import DiskLoad, Staged
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from ruvllm.request import FinishReason, Request, RequestStatus, scaling_key
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -30,6 +35,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Ended since the last schedule(): the next SchedulerOutput tells the worker to forget them.
         self._finished_ids: list[str] = []
+        # The disk tier: waiting requests whose prefix blocks the worker's store is reading, by id:
+        # (the first block the read covers, the read). A request waits until its read is done.
+        self._disk_reads: dict[str, tuple[int, Future[Staged]]] = {}
 
     # --- queue ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -52,6 +60,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._drop_disk_read(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
@@ -105,16 +114,30 @@ class Scheduler:
                 if new and sum(adapters.values()) + sum(new.values()) > self.max_loras:
                     continue
                 # Prompt logprobs and mean pooling need every prompt position computed: no prefix-cache hits.
-                hits, hit_tokens = ([], 0) if req.params.prompt_logprobs is not None or req.pools_every_row \
-                    else self.kv.get_computed_blocks(req)
+                full_prompt = req.params.prompt_logprobs is not None or req.pools_every_row
+                hits, hit_tokens = ([], 0) if full_prompt else self.kv.get_computed_blocks(req)
+                # The disk tier: blocks after the memory hits that were written to disk are read
+                # (off this thread) while the request waits, then loaded instead of computed.
+                disk = (None, 0, 0, 0) if full_prompt or self.kv.disk is None else self._disk_blocks(req, len(hits))
+                if disk is None:
+                    continue
+                staged, loaded, looked_up, first = disk
+                hit_tokens += loaded * self.kv.block_size
                 n = req.num_tokens - hit_tokens
                 if n > budget and not cfg.enable_chunked_prefill:
                     break
                 n = min(n, budget, chunk_cap)
-                if not self.kv.allocate_slots(req, n, hits):
+                if not self.kv.allocate_slots(req, n + loaded * self.kv.block_size, hits):
                     break
                 self.waiting.remove(req)
                 req.num_computed_tokens = hit_tokens
+                if self.kv.disk is not None and not full_prompt:
+                    self._disk_reads.pop(req.request_id, None)
+                    self.kv.count_disk_lookup(looked_up, loaded * self.kv.block_size)
+                    if staged is not None and loaded:
+                        table = self.kv.block_table(req.request_id)
+                        out.kv_loads.append(DiskLoad(table[len(hits):len(hits) + loaded], staged, first))
+                        self.kv.cache_full_blocks(req)  # they hold their K/V once loaded: findable at once
                 if req.status is RequestStatus.WAITING:
                     req.num_cached_tokens = hit_tokens
                     req.first_scheduled_time = time.monotonic()
@@ -124,6 +147,8 @@ class Scheduler:
                 scheduled.append((req, n, 0))
                 budget -= n
 
+        # Cached blocks this step's allocations evicted: the worker writes them to disk first.
+        out.kv_spills = self.kv.take_spills()
         for req, n, k in scheduled:
             start = req.num_computed_tokens
             tables = self.kv.block_tables(req.request_id)
@@ -142,6 +167,46 @@ class Scheduler:
                 pool=req.pooling is not None,
             ))
         return out
+
+    def _disk_blocks(self, req: Request, num_hits: int) -> tuple[Staged | None, int, int, int] | None:
+        """The disk tier's part of an admission after `num_hits` memory hits: None while a read of
+        the following blocks runs (the request waits); else (the staged blocks or None, how many
+        of them to load, prompt tokens looked up on disk, the first staged block to load)."""
+        rid = req.request_id
+        if req.adapter is not None:  # an adapter's blocks never go to disk (KVCacheManager._disk_seed)
+            return None, 0, 0, 0
+        lookup = max(0, (req.num_tokens - 1) // self.kv.block_size - num_hits) * self.kv.block_size
+        pending = self._disk_reads.get(rid)
+        if pending is None:
+            wanted = self.kv.disk_lookup(req, num_hits)
+            if not wanted:
+                return None, 0, lookup, 0
+            self._disk_reads[rid] = (num_hits, self.kv.disk.fetch(wanted))  # type: ignore[union-attr]
+            return None
+        first, read = pending
+        if not read.done():
+            return None
+        try:
+            staged = read.result()
+        except Exception as e:  # a read that failed outright: the tokens are computed instead
+            log.warning("the disk KV tier's read for request %s failed: %s", rid, e)
+            del self._disk_reads[rid]
+            return None, 0, lookup, 0
+        # Memory hits may have changed while the read ran: staged block j is block first + j; those
+        # before num_hits are in memory now, and a gap before `first` means computing from there.
+        if num_hits < first:
+            return None, 0, lookup, 0
+        return staged, max(0, first + staged.num_blocks - num_hits), lookup, num_hits - first
+
+    def _drop_disk_read(self, rid: str) -> None:
+        pending = self._disk_reads.pop(rid, None)
+        if pending is not None:
+            pending[1].cancel()
+
+    @property
+    def disk_reads(self) -> list[Future[Staged]]:
+        """The disk reads waiting requests wait for (the core waits on them when nothing else runs)."""
+        return [read for _, read in self._disk_reads.values()]
 
     def _lookahead(self, req: Request, budget: int) -> int:
         """Proposals a decoding request may have scored this step: K, or fewer where its max_tokens,
@@ -175,6 +240,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._drop_disk_read(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
