@@ -123,9 +123,12 @@ def test_an_unknown_model_is_a_404_and_the_metrics_name_the_endpoint(http: httpx
                                                                      batch_scores: dict[int, float]) -> None:
     r = http.post("/v1/rerank", json={"model": "nope", "query": QUERY, "documents": DOCS})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert http.post("/v1/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS[1]}).status_code == 200
     metrics = http.get("/metrics").text
-    assert 'ruvllm:prompt_tokens_total{endpoint="/v1/rerank",model_name="smollm2-test"}' in metrics
-    assert 'endpoint="/v1/score"' in metrics or 'endpoint="/score"' in metrics
+    for endpoint in ("/v1/rerank", "/v1/score"):
+        assert f'ruvllm:prompt_tokens_total{{endpoint="{endpoint}",model_name="{MODEL}"}}' in metrics
+        assert f'ruvllm:request_success_total{{endpoint="{endpoint}",finished_reason="stop",model_name="{MODEL}"}}' \
+            in metrics
 
 
 def test_logprob_token_ids_need_logprobs() -> None:
@@ -136,13 +139,21 @@ def test_logprob_token_ids_need_logprobs() -> None:
 
 
 # --- the embedding path ---------------------------------------------------------------------------------
+KEY = "rerank-test-key"
+
+
 @pytest.fixture(scope="module")
 def embedding_server(_shared_llm: LLM) -> Iterator[RunningServer]:
-    yield from start_server(_shared_llm, score_mode="embedding")
+    """Scores by embedding cosine, behind an API key."""
+    yield from start_server(_shared_llm, score_mode="embedding", api_key=KEY)
 
 
 def test_embedding_mode_scores_the_cosine_of_the_vectors(embedding_server: RunningServer, _shared_llm: LLM) -> None:
-    with httpx.Client(base_url=embedding_server.url, timeout=60) as http:
+    with httpx.Client(base_url=embedding_server.url, timeout=60) as anonymous:
+        for path in ("/v1/rerank", "/v1/score"):  # the key guards these routes as every other
+            r = anonymous.post(path, json={"query": QUERY, "documents": DOCS, "text_1": QUERY, "text_2": DOCS})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    with httpx.Client(base_url=embedding_server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
         body = _rerank(http, query=QUERY, documents=DOCS)
         alone = _scores(_rerank(http, query=QUERY, documents=[DOCS[2]]))
         r = http.post("/v1/score", json={"model": MODEL, "text_1": [QUERY, DOCS[0]], "text_2": [DOCS[1], DOCS[0]]})
