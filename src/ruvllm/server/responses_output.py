@@ -139,101 +139,134 @@ class Turn:
         comes; a call whole, once the completion has ended: tools/parsers.py's CallStream); then
         completed (incomplete, when cut at max_output_tokens). An error after the first event ends it
         as OpenAI does: a `response.failed` event, then an `error` event (which the SDK raises)."""
-        seq = count()
-
-        def event(kind: str, **fields: Any) -> str:
-            data = {"type": kind, "sequence_number": next(seq), **fields}
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        output: list[Item] = []
+        w = _EventWriter(self)
         head = self.response(run, "in_progress", [], None)
-        yield event("response.created", response=head)
-        yield event("response.in_progress", response=head)
-        stream = CallStream(self.reader) if self.reader is not None else None
-        splitter = self.thinking.splitter() if self.thinking is not None else None
-        rs_id: str | None = None  # the reasoning item, once opened
-        rs_done = False
-        thought: list[str] = []
-        msg_id: str | None = None  # the message item open now
-        text: list[str] = []
+        yield w.event("response.created", response=head)
+        yield w.event("response.in_progress", response=head)
         try:
             async with aclosing(run.following):
                 async for _, out in run.following:
                     for c in out.outputs:
-                        reason = _reason(c)
-                        status = "incomplete" if reason == "length" else "completed"
-                        piece = c.text
-                        if splitter is not None:
-                            more, piece = splitter.feed(c.text, c.finished)
-                            if splitter.opened and rs_id is None:
-                                rs_id = new_id("rs")
-                                yield event("response.output_item.added", output_index=len(output),
-                                            item=_reasoning_item(rs_id, None, "in_progress"))
-                                yield event("response.content_part.added", item_id=rs_id, output_index=len(output),
-                                            content_index=0, part=_reasoning_part(""))
-                            if more:
-                                thought.append(more)
-                                yield event("response.reasoning_text.delta", item_id=rs_id, output_index=len(output),
-                                            content_index=0, delta=more)
-                            if rs_id is not None and not rs_done and (splitter.state == "content" or c.finished):
-                                rs_done = True
-                                whole = "".join(thought)  # the reasoning has ended: its item is done
-                                yield event("response.reasoning_text.done", item_id=rs_id, output_index=0,
-                                            content_index=0, text=whole)
-                                yield event("response.content_part.done", item_id=rs_id, output_index=0,
-                                            content_index=0, part=_reasoning_part(whole))
-                                item = _reasoning_item(rs_id, whole, status if splitter.state != "content"
-                                                       else "completed")
-                                yield event("response.output_item.done", output_index=0, item=item)
-                                output.append(item)
-                        piece, calls = stream.feed(piece, c.finished, reason) if stream else (piece, None)
-                        if piece or (c.finished and msg_id is None and not calls and rs_id is None):
-                            # an empty answer is a message, unless the model only reasoned
-                            if msg_id is None:
-                                msg_id = new_id("msg")
-                                yield event("response.output_item.added", output_index=len(output),
-                                            item=_message(msg_id, None, "in_progress"))
-                                yield event("response.content_part.added", item_id=msg_id, output_index=len(output),
-                                            content_index=0, part=_text_part(""))
-                            if piece:
-                                text.append(piece)
-                                yield event("response.output_text.delta", item_id=msg_id, output_index=len(output),
-                                            content_index=0, delta=piece, logprobs=[])
-                        if not c.finished:
-                            continue
-                        if msg_id is not None:
-                            whole = "".join(text)
-                            yield event("response.output_text.done", item_id=msg_id, output_index=len(output),
-                                        content_index=0, text=whole, logprobs=[])
-                            yield event("response.content_part.done", item_id=msg_id, output_index=len(output),
-                                        content_index=0, part=_text_part(whole))
-                            item = _message(msg_id, whole, status)
-                            yield event("response.output_item.done", output_index=len(output), item=item)
-                            output.append(item)
-                        for call in calls or ():
-                            item = _call_item(call, "in_progress", "")
-                            yield event("response.output_item.added", output_index=len(output), item=item)
-                            yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                        output_index=len(output), delta=call.arguments)
-                            yield event("response.function_call_arguments.done", item_id=item["id"],
-                                        output_index=len(output), name=call.name, arguments=call.arguments)
-                            item = {**item, "arguments": call.arguments, "status": "completed"}
-                            yield event("response.output_item.done", output_index=len(output), item=item)
-                            output.append(item)
+                        for e in w.feed(c):
+                            yield e
             results = run.finish()
             status = "incomplete" if any(_reason(c) == "length" for r in results for c in r.outputs) else "completed"
-            final = self.response(run, status, output, usage(results))
+            final = self.response(run, status, w.output, usage(results))
             self._keep(final)
-            yield event(f"response.{status}", response=final)
+            yield w.event(f"response.{status}", response=final)
         except Exception as exc:
             err = api_error(exc)
             if err.status == 500 and err.code is None:  # not raised on purpose
                 log.exception("response stream failed")
             failure = {"code": _FAILED_CODES.get(err.status, "server_error"), "message": err.message}
-            yield event("response.failed", response=self.response(run, "failed", output, None, failure))
+            yield w.event("response.failed", response=self.response(run, "failed", w.output, None, failure))
             # the `error` event's own fields, and OpenAI's error object beside them: the SDK raises on that
-            yield event("error", code=err.code, message=err.message, param=err.param,
-                        error=error_body(err.status, err.message, err.param, err.code)["error"])
+            yield w.event("error", code=err.code, message=err.message, param=err.param,
+                          error=error_body(err.status, err.message, err.param, err.code)["error"])
+
+
+@dataclass
+class _OpenItem:
+    """A message or reasoning item of a stream, from its `added` events to its `done` events: one
+    content part, its text as deltas, then whole."""
+    kind: str  # the part's type: "output_text" (a message) or "reasoning_text"
+    item_id: str
+    index: int  # its output_index
+    pieces: list[str] = field(default_factory=list)
+
+    def item(self, text: str | None, status: str) -> Item:
+        make = _message if self.kind == "output_text" else _reasoning_item
+        return make(self.item_id, text, status)
+
+    def part(self, text: str) -> dict[str, Any]:
+        return _text_part(text) if self.kind == "output_text" else _reasoning_part(text)
+
+    def where(self) -> dict[str, Any]:
+        extra = {"logprobs": []} if self.kind == "output_text" else {}  # only text deltas carry logprobs
+        return {"item_id": self.item_id, "output_index": self.index, "content_index": 0, **extra}
+
+
+class _EventWriter:
+    """One stream's events: their sequence numbers, the items output so far, the item open now."""
+
+    def __init__(self, turn: Turn) -> None:
+        self.seq = count()
+        self.output: list[Item] = []
+        self.calls = CallStream(turn.reader) if turn.reader is not None else None
+        self.splitter = turn.thinking.splitter() if turn.thinking is not None else None
+        self.reasoning: _OpenItem | None = None  # once opened (and kept after it is done)
+        self.reasoning_done = False
+        self.message: _OpenItem | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": next(self.seq), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def open(self, kind: str, prefix: str) -> tuple[_OpenItem, list[str]]:
+        it = _OpenItem(kind, new_id(prefix), len(self.output))
+        return it, [self.event("response.output_item.added", output_index=it.index, item=it.item(None, "in_progress")),
+                    self.event("response.content_part.added", item_id=it.item_id, output_index=it.index,
+                               content_index=0, part=it.part(""))]
+
+    def delta(self, it: _OpenItem, piece: str) -> str:
+        it.pieces.append(piece)
+        return self.event(f"response.{it.kind}.delta", **it.where(), delta=piece)
+
+    def close(self, it: _OpenItem, status: str) -> list[str]:
+        whole = "".join(it.pieces)
+        item = it.item(whole, status)
+        self.output.append(item)
+        return [self.event(f"response.{it.kind}.done", **it.where(), text=whole),
+                self.event("response.content_part.done", item_id=it.item_id, output_index=it.index,
+                           content_index=0, part=it.part(whole)),
+                self.event("response.output_item.done", output_index=it.index, item=item)]
+
+    def feed(self, c: CompletionOutput) -> list[str]:
+        """The events one engine output adds: reasoning first (a thinking model's), then the message's
+        text, then, once finished, the message closed and each call whole."""
+        reason = _reason(c)
+        status = "incomplete" if reason == "length" else "completed"
+        events: list[str] = []
+        piece = c.text
+        if self.splitter is not None:
+            more, piece = self.splitter.feed(c.text, c.finished)
+            events += self._reasoning(more, c.finished, status)
+        piece, calls = self.calls.feed(piece, c.finished, reason) if self.calls else (piece, None)
+        # an empty answer is a message, unless the model only reasoned
+        if self.message is None and (piece or (c.finished and not calls and self.reasoning is None)):
+            self.message, opened = self.open("output_text", "msg")
+            events += opened
+        if piece:
+            events.append(self.delta(self.message, piece))
+        if c.finished:
+            if self.message is not None:
+                events += self.close(self.message, status)
+            for call in calls or ():
+                events += self._call(call)
+        return events
+
+    def _reasoning(self, more: str, finished: bool, status: str) -> list[str]:
+        events: list[str] = []
+        if self.splitter.opened and self.reasoning is None:
+            self.reasoning, events = self.open("reasoning_text", "rs")
+        if more:
+            events.append(self.delta(self.reasoning, more))
+        if self.reasoning is not None and not self.reasoning_done and (self.splitter.state == "content" or finished):
+            self.reasoning_done = True  # the reasoning has ended: its item is done
+            events += self.close(self.reasoning, status if self.splitter.state != "content" else "completed")
+        return events
+
+    def _call(self, call: ToolCall) -> list[str]:
+        item = _call_item(call, "in_progress", "")
+        at = len(self.output)
+        done = {**item, "arguments": call.arguments, "status": "completed"}
+        self.output.append(done)
+        return [self.event("response.output_item.added", output_index=at, item=item),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                           delta=call.arguments),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                           name=call.name, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=at, item=done)]
 
 
 def response_id(run: Run) -> str:
