@@ -127,6 +127,7 @@ def test_an_unknown_model_is_a_404_and_the_metrics_name_the_endpoint(http: httpx
     metrics = http.get("/metrics").text
     for endpoint in ("/v1/rerank", "/v1/score"):
         assert f'ruvllm:prompt_tokens_total{{endpoint="{endpoint}",model_name="{MODEL}"}}' in metrics
+        assert f'ruvllm:e2e_request_latency_seconds_count{{endpoint="{endpoint}",model_name="{MODEL}"}}' in metrics
         assert f'ruvllm:request_success_total{{endpoint="{endpoint}",finished_reason="stop",model_name="{MODEL}"}}' \
             in metrics
 

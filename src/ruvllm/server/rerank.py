@@ -28,6 +28,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from ruvllm.engine.input_processor import check_embed_request, check_request
+from ruvllm.errors import RequestError
 from ruvllm.outputs import OutputKind, RequestOutput
 from ruvllm.request import Priority
 from ruvllm.sampling_params import SamplingParams
@@ -159,12 +160,17 @@ async def _score(st: ServerState, request: Request, call_id: str, pairs: list[tu
                  params: tuple[str, str]) -> Scored | None:
     """Every pair's score, the pairs in the engine together (their requests named `call_id-i`); None when
     the client left first. `params`: the body's fields for the pairs' two sides, named by a 400."""
+    start = time.monotonic()
     tenant = tenant_of(request, user)
     adapter = st.check_model(model, tenant)
     rank = Priority[(priority or "normal").upper()]
     if st.cfg.score_mode == "embedding":
-        return await _by_embedding(st, request, call_id, pairs, instruction, tenant, adapter, rank, params)
-    return await _by_logits(st, request, call_id, pairs, instruction, tenant, adapter, rank, params[1])
+        scored = await _by_embedding(st, request, call_id, pairs, instruction, tenant, adapter, rank, params)
+    else:
+        scored = await _by_logits(st, request, call_id, pairs, instruction, tenant, adapter, rank, params[1])
+    if scored is not None:
+        st.metrics.e2e.labels(st.metrics.model, request.url.path).observe(time.monotonic() - start)
+    return scored
 
 
 async def _by_logits(st: ServerState, request: Request, call_id: str, pairs: list[tuple[str, str]],
@@ -188,7 +194,7 @@ async def _by_logits(st: ServerState, request: Request, call_id: str, pairs: lis
                                             call.adapter, call.cache_salt):
             if out.finished:
                 return out
-        raise AssertionError("the engine ended a request without a final output")
+        raise RequestError(f"pair {i} ended before it was judged", param)  # e.g. its adapter was unloaded
 
     outs = await _admitted(st, request, call_id, len(prompts), param, one)
     if outs is None:
