@@ -55,32 +55,33 @@ def bytes_per_token(llm: LLM) -> int:
     return total
 
 
+def prefill_rate(llm: LLM, pp: int, gen: torch.Generator) -> float:
+    """Prompt tokens a second over one prompt of `pp` random ids (one output token)."""
+    ids = torch.randint(1000, llm.model.cfg.vocab_size - 1000, (pp,), generator=gen).tolist()
+    t = time.perf_counter()
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    return pp / (time.perf_counter() - t)
+
+
+def decode_rate(llm: LLM, tg: int, request_id: str) -> float:
+    """Output tokens a second of one stream, from its first token to its last (llama-bench's tg)."""
+    core = llm.core
+    core.add_request(CoreRequest(request_id, [1], SamplingParams(temperature=0, max_tokens=tg, ignore_eos=True)))
+    first, n = None, 0
+    while core.has_unfinished:
+        for out in core.step():
+            n += len(out.new_token_ids)
+            first = first or time.perf_counter()
+    assert first is not None and n == tg, (n, tg)
+    return (tg - 1) / (time.perf_counter() - first)
+
+
 def ruvllm_rates(llm: LLM, pp: int, tg: int, repetitions: int) -> tuple[float, float]:
-    vocab = llm.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
-
-    def prefill() -> float:
-        ids = torch.randint(1000, vocab - 1000, (pp,), generator=gen).tolist()
-        t = time.perf_counter()
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-        return pp / (time.perf_counter() - t)
-
     runs = iter(range(1_000_000))
-
-    def decode() -> float:
-        core = llm.core
-        core.add_request(CoreRequest(f"tg{next(runs)}", [1], SamplingParams(temperature=0, max_tokens=tg, ignore_eos=True)))
-        first, n = None, 0
-        while core.has_unfinished:
-            for out in core.step():
-                n += len(out.new_token_ids)
-                first = first or time.perf_counter()
-        assert first is not None and n == tg
-        return (tg - 1) / (time.perf_counter() - first)
-
-    prefill(), decode()  # warm-up
-    return (statistics.median(prefill() for _ in range(repetitions)),
-            statistics.median(decode() for _ in range(repetitions)))
+    prefill_rate(llm, pp, gen), decode_rate(llm, tg, f"tg{next(runs)}")  # warm-up
+    return (statistics.median(prefill_rate(llm, pp, gen) for _ in range(repetitions)),
+            statistics.median(decode_rate(llm, tg, f"tg{next(runs)}") for _ in range(repetitions)))
 
 
 def llama_bench_rates(binary: str, gguf: str, pp: int, tg: int, threads: int, repetitions: int) -> tuple[float, float]:

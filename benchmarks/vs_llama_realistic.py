@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -106,23 +105,9 @@ def ruvllm_offline(llm, pp: int, tg: int, seed: int) -> tuple[float, float]:
     """(pp tok/s, tg tok/s), one measurement each (the rounds repeat them)."""
     import torch
 
-    from ruvllm import SamplingParams
-    from ruvllm.messages import CoreRequest
+    from benchmarks.vs_llama_bench import decode_rate, prefill_rate
 
-    vocab = llm.model.cfg.vocab_size
-    ids = torch.randint(1000, vocab - 1000, (pp,), generator=torch.Generator().manual_seed(seed)).tolist()
-    t = time.perf_counter()
-    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-    prefill = pp / (time.perf_counter() - t)
-    core = llm.core
-    core.add_request(CoreRequest(f"tg{seed}", [1], SamplingParams(temperature=0, max_tokens=tg, ignore_eos=True)))
-    first, n = None, 0
-    while core.has_unfinished:
-        for out in core.step():
-            n += len(out.new_token_ids)
-            first = first or time.perf_counter()
-    assert first is not None and n == tg, (n, tg)
-    return prefill, (tg - 1) / (time.perf_counter() - first)
+    return prefill_rate(llm, pp, torch.Generator().manual_seed(seed)), decode_rate(llm, tg, f"tg{seed}")
 
 
 def offline_rounds(path: Path, args: argparse.Namespace, bench: str | None, console) -> tuple[list, list, dict]:
