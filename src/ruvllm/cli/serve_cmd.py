@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -36,6 +37,12 @@ def register(app: typer.Typer) -> None:
         cache_dir: str = typer.Option(None, help="Model cache (default: RUVLLM_CACHE_DIR or ~/.cache/ruvllm)."),
         lora: list[str] = typer.Option([], "--lora", metavar="NAME=PATH",
                                        help="Serve a PEFT LoRA adapter as model NAME (repeatable; enables LoRA)."),
+        model_specs: list[str] = typer.Option([], "--model", metavar="NAME=SOURCE",
+                                              help="Serve model SOURCE (a path, an alias or a Hub id) as NAME, beside "
+                                                   "the others (repeatable): each loads on its first request and "
+                                                   "unloads when idle (--keep-alive, --max-memory, --preload)."),
+        models_file: str = typer.Option(None, "--models-file", metavar="FILE",
+                                        help="Models to serve, `NAME=SOURCE` per line (as --model)."),
         learn: bool = typer.Option(False, "--learn",
                                    help="Learn from POST /v1/feedback: each tenant's own adapter, updated per event "
                                         "(enables LoRA; docs/learning.md)."),
@@ -77,6 +84,12 @@ def register(app: typer.Typer) -> None:
         if replicas.size > 1 and learn:
             raise fail("--learn with --data-parallel-size > 1 is not supported: a tenant's learned adapter "
                        "lives in one engine")
+        if model_specs or models_file:
+            if model or adapters or learn or replicas.size > 1:
+                raise fail("--model NAME=SOURCE / --models-file serve several models; give no MODEL argument, "
+                           "--lora, --learn or --data-parallel-size with them")
+            serve_many(console, engine, cfg, model_specs, models_file, cache_dir)
+            return
         path = resolve_cli_model(model, cache_dir)
         overrides: dict = {"enable_lora": True} if adapters or learn else {}
         if learn:  # every learning tenant keeps two small versions loaded; they need no rank-64 slots
@@ -110,6 +123,41 @@ def register(app: typer.Typer) -> None:
             async_engine.shutdown()
         if not started:
             raise fail(f"could not start the server on {host}:{port} (is the port in use?)")
+
+
+def serve_many(console: Any, engine: Flags, cfg: ServerConfig, specs: list[str], models_file: str | None,
+               cache_dir: str | None) -> None:
+    """Several models behind one server (server/model_pool.py): nothing loads here but --preload's."""
+    from dataclasses import replace
+
+    from ruvllm.loader.model_cache import resolve_cli_model
+    from ruvllm.server.app import create_pool_app
+    from ruvllm.server.model_pool import FOREVER, PoolSettings, parse_model_spec, read_models_file
+    from ruvllm.server.process import serve as serve_app
+
+    try:
+        named = [parse_model_spec(spec) for spec in specs] + (read_models_file(models_file) if models_file else [])
+    except (ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    names = [name for name, _ in named]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise fail(f"model name {twice[0]!r} is given twice")
+    configs = {name: engine.to_config(resolve_cli_model(source, cache_dir)) for name, source in named}
+    cfg = replace(cfg, served_model_name=names[0])
+    settings = PoolSettings(keep_alive_s=FOREVER if cfg.keep_alive_s < 0 else cfg.keep_alive_s,
+                            max_memory_bytes=None if cfg.max_memory_gib is None else int(cfg.max_memory_gib * 2**30))
+    try:
+        app = create_pool_app(configs, cfg, settings, preload=cfg.preload)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    keep = "for ever" if settings.keep_alive_s == FOREVER else f"{settings.keep_alive_s:g} s idle"
+    budget = f", at most {cfg.max_memory_gib:g} GiB loaded" if cfg.max_memory_gib is not None else ""
+    console.print(f"models {', '.join(f'[bold]{n}[/bold]' for n in names)}: each loads on its first request and "
+                  f"stays {keep}{budget}")
+    console.print(f"starting the server on http://{cfg.host}:{cfg.port}/v1  (Ctrl-C stops it)")
+    if not serve_app(app, app.state.models, cfg.host, cfg.port, cfg.graceful_shutdown_s):
+        raise fail(f"could not start the server on {cfg.host}:{cfg.port} (is the port in use?)")
 
 
 def read_template(value: str | None) -> str | None:

@@ -20,7 +20,11 @@ from ruvllm.tenants import LEARNED_PREFIX
 def operator_only(request: Request, st: ServerState = Depends(state)) -> None:
     """What changes the server for everyone is the operator's: with keys, only the admin key
     (--admin-key, else --api-key) may; a server with tenants' keys and no admin key refuses all."""
-    cfg = st.cfg
+    check_operator(request, st.cfg)
+
+
+def check_operator(request: Request, cfg: ServerConfig) -> None:
+    """operator_only over the server's settings (the model admin routes: no model is loaded to ask)."""
     if getattr(request.state, "admin", False) or not (cfg.admin_key or cfg.api_key or cfg.api_keys):
         return
     why = ": it needs the admin key" if cfg.admin_key or cfg.api_key else \

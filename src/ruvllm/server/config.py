@@ -93,6 +93,17 @@ class ServerConfig(Checked):
     deep_general: str | None = setting(None, "The deep loop's everyday text.", metavar="FILE")
     deep_probes: str | None = setting(None, "The deep loop's probes (JSON lines).", metavar="FILE")
 
+    # Many models (--model NAME=SOURCE, repeated; server/model_pool.py): loaded on demand, unloaded when idle
+    keep_alive_s: float = setting(300.0, "With several models: seconds a model stays loaded after its last request "
+                                         "(a request's own keep_alive wins; negative: for ever).",
+                                  flag="--keep-alive", metavar="SECONDS")
+    max_memory_gib: float | None = setting(None, "With several models: GiB the loaded models' weights and KV caches "
+                                                 "may take together; a load past it first unloads the least recently "
+                                                 "used idle model (default: no bound).", flag="--max-memory",
+                                           minimum=0.001, metavar="GIB")
+    preload: tuple[str, ...] = setting((), "With several models: load model NAME at start, not on its first request "
+                                           "(repeatable).", flag="--preload", metavar="NAME")
+
     def check_across(self) -> None:
         if self.reasoning_tags is not None and self.reasoning_tags.strip().lower() != OFF:
             ReasoningTags.parse(self.reasoning_tags)  # a ValueError naming the setting's form

@@ -26,6 +26,7 @@ from ruvllm.sampling_params import SamplingParams
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError, Dialect, api_error, dialect_for
 from ruvllm.server.metrics import RequestTracker, ServerMetrics
+from ruvllm.server.model_pool import HOLDS_KEY, ModelPool, keep_alive_seconds
 from ruvllm.server.responses import TokenText
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
@@ -184,8 +185,38 @@ class ServerState:
         return Run(following, tracker, adapter or self.cfg.served_model_name)
 
 
-def state(request: Request) -> ServerState:
-    return request.app.state.ruvllm
+async def state(request: Request) -> ServerState:
+    """The state of the model the request is for. One model (`ruvllm serve MODEL`): that model's, and
+    nothing of the request is read. Many (server/model_pool.py): the model its body's `model` names (an
+    adapter's name: its parent's; none: the first model), loaded first when it is not, and held until
+    the response has ended (ModelHolds releases it). The body was parsed by FastAPI before its
+    dependencies run; `request.json()` hands back that parse, so routing costs no second one."""
+    pool: ModelPool = request.app.state.models
+    single = pool.single
+    if single is not None:
+        return single
+    body = await _json_body(request)
+    model = body.get("model")
+    if model is None and request.url.path == "/api/show":
+        model = body.get("name")  # Ollama's older spelling
+    if model is None and request.url.path == "/v1/unload_lora_adapter":
+        model = body.get("lora_name")  # the adapter's own model
+    if isinstance(model, str) and request.url.path.startswith("/api/") and model.endswith(":latest"):
+        model = model[:-len(":latest")]  # Ollama's tag, as ollama_protocol.served_name reads it
+    name = pool.resolve(model if isinstance(model, str) else None)
+    st = await pool.acquire(name, keep_alive_seconds(body.get("keep_alive")))
+    getattr(request.state, HOLDS_KEY).append(name)
+    return st
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    if request.method in ("GET", "HEAD", "DELETE"):
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:  # no body, or not JSON: the route's own parse answers that
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 @dataclass

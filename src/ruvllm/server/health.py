@@ -5,12 +5,12 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 
 from ruvllm.server.errors import error_response
-from ruvllm.server.generation import ServerState, state
+from ruvllm.server.model_pool import ModelPool
 
 router = APIRouter()
 _PAGE = files("ruvllm.server").joinpath("static/chat.html").read_text(encoding="utf-8")
@@ -37,7 +37,16 @@ async def chat_page(request: Request) -> Response:
 
 
 @router.get("/health")
-async def health(st: ServerState = Depends(state)) -> Response:
+async def health(request: Request) -> Response:
+    """Never loads a model: one model's server answers for its engine; a many-model server is up while it
+    runs, and says each model's state (a model whose engine failed is unloaded, the others serve on)."""
+    pool: ModelPool = request.app.state.models
+    st = pool.single
+    if st is None:
+        return JSONResponse({"status": "ok", "learning": False,
+                             "models": [{"model": e.name, "state": e.status,
+                                         **({"last_error": e.last_error} if e.last_error else {})}
+                                        for e in pool.entries.values()]})
     engine = st.engine
     if engine.failure is not None:
         return error_response(503, f"engine is not running: {engine.failure}", None, "engine_failed")
@@ -52,5 +61,7 @@ async def health(st: ServerState = Depends(state)) -> Response:
 
 
 @router.get("/metrics")
-async def metrics(st: ServerState = Depends(state)) -> Response:
-    return Response(generate_latest(st.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+async def metrics(request: Request) -> Response:
+    """Read from the registry at scrape time; loads no model (an unloaded one has no engine series)."""
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,10 @@ class _EngineCollector(Collector):
     """Reads each engine core's latest stats at scrape time (published by the core after each step),
     one series per replica (`replica` label: "0" for a single core; data-parallel replicas 0..N-1)."""
 
-    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
-        self._replicas, self._model = replicas, model
+    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str,
+                 models: Callable[[], list[tuple[str, list[ReplicaState]]]] | None = None) -> None:
+        # models: a many-model server's loaded engines (server/model_pool.py), each labelled with its name
+        self._engines = models or (lambda: [(model, replicas())])
 
     _FAMILIES = (  # (kind, name, help, a replica's value)
         (GaugeMetricFamily, "ruvllm:num_requests_running", "Requests in the running batch.", "running"),
@@ -66,20 +69,22 @@ class _EngineCollector(Collector):
     )
 
     def collect(self) -> Iterator[Any]:
-        replicas = self._replicas()
+        engines = self._engines()
         for family, name, doc, value in self._FAMILIES:
             metric = family(name, doc, labels=["model_name", "replica"])
-            for rep in replicas:
-                v = value(rep) if callable(value) else getattr(rep.stats, value)
-                metric.add_metric([self._model, str(rep.index)], float(v))
+            for model, replicas in engines:
+                for rep in replicas:
+                    v = value(rep) if callable(value) else getattr(rep.stats, value)
+                    metric.add_metric([model, str(rep.index)], float(v))
             yield metric
 
 
 class ServerMetrics:
-    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str) -> None:
+    def __init__(self, replicas: Callable[[], list[ReplicaState]], model: str,
+                 models: Callable[[], list[tuple[str, list[ReplicaState]]]] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         self.model = model
-        r.register(_EngineCollector(replicas, model))
+        r.register(_EngineCollector(replicas, model, models))
         lab = ["model_name", "endpoint"]  # endpoint: the API path (each dialect has its own)
         self.prompt_tokens = Counter("ruvllm:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("ruvllm:generation_tokens", "Tokens generated.", lab, registry=r)
@@ -94,6 +99,13 @@ class ServerMetrics:
         self.queue_time = Histogram("ruvllm:request_queue_time_seconds", "Arrival to first scheduled.", lab,
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
+
+
+    def for_model(self, model: str) -> ServerMetrics:
+        """The same series (one registry) with requests labelled `model`: a many-model server's view per model."""
+        view = copy.copy(self)
+        view.model = model
+        return view
 
 
 class RequestTracker:

@@ -35,6 +35,7 @@ from ruvllm.messages import EngineInfo
 from ruvllm.server.adapters import operator_only
 from ruvllm.server.errors import OLLAMA, APIError, api_error
 from ruvllm.server.generation import ServerState, state
+from ruvllm.server.model_pool import ModelPool
 from ruvllm.server.ollama_protocol import PullRequest, ShowRequest, resolve_model, served_name
 from ruvllm.server.tenants import tenant_of
 from ruvllm.tenants import may_use
@@ -159,13 +160,28 @@ def _hf_card(folder: Path, ctx: int) -> ModelCard:
 
 
 async def card(request: Request, st: ServerState) -> ModelCard:
-    """Read once per app, on a worker thread (a GGUF header takes ~0.1 s), then kept with the app."""
+    """Read once per model, on a worker thread (a GGUF header takes ~0.1 s), then kept with the app."""
+    return await _card_named(request, st.cfg.served_model_name, lambda: read_card(st.engine.info))
+
+
+async def _card_named(request: Request, name: str, read: Any) -> ModelCard:
     app_state = request.app.state
-    found = getattr(app_state, "ollama_card", None)
-    if found is None:
-        found = await asyncio.to_thread(read_card, st.engine.info)
-        app_state.ollama_card = found
-    return found
+    cards = getattr(app_state, "ollama_cards", None)
+    if cards is None:
+        cards = app_state.ollama_cards = {}
+    if name not in cards:
+        cards[name] = await asyncio.to_thread(read)
+    return cards[name]
+
+
+def _file_card(config: Any) -> ModelCard:
+    """A model not loaded (a many-model server): its card from its files' headers alone."""
+    from ruvllm.loader import load_model_config, resolve_model as resolve_source
+
+    src = resolve_source(config.model)
+    mc = load_model_config(src)
+    ctx = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    return _gguf_card(src.path, ctx) if src.format == "gguf" else _hf_card(src.path, ctx)
 
 
 def _visible_adapters(request: Request, st: ServerState) -> list[str]:
@@ -181,21 +197,51 @@ def _entry(name: str, c: ModelCard, base: str | None) -> dict[str, Any]:
             "details": c.details()}
 
 
+def _ps_entry(name: str, c: ModelCard, st: ServerState, expires_at: str) -> dict[str, Any]:
+    info = st.engine.info
+    memory = info.weight_bytes + info.kv_cache_bytes  # the weights as loaded and the KV pool
+    on_gpu = info.device.startswith("cuda")
+    base = {**_entry(name, c, None), "size": memory, "size_vram": memory if on_gpu else 0, "expires_at": expires_at,
+            "context_length": st.max_len}
+    base.pop("modified_at")
+    return base
+
+
 @router.get("/api/tags")
-async def tags(request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
-    c, name = await card(request, st), st.cfg.served_model_name
-    return {"models": [_entry(name, c, None), *(_entry(a, c, name) for a in _visible_adapters(request, st))]}
+async def tags(request: Request) -> dict[str, Any]:
+    """Every model the server serves (loaded or not: nothing is loaded to answer) and the loaded adapters."""
+    pool: ModelPool = request.app.state.models
+    out = []
+    for e in pool.entries.values():
+        st = e.state
+        try:
+            c = await (card(request, st) if st is not None else _card_named(request, e.name,
+                                                                              lambda e=e: _file_card(e.config)))
+        except Exception:  # a model whose files cannot be read (it fails to load too): its name only
+            out.append({"name": e.name, "model": e.name})
+            continue
+        out.append(_entry(e.name, c, None))
+        if st is not None:
+            out += [_entry(a, c, e.name) for a in _visible_adapters(request, st)]
+    return {"models": out}
 
 
 @router.get("/api/ps")
-async def ps(request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
-    c, name, info = await card(request, st), st.cfg.served_model_name, st.engine.info
-    memory = info.weight_bytes + info.kv_cache_bytes  # the weights as loaded and the KV pool
-    on_gpu = info.device.startswith("cuda")
-    loaded = {"expires_at": NEVER, "context_length": st.max_len}
-    base = {**_entry(name, c, None), "size": memory, "size_vram": memory if on_gpu else 0, **loaded}
-    base.pop("modified_at")
-    return {"models": [base, *({**_entry(a, c, name), **loaded} for a in _visible_adapters(request, st))]}
+async def ps(request: Request) -> dict[str, Any]:
+    """The loaded models, each with when it unloads if left idle (keep_alive)."""
+    pool: ModelPool = request.app.state.models
+    out = []
+    for e in pool.loaded():
+        st = e.state
+        if st is None:
+            continue
+        c = await card(request, st)
+        expires = pool.expires_at(e)
+        base = _ps_entry(e.name, c, st, rfc3339(expires) if expires is not None else NEVER)
+        out.append(base)
+        out += [{**_entry(a, c, e.name), "expires_at": base["expires_at"], "context_length": st.max_len}
+                for a in _visible_adapters(request, st)]
+    return {"models": out}
 
 
 @router.get("/api/version")
@@ -203,12 +249,12 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-def capabilities(request: Request) -> list[str]:
+def capabilities(request: Request, st: ServerState) -> list[str]:
     """What the model can do here. Tools work with any model (tools/format.py writes them into the
     prompt of a template that knows none); embedding only where the app serves Ollama's embed route;
     thinking where the model thinks (its reasoning is served apart: server/reasoning.py)."""
     caps = ["completion", "tools"]
-    if request.app.state.ruvllm.reasoning is not None:
+    if st.reasoning is not None:
         caps.append("thinking")
     # asked of the routes themselves (FastAPI keeps an included router as one entry, not its paths)
     scope = {"type": "http", "path": "/api/embed", "method": "POST", "root_path": "", "path_params": {},
@@ -226,7 +272,7 @@ async def show(body: ShowRequest, request: Request, st: ServerState = Depends(st
     template = st.cfg.chat_template or getattr(st.engine.tokenizer, "chat_template", None) or ""
     return {"license": c.license, "template": template, "parameters": f"num_ctx {st.max_len}",
             "details": c.details(parent=st.cfg.served_model_name if adapter else ""), "model_info": c.model_info,
-            "capabilities": capabilities(request), "modified_at": c.modified_at}
+            "capabilities": capabilities(request, st), "modified_at": c.modified_at}
 
 
 # ------------------------------------------------------------------ pull

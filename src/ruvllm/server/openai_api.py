@@ -12,8 +12,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ruvllm.server import responses as R
+from ruvllm.server.adapters import check_operator
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import EnginePrompt, ServerState, check_context, state
+from ruvllm.server.model_pool import ModelPool
 from ruvllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ruvllm.server.reasoning import after_reasoning, thinking_of
 from ruvllm.server.tenants import tenant_of
@@ -25,15 +27,53 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(request: Request, st: ServerState = Depends(state)) -> dict[str, Any]:
+async def models(request: Request) -> dict[str, Any]:
+    """Every model, and the loaded adapters of each. Nothing is loaded to answer. On a many-model server
+    each model carries its state and memory (server/model_pool.py's `describe`: extra fields, which
+    OpenAI's client keeps)."""
     # The operator's names, never a filesystem path of the host (nor an adapter's); of learned
     # adapters, only the asking tenant's own.
-    name = st.cfg.served_model_name
-    base = {"id": name, "object": "model", "created": st.created, "owned_by": "ruvllm", "max_model_len": st.max_len,
-            "root": name, "parent": None}
-    adapters = [{**base, "id": lora, "root": lora, "parent": name} for lora in st.engine.loras
-                if may_use(tenant_of(request, None), lora)]
-    return {"object": "list", "data": [base, *adapters]}
+    pool: ModelPool = request.app.state.models
+    tenant = tenant_of(request, None)
+    data = []
+    for e in pool.entries.values():
+        st = e.state
+        base = {"id": e.name, "object": "model", "created": st.created if st else pool.created, "owned_by": "ruvllm",
+                "max_model_len": st.max_len if st else None, "root": e.name, "parent": None}
+        if pool.single is None:
+            base.update(pool.describe(e))
+        data.append(base)
+        if st is not None:
+            data += [{**base, "id": lora, "root": lora, "parent": e.name} for lora in st.engine.loras
+                     if may_use(tenant, lora)]
+    return {"object": "list", "data": data}
+
+
+def _operator(request: Request) -> None:
+    check_operator(request, request.app.state.server_cfg)
+
+
+def _entry(request: Request, name: str) -> ModelPool:
+    pool: ModelPool = request.app.state.models
+    if name not in pool.entries:
+        served = ", ".join(f"`{m}`" for m in pool.entries)
+        raise APIError(404, f"The model `{name}` does not exist. This server serves {served}.", "model",
+                       "model_not_found")
+    return pool
+
+
+@router.post("/v1/models/{name:path}/load", dependencies=[Depends(_operator)])
+async def load_model(name: str, request: Request) -> dict[str, Any]:
+    """Admin: load now (waits for the load; its idle clock starts when it ends)."""
+    pool = _entry(request, name)
+    return {"id": name, "object": "model", **pool.describe(await pool.load(name))}
+
+
+@router.post("/v1/models/{name:path}/unload", dependencies=[Depends(_operator)])
+async def unload_model(name: str, request: Request) -> dict[str, Any]:
+    """Admin: unload now; a model with requests running unloads as soon as they end."""
+    pool = _entry(request, name)
+    return {"id": name, "object": "model", **pool.describe(await pool.unload(name))}
 
 
 @router.post("/tokenize")

@@ -13,6 +13,7 @@ import uvicorn
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.errors import EngineDeadError
 from ruvllm.server.http11 import MAX_HEADER_BYTES, RuvllmH11Protocol
+from ruvllm.server.model_pool import ModelPool
 
 
 def uvicorn_config(app: Any, host: str, port: int, drain_s: float) -> uvicorn.Config:
@@ -30,7 +31,7 @@ class GracefulServer(uvicorn.Server):
     and `engine_failure` says why, so the process can exit non-zero and a supervisor restart it: a
     server whose engine is gone must not stay up answering nothing."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine | ModelPool, drain_s: float) -> None:
         super().__init__(config)
         self.engine, self.drain_s = engine, drain_s
         self._draining = False
@@ -51,17 +52,18 @@ class GracefulServer(uvicorn.Server):
     def _drain(self) -> None:
         # Idle is the server's count of admitted sequences, not the core's last published stats: a
         # request that has just started streaming may not be in those yet.
-        admission = self.config.app.state.ruvllm.admission
+        models = self.config.app.state.models  # server/model_pool.py: every loaded model's admission
         deadline = time.monotonic() + self.drain_s
         while time.monotonic() < deadline:
-            if admission.in_flight == 0:
+            if models.in_flight == 0:
                 return
             time.sleep(0.05)
         self.engine.abort_all()
 
 
-def serve(app: Any, engine: AsyncEngine, host: str, port: int, drain_s: float) -> bool:
-    """Run until stopped; False if the server could not start (e.g. the port is taken).
+def serve(app: Any, engine: AsyncEngine | ModelPool, host: str, port: int, drain_s: float) -> bool:
+    """Run until stopped; False if the server could not start (e.g. the port is taken). `engine`: the one
+    model's, or a many-model server's pool (a model's failure unloads only that model there).
     Raises EngineDeadError after stopping if it stopped because the engine failed."""
     server = GracefulServer(uvicorn_config(app, host, port, drain_s), engine, drain_s)
     try:

