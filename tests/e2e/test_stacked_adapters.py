@@ -291,3 +291,28 @@ def test_feedback_on_a_stacked_completion_teaches_the_pair_alone(base: Path, ada
     assert not may_use("acme", pair) and not may_use("globex", pair)
     assert [v.version for v in llm.learner.policy.versions("acme")] == [1]
     assert_kv_free(llm)
+
+
+def test_xlora_with_a_stacked_micro_lora_is_bitwise_alone_and_batched(base: Path, adapters: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """An X-LoRA model with a micro-LoRA stacked on it: the micro-LoRA's delta comes after the
+    mixture in the real pass (the scaling pass stays the base model, so the classifier routes as it
+    was trained), and the row is bitwise the same alone and batched with other combinations."""
+    from tests.lora_fixtures import make_xlora
+
+    make_xlora(base, tmp_path / "mix", [adapters["a"], adapters["b"]], seed=5, xlora_depth=1)
+    llm = engine(base, {"mix": tmp_path / "mix", **{k: adapters[k] for k in "amn"}}, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    combos = [("mix", ("m",)), ("mix", ()), ("a", ("n",)), (None, ()), ("m", ()), ("mix", ("n",))]
+    requests = [(f"x{i}", torch.randint(2, 500, (9 + 5 * i,), generator=torch.Generator().manual_seed(50 + i)).tolist(),
+                 adapter, stacked) for i, (adapter, stacked) in enumerate(combos)]
+    together = run_core(llm, requests, params)
+    llm.reset_prefix_cache()
+    for rid, prompt, adapter, stacked in requests:
+        alone = run_core(llm, [(rid + "-alone", prompt, adapter, stacked)], params)[rid + "-alone"]
+        llm.reset_prefix_cache()
+        assert together[rid] == alone, (adapter, stacked)
+    prompt = requests[0][1]  # the micro-LoRA moves the mixture's output
+    plain = run_core(llm, [("plain", prompt, "mix", ())], params)["plain"]
+    assert plain[1] != together["x0"][1]
+    assert_kv_free(llm)
