@@ -316,3 +316,47 @@ def test_xlora_with_a_stacked_micro_lora_is_bitwise_alone_and_batched(base: Path
     plain = run_core(llm, [("plain", prompt, "mix", ())], params)["plain"]
     assert plain[1] != together["x0"][1]
     assert_kv_free(llm)
+
+
+def test_stacking_through_the_server(base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Through the `openai` client: a keyed tenant's `model: "b"` carries its micro-LoRA for `b`,
+    taught by /v1/feedback on a `b` completion (the answer names the pair's version), another
+    tenant's `b` outputs stay bitwise the same, the pair's version is listed to nobody, and the
+    witness log records the stack."""
+    import httpx
+    import openai
+
+    from ruvllm.server.tenants import read_api_keys
+    from ruvllm.witness.log import find
+    from tests.server.conftest import start_server
+
+    (tmp_path / "keys").write_text("key-a acme\nkey-b globex\n")
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=8, quantization="none")
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0), root=str(tmp_path / "learned"))
+    for server in start_server(llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
+                               feedback_burst=20, witness_log=str(tmp_path / "w.sqlite3")):
+        server.engine.load_lora("b", str(adapters["b"]))
+
+        def complete(key: str, model: str = "b") -> tuple[str, list[str], list[float]]:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                            extra_body={"ignore_eos": True})
+            return out.id, out.choices[0].logprobs.tokens, out.choices[0].logprobs.token_logprobs
+
+        other_before = complete("key-b")[1:]
+        rid, tokens, _ = complete("key-a")
+        for _ in range(10):
+            r = httpx.post(server.url + "/v1/feedback", json={"id": rid, "score": 1.0, "correction": "t7 t7 t7 t7"},
+                           headers={"Authorization": "Bearer key-a"}, timeout=60)
+            assert r.status_code == 200, r.text
+        pair = f"learned:{stack_scope('acme', 'b')}:v10"
+        assert r.json()["adapter"] == pair
+        taught = complete("key-a")
+        assert taught[1][:4] == ["t7"] * 4 and tokens[:4] != taught[1][:4]
+        assert complete("key-b")[1:] == other_before  # bitwise: tokens and logprobs
+        for key in ("key-a", "key-b"):
+            listed = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0).models.list()
+            assert pair not in [m.id for m in listed.data] and "b" in [m.id for m in listed.data]
+        server.app.state.ruvllm.service.witness.flush()
+        entry = next(e for e in find(Path(server.cfg.witness_log), taught[0]) if e.kind == "completion")
+        assert entry.body["adapter"] == "b" and entry.body["stacked"] == [pair]
