@@ -1,43 +1,76 @@
 """The engine core's grammar compiler: each request's constraint compiled by xgrammar against the
-model's vocabulary in a child process (the engine loop never waits for a compile; a request waits for
-its own), one at a time, cached by constraint. A compile that passes its deadline, or whose requests
-all left, is stopped by killing the child; the next compile starts a fresh one."""
+model's vocabulary outside the core (the engine loop never waits for a compile; a request waits for
+its own), cached by constraint.
+
+Each compile runs in a process of its own, forked for it by one child of the core that has imported
+xgrammar and read the vocabulary once (the "zygote", which never compiles: a fork is milliseconds
+where a fresh interpreter takes seconds of imports, 10-20 s on a loaded machine). A compile that
+passes its deadline, or whose requests all left, is stopped by killing its process; nothing else is
+lost with it. One compile runs at a time; when one has run past `second_after` and another waits, a
+second thread takes the waiting ones, so a runaway compile (until its deadline) holds back no other
+constraint. Never more than two at once per engine: a third waits while two compile."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from ruvllm.structured.spec import ByteBudget, StructuredOutputs
 
-_START_TIMEOUT = 300.0  # seconds for a child to import xgrammar and read the vocabulary (not a compile's)
+_START_TIMEOUT = 300.0  # seconds for the zygote to import xgrammar and read the vocabulary (not a compile's)
+_MAX_COMPILES = 2
+_POLL_S = 0.1  # how often a thread waiting for its compile looks for constraints waiting behind it
 
 
 class CompileError(ValueError):
     """The request's constraint did not compile (its own fault: the front reports it as a 400)."""
 
 
+class _Slot:
+    """A serving thread and the compile it runs (its process's pid while that is ours to kill)."""
+
+    def __init__(self, first: bool) -> None:
+        self.first = first  # the first thread waits for jobs; a second leaves when none waits
+        self.running: Future | None = None
+        self.since = 0.0  # monotonic time its current compile was taken
+        self.pid: int | None = None
+        self.stop = False  # abandoned before its process reported its pid
+
+
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: tuple[int, ...],
-                 timeout: float = 10.0, cache_size: int = 256, cache_bytes: int = 256 << 20) -> None:
+                 timeout: float = 10.0, cache_size: int = 256, cache_bytes: int = 256 << 20,
+                 second_after: float = 1.0) -> None:
         self._load_tokenizer, self.vocab_size, self.stop_token_ids = load_tokenizer, vocab_size, stop_token_ids
         self.timeout = timeout
+        # A compile usually takes 0.1 s: one past a second is probably a slow one, worth a second core
+        # for the constraints behind it (and not otherwise: the engine's steps share the same cores).
+        self.second_after = second_after
         self._info: Any = None  # xgrammar's TokenizerInfo, made at the first compile (the tokenizer's load)
         # by constraint: a compile's bytes once done (xgrammar's own count) and its key's
         self.cache: ByteBudget[tuple[str, str], Future] = ByteBudget(cache_bytes, _entry_bytes, cache_size)
-        self._jobs: queue.Queue[tuple[StructuredOutputs, Future]] = queue.Queue()
-        self._child: subprocess.Popen | None = None
-        self._conns: tuple[Connection, Connection] | None = None
-        self._running: Future | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._serve, name="ruvllm-grammar", daemon=True).start()
+        self._lock = threading.Lock()  # the jobs, the slots and what each runs
+        self._wake = threading.Condition(self._lock)
+        self._jobs: deque[tuple[StructuredOutputs, Future]] = deque()
+        self._slots: list[_Slot] = []
+        self._closed = False
+        self._zygote_lock = threading.Lock()  # its start (seconds) and each fork request
+        self._zygote: subprocess.Popen | None = None
+        self._starting: subprocess.Popen | None = None  # a zygote still loading (close kills it)
+        self._control: socket.socket | None = None
+        with self._lock:
+            self._add_slot()
 
     def submit(self, spec: StructuredOutputs) -> Future:
         """A future of the compiled grammar; the same one for every request with the same constraint."""
@@ -46,82 +79,191 @@ class GrammarCompiler:
             if fut is None or fut.cancelled() or (fut.done() and fut.exception() is not None):
                 fut = Future()
                 self.cache.put(spec.key, fut)
-                self._jobs.put((spec, fut))
+                with self._wake:
+                    self._jobs.append((spec, fut))
+                    self._wake.notify()
             return fut
 
     def abandon(self, fut: Future) -> None:
         """No request waits for this compile any more: dropped if not started, stopped if running."""
         with self._lock:
-            if not fut.cancel() and fut is self._running and self._child is not None:
-                self._child.kill()  # the serving thread sees the pipe close and ends the future
+            if fut.cancel():
+                self._jobs = deque(job for job in self._jobs if job[1] is not fut)
+                return
+            for slot in self._slots:
+                if slot.running is fut:
+                    slot.stop = True  # its process is killed as soon as it has one
+                    self._kill(slot)  # its thread sees the socket close and ends the future
 
     def close(self) -> None:
-        with self._lock:
-            if self._child is not None:
-                self._child.kill()
-
-    # --- the serving thread ----------------------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            spec, fut = self._jobs.get()
-            with self._lock:
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                self._running = fut
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+            for _, fut in self._jobs:
+                fut.cancel()
+            for slot in self._slots:
+                self._kill(slot)
+            zygotes = [z for z in (self._zygote, self._starting) if z is not None]
+        for zygote in zygotes:  # its forks die with it (PR_SET_PDEATHSIG)
+            zygote.kill()
+        if self._zygote_lock.acquire(timeout=5):  # else a start holds it: it sees the kill and reaps
             try:
-                fut.set_result(self._compile(spec))
+                self._stop_zygote()
+            finally:
+                self._zygote_lock.release()
+
+    # --- the serving threads -----------------------------------------------------------------------
+    def _add_slot(self) -> None:
+        """Under the lock: a serving thread."""
+        slot = _Slot(first=not self._slots)
+        self._slots.append(slot)
+        threading.Thread(target=self._serve, args=(slot,), name=f"ruvllm-grammar-{len(self._slots)}",
+                         daemon=True).start()
+
+    def _serve(self, slot: _Slot) -> None:
+        while True:
+            with self._wake:
+                job = self._take(slot)
+                if job is None:  # closed, or a second thread with nothing left to do
+                    self._slots.remove(slot)
+                    return
+                slot.running, slot.since, slot.stop = job[1], time.monotonic(), False
+            spec, fut = job
+            try:
+                fut.set_result(self._compile(slot, spec))
             except BaseException as exc:  # noqa: BLE001  # the request's failure, not this thread's
                 fut.set_exception(exc)
             with self._lock:
-                self._running = None
+                slot.running = None
             self.cache.trim()  # its size is known now
 
-    def _compile(self, spec: StructuredOutputs) -> Any:
+    def _take(self, slot: _Slot) -> tuple[StructuredOutputs, Future] | None:
+        """Under the lock: the next job still wanted, or None (closed; a second thread finds none)."""
+        while not self._closed:
+            while self._jobs:
+                spec, fut = self._jobs.popleft()
+                if fut.set_running_or_notify_cancel():
+                    return spec, fut
+            if not slot.first:
+                return None
+            self._wake.wait()
+        return None
+
+    def _more_help(self, slot: _Slot) -> None:
+        """Called while `slot` compiles: a second thread when this compile is slow and others wait."""
+        with self._lock:
+            if (len(self._slots) < _MAX_COMPILES and not self._closed
+                    and time.monotonic() - slot.since > self.second_after
+                    and any(not fut.cancelled() for _, fut in self._jobs)):
+                self._add_slot()
+
+    def _kill(self, slot: _Slot) -> None:
+        """Under the lock. The pid is still its compile's: that process waits, after its answer, until
+        its socket closes (which happens after slot.pid is cleared), so no other process has it."""
+        if slot.pid is not None:
+            try:
+                os.kill(slot.pid, signal.SIGKILL)
+            except ProcessLookupError:  # killed from outside meanwhile
+                pass
+            slot.pid = None
+
+    def _compile(self, slot: _Slot, spec: StructuredOutputs) -> Any:
         import xgrammar as xgr
 
-        if self._info is None:
-            self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                            stop_token_ids=list(self.stop_token_ids))
-        send, receive = self._conns if self._child is not None and self._child.poll() is None else self._start()
-        send.send_bytes(json.dumps(spec.ebnf_or_source()).encode())
-        if not receive.poll(self.timeout):
-            self._stop()
-            raise CompileError(f"the output constraint did not compile within {self.timeout:g} s "
-                               "(grammar_compile_timeout); it was stopped")
+        with self._zygote_lock:
+            if self._info is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                                stop_token_ids=list(self.stop_token_ids))
+            conn = self._fork()
         try:
-            ok, text = json.loads(receive.recv_bytes())
-        except (EOFError, OSError):  # killed: its requests left (abandon)
-            self._stop()
-            raise CompileError("the grammar compile was stopped") from None
+            try:
+                if not conn.poll(_START_TIMEOUT):
+                    raise EOFError
+                pid = int(conn.recv_bytes())
+            except (EOFError, OSError):  # the zygote died before forking, or the fork was killed
+                raise RuntimeError("the grammar compiler process did not start") from None
+            with self._lock:
+                slot.pid = pid
+                if slot.stop:  # abandoned while it forked
+                    self._kill(slot)
+            conn.send_bytes(json.dumps(spec.ebnf_or_source()).encode())
+            deadline = time.monotonic() + self.timeout
+            while not conn.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    with self._lock:
+                        self._kill(slot)
+                    raise CompileError(f"the output constraint did not compile within {self.timeout:g} s "
+                                       "(grammar_compile_timeout); it was stopped")
+                self._more_help(slot)
+            try:
+                ok, text = json.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # killed: its requests left (abandon)
+                raise CompileError("the grammar compile was stopped") from None
+        finally:
+            with self._lock:
+                slot.pid = None
+            conn.close()  # the compile's process leaves now (if it was not killed)
         if not ok:
             raise CompileError(text)
         return xgr.CompiledGrammar.deserialize_json(text, self._info)
 
-    def _start(self) -> tuple[Connection, Connection]:
-        self._stop()
-        child = subprocess.Popen([sys.executable, "-m", "ruvllm.structured.compiler"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE)
-        assert child.stdin is not None and child.stdout is not None
-        conns = Connection(os.dup(child.stdin.fileno()), readable=False), Connection(os.dup(child.stdout.fileno()),
-                                                                                      writable=False)
-        child.stdin.close()
-        child.stdout.close()
-        conns[0].send_bytes(self._info.serialize_json().encode())
-        if not conns[1].poll(_START_TIMEOUT) or conns[1].recv_bytes() != b"ready":
-            child.kill()
-            raise RuntimeError("the grammar compiler process did not start")
-        with self._lock:
-            self._child, self._conns = child, conns
-        return conns
+    # --- the zygote (under _zygote_lock) -----------------------------------------------------------
+    def _fork(self) -> Connection:
+        """A socket to a fresh compile process; the zygote is started first if it is not running."""
+        for attempt in range(2):
+            if self._closed:
+                raise RuntimeError("the grammar compiler is closed")
+            if self._zygote is None or self._zygote.poll() is not None:
+                self._start_zygote()
+            assert self._control is not None
+            ours, theirs = socket.socketpair()
+            try:
+                socket.send_fds(self._control, [b"f"], [theirs.fileno()])
+                return Connection(ours.detach())
+            except OSError:  # it died since (killed from outside, out of memory): once more with a new one
+                ours.close()
+                self._stop_zygote()
+                if attempt:
+                    raise RuntimeError("the grammar compiler process is not running") from None
+            finally:
+                theirs.close()
+        raise AssertionError("unreachable")
 
-    def _stop(self) -> None:
+    def _start_zygote(self) -> None:
+        self._stop_zygote()
+        ours, theirs = socket.socketpair()
+        with theirs:
+            # stdout to stderr: nothing a library prints can reach the protocol or the core's stdout
+            zygote = subprocess.Popen([sys.executable, "-m", "ruvllm.structured.compiler", str(theirs.fileno())],
+                                      stdin=subprocess.DEVNULL, stdout=2, pass_fds=[theirs.fileno()])
         with self._lock:
-            child, conns, self._child, self._conns = self._child, self._conns, None, None
-        if child is not None:
-            child.kill()
-            child.wait()
-            for conn in conns or ():
-                conn.close()
+            self._starting = zygote
+            closed = self._closed
+        framed = Connection(os.dup(ours.fileno()))
+        try:
+            if closed:
+                raise EOFError
+            framed.send_bytes(self._info.serialize_json().encode())
+            if not framed.poll(_START_TIMEOUT) or framed.recv_bytes() != b"ready":
+                raise EOFError
+        except (EOFError, OSError):
+            zygote.kill()
+            zygote.wait()
+            ours.close()
+            raise RuntimeError("the grammar compiler process did not start") from None
+        finally:
+            framed.close()
+            with self._lock:
+                self._starting = None
+        self._zygote, self._control = zygote, ours
+
+    def _stop_zygote(self) -> None:
+        zygote, control, self._zygote, self._control = self._zygote, self._control, None, None
+        if zygote is not None:
+            zygote.kill()
+            zygote.wait()
+        if control is not None:
+            control.close()
 
 
 def _entry_bytes(key: tuple[str, str], fut: Future) -> int:
@@ -129,31 +271,68 @@ def _entry_bytes(key: tuple[str, str], fut: Future) -> int:
     return len(key[1]) + (fut.result().memory_size_bytes if done else 0)
 
 
-def _child_main() -> None:
-    """The child: reads the vocabulary, then compiles (kind, text) after (kind, text) until its pipe
-    closes; protocol on its own copy of stdout (fd 1 goes to stderr: nothing a library prints can
-    break it)."""
-    out = Connection(os.dup(1), readable=False)
-    os.dup2(2, 1)
-    inp = Connection(os.dup(0), writable=False)
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_main(control_fd: int) -> None:
+    """The zygote: reads the vocabulary, says ready, then forks a compile process for each socket the
+    core sends it, until the core's end closes. It never compiles, so it never needs to be killed."""
+    control = socket.socket(fileno=control_fd)
+    framed = Connection(os.dup(control_fd))
     import xgrammar as xgr
 
-    from ruvllm.structured.spec import _grammar
+    from ruvllm.structured.spec import _grammar  # imported once here, not in each fork
 
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(inp.recv_bytes().decode()), max_threads=1,
-                                   cache_enabled=False)
-    out.send_bytes(b"ready")
+    try:
+        vocabulary = framed.recv_bytes().decode()
+    except (EOFError, OSError):  # the core left (or closed) while this started
+        return
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(vocabulary), max_threads=1, cache_enabled=False)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its forks are reaped as they end
+    framed.send_bytes(b"ready")
+    framed.close()
+    me = os.getpid()
     while True:
         try:
-            kind, text = json.loads(inp.recv_bytes())
-        except EOFError:
+            _, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
             return
+        if not fds:  # the core closed its end: it is gone or closing
+            return
+        if os.fork() == 0:
+            try:
+                _die_with_parent()
+                if os.getppid() == me:  # else the zygote died before that took hold
+                    control.close()
+                    _compile_one(Connection(fds[0]), lambda kind, text: compiler.compile_grammar(_grammar(kind, text)))
+            finally:
+                os._exit(0)
+        os.close(fds[0])
+
+
+def _die_with_parent() -> None:
+    """A compile process ends with the zygote (so with the core: the zygote leaves when the core's
+    end of its socket closes), even mid-compile, where it reads nothing. Linux only (prctl)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _compile_one(conn: Connection, compile_grammar: Callable[[str, str], Any]) -> None:
+    """A forked compile process: its pid, then the answer to one (kind, text); then it waits until
+    the core closes the socket, so its pid stays its own until the core no longer kills by it."""
+    try:
+        conn.send_bytes(str(os.getpid()).encode())
+        kind, text = json.loads(conn.recv_bytes())
         try:
-            reply = [True, compiler.compile_grammar(_grammar(kind, text)).serialize_json()]
+            reply = [True, compile_grammar(kind, text).serialize_json()]
         except Exception as exc:  # noqa: BLE001  # xgrammar's kinds; the request is told
             reply = [False, f"the output constraint did not compile: {str(exc).strip() or type(exc).__name__}"]
-        out.send_bytes(json.dumps(reply).encode())
+        conn.send_bytes(json.dumps(reply).encode())
+        conn.recv_bytes()
+    except (EOFError, OSError):  # the core closed the socket: nobody waits
+        pass
 
 
 if __name__ == "__main__":
-    _child_main()
+    _child_main(int(sys.argv[1]))
