@@ -184,3 +184,22 @@ def test_manager_spills_evicted_cached_blocks_named_by_their_chain(tmp_path: Pat
     assert kv.disk_lookup(a2, 0) == chain(list(range(8)), salt="t")
     assert kv.disk_lookup(_request("other", list(range(9)), salt="u"), 0) == []  # another tenant: no key
     store.close()
+
+
+def test_models_it_cannot_serve_are_refused_by_name(tmp_path: Path) -> None:
+    """Gemma 3's several KV groups (and weights from code, which no file names) are refused before
+    anything is written; the quantized cold tier is refused on the real model (tests/e2e/test_kv_disk.py)."""
+    import dataclasses
+
+    from ruvllm.engine.llm import build_engine_config
+    from ruvllm.models.random_weights import random_weights
+    from ruvllm.worker.worker import Worker
+    from tests.engine_fixtures import TINY_GQA
+
+    config = build_engine_config(dtype="float32", num_blocks=16, kv_disk_path=str(tmp_path))
+    gemma = dataclasses.replace(TINY_GQA, architecture="gemma3", sliding_layers=(0,), sliding_window=8)
+    with pytest.raises(ValueError, match="gemma3 has sliding-window layers .* one KV group only"):
+        Worker.from_weights(gemma, lambda dt: random_weights(gemma, dt, "cpu"), config)
+    with pytest.raises(ValueError, match="needs a model loaded from files"):
+        Worker.from_weights(TINY_GQA, lambda dt: random_weights(TINY_GQA, dt, "cpu"), config)
+    assert not list(tmp_path.iterdir())
