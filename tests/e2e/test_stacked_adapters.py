@@ -23,7 +23,7 @@ from ruvllm.learning.learner import stack_scope
 from ruvllm.lora.batch import LoraBatch, lora_add_torch, lora_kernel
 from ruvllm.messages import CoreRequest
 from ruvllm.outputs import ScheduledSeq, SchedulerOutput
-from ruvllm.request import Request
+from ruvllm.request import Request, scaling_key
 from ruvllm.sampling_params import SamplingParams as Params
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
 from tests.lora_fixtures import hf_model, make_adapter, peft_logits
@@ -61,7 +61,8 @@ def stacked_logits(llm: LLM, names: tuple[str, ...], prompt: list[int], continua
     """Teacher-forced logits through the runner with `names` stacked (the first named, the rest on
     it), prefilled in chunks of `chunk`: [1 + len(continuation), V]."""
     kv, runner = llm.core.kv, llm.core.executor.runner
-    runs = tuple(AdapterRun(n, i, 1, False) for i, n in enumerate(names))
+    served = [runner.lora.get(n) for n in names]
+    runs = tuple(AdapterRun(n, i, a.num_slots, a.scaling_pass) for i, (n, a) in enumerate(zip(names, served)))
     req = Request("r", list(prompt), Params(), adapter=runs[0], stacked=runs[1:])
     out, pending = [], list(prompt)
     for tok in [None] + continuation:
@@ -72,7 +73,8 @@ def stacked_logits(llm: LLM, names: tuple[str, ...], prompt: list[int], continua
             n = len(pending) if chunk is None else min(chunk, len(pending))
             assert kv.allocate_slots(req, n)
             seq = ScheduledSeq("r", pending[:n], req.num_computed_tokens, kv.block_tables("r")[0],
-                               sample=n == len(pending), adapter=names[0], stacked=names[1:])
+                               sample=n == len(pending), adapter=names[0], stacked=names[1:],
+                               scaling_block_table=kv.block_table(scaling_key("r")) if req.scaling_pass else None)
             logits, _ = runner.compute_logits(SchedulerOutput([seq]))
             req.num_computed_tokens += n
             pending = pending[n:]
@@ -293,15 +295,38 @@ def test_feedback_on_a_stacked_completion_teaches_the_pair_alone(base: Path, ada
     assert_kv_free(llm)
 
 
-def test_xlora_with_a_stacked_micro_lora_is_bitwise_alone_and_batched(base: Path, adapters: dict[str, Path],
-                                                                       tmp_path: Path) -> None:
+def test_xlora_with_a_stacked_micro_lora(base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     """An X-LoRA model with a micro-LoRA stacked on it: the micro-LoRA's delta comes after the
     mixture in the real pass (the scaling pass stays the base model, so the classifier routes as it
-    was trained), and the row is bitwise the same alone and batched with other combinations."""
+    was trained): peft's logits for that, and the row is bitwise the same alone and batched with
+    other combinations."""
+    from peft import PeftModel
+
     from tests.lora_fixtures import make_xlora
 
-    make_xlora(base, tmp_path / "mix", [adapters["a"], adapters["b"]], seed=5, xlora_depth=1)
+    experts = [adapters["a"], adapters["b"]]
+    ref = make_xlora(base, tmp_path / "mix", experts, seed=5, xlora_depth=1)
     llm = engine(base, {"mix": tmp_path / "mix", **{k: adapters[k] for k in "amn"}}, dtype="float32")
+
+    # peft's oracle for "the micro-LoRA in the real pass only": the micro-LoRA merged into the base
+    # weights under peft's X-LoRA of the same classifier, whose scalings are pinned to those the
+    # plain model's scaling pass (the base model) gives
+    g = torch.Generator().manual_seed(3)
+    prompt, continuation = torch.randint(2, TINY_GQA.vocab_size, (23,), generator=g).tolist(), [7, 99, 12, 5]
+    plain = peft_logits(ref, prompt, continuation)
+    scalings = ref.get_latest_scalings().clone()
+    merged = PeftModel.from_pretrained(hf_model(base), adapters["m"]).merge_and_unload()
+    stacked_ref = make_xlora(None, tmp_path / "mix-on-m", experts, seed=5, model=merged, xlora_depth=1)
+    classifier = stacked_ref.base_model.internal_xlora_classifier
+    classifier.load_state_dict(ref.base_model.internal_xlora_classifier.state_dict())
+    classifier.forward = lambda *args, **kwargs: scalings
+    expected = peft_logits(stacked_ref, prompt, continuation)
+    assert (expected - plain).abs().max() > 0.05, "the micro-LoRA must move the mixture for the test to mean anything"
+    for chunk in (None, 6):
+        ours = stacked_logits(llm, ("mix", "m"), prompt, continuation, chunk)
+        diff = (ours - expected).abs().max().item()
+        assert diff < ATOL, f"chunk {chunk}: max |logit diff| {diff:.2e}"
+    llm.reset_prefix_cache()  # (stacked_logits' blocks are salted with its own load numbers)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     combos = [("mix", ("m",)), ("mix", ()), ("a", ("n",)), (None, ()), ("m", ()), ("mix", ("n",))]
     requests = [(f"x{i}", torch.randint(2, 500, (9 + 5 * i,), generator=torch.Generator().manual_seed(50 + i)).tolist(),
