@@ -241,7 +241,7 @@ class EngineCore:
                 "disk_queries": self.kv.stats.disk_queries, "disk_hits": self.kv.stats.disk_hits}
 
     def _spill_cached(self, per_call: int = 64) -> None:
-        if self.kv.disk is None or self.scheduler.has_work:
+        if self.kv.disk is None:  # (blocks held by requests still running are cached only once computed)
             return
         spills = self.kv.spill_cached()
         for i in range(0, len(spills), per_call):  # a step with no sequence: the worker only writes

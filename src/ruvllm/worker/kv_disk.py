@@ -219,25 +219,29 @@ class KVDiskStore:
                 self._cv.notify_all()
 
     def _write(self, name: DiskBlock, block: torch.Tensor) -> None:
-        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        payload = memoryview(block.contiguous().view(torch.uint8).numpy().reshape(-1))  # one copy: the slice's
         header = json.dumps({"key": name.key.hex(), "parent": name.parent.hex(), "tokens": list(name.token_ids),
                              "shape": list(block.shape), "dtype": str(block.dtype)}).encode()
-        body = MAGIC + struct.pack("<I", len(header)) + header + payload
-        data = body + hashlib.blake2b(body, digest_size=_DIGEST).digest()
-        if len(data) > self.index.budget:  # it could never be kept
+        head = MAGIC + struct.pack("<I", len(header)) + header
+        size = len(head) + payload.nbytes + _DIGEST
+        if size > self.index.budget:  # it could never be kept
             self.stats.dropped += 1
             return
+        digest = hashlib.blake2b(head, digest_size=_DIGEST)
+        digest.update(payload)
         path = self._path(name.key)
         tmp = self.folder / f".{path.name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.write(head)
+                f.write(payload)
+                f.write(digest.digest())
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         self.stats.written += 1
-        self._delete(self.index.add(name.key, len(data)), name.key)
+        self._delete(self.index.add(name.key, size), name.key)
 
     def flush(self) -> None:
         """Wait until every queued block is written (or dropped)."""
@@ -265,7 +269,9 @@ class KVDiskStore:
     def _read(self, name: DiskBlock) -> torch.Tensor | None:
         path = self._path(name.key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:  # read into one buffer the block's tensor will share
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except OSError as e:
             log.warning("disk KV tier: %s cannot be read (%s); its tokens are computed", path.name, e)
             self.index.remove(name.key)
@@ -283,19 +289,22 @@ class KVDiskStore:
             pass
         header_len = struct.unpack_from("<I", data, len(MAGIC))[0]
         start = len(MAGIC) + 4 + header_len
-        raw = torch.frombuffer(bytearray(data[start:len(data) - _DIGEST]), dtype=torch.uint8)
+        raw = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=self.block_bytes)
         return raw.view(self.dtype).view(self.block_shape)
 
-    def _check(self, data: bytes, name: DiskBlock) -> str | None:
+    def _check(self, data: bytearray, name: DiskBlock) -> str | None:
         """Why `data` is not the block `name` (None: it is)."""
         if len(data) < len(MAGIC) + 4 + _DIGEST or not data.startswith(MAGIC):
             return "not a block file (truncated or overwritten)"
-        body, digest = data[:-_DIGEST], data[-_DIGEST:]
+        view = memoryview(data)
+        body, digest = view[:-_DIGEST], view[-_DIGEST:]
         if hashlib.blake2b(body, digest_size=_DIGEST).digest() != digest:
             return "checksum mismatch (a torn write, truncation or corruption)"
         header_len = struct.unpack_from("<I", data, len(MAGIC))[0]
+        if len(MAGIC) + 4 + header_len > len(body):
+            return "header past the end of the file"
         try:
-            header = json.loads(body[len(MAGIC) + 4:len(MAGIC) + 4 + header_len])
+            header = json.loads(bytes(body[len(MAGIC) + 4:len(MAGIC) + 4 + header_len]))
         except ValueError:
             return "unreadable header"
         if header.get("key") != name.key.hex() or header.get("parent") != name.parent.hex():
