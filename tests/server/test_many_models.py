@@ -234,3 +234,21 @@ def test_a_budget_for_one_model_unloads_the_idle_one(gguf: Path) -> None:
         assert err.value.code == "model_too_large" and "MiB" in err.value.message
         assert server.states()["smol"] == "loaded"  # nothing was unloaded for a model that can never fit
         server.check_kv_free()
+
+
+def test_keep_alive_values_and_the_models_file(tmp_path: Path) -> None:
+    from ruvllm.server.errors import APIError
+    from ruvllm.server.model_pool import FOREVER, keep_alive_seconds, read_models_file
+
+    assert [keep_alive_seconds(v) for v in (None, 0, 30, "0", "5m", "1h30m", "300ms", -1, "-1s")] == [
+        None, 0.0, 30.0, 0.0, 300.0, 5400.0, 0.3, FOREVER, FOREVER]
+    for bad in ("soon", "5 m", True, [1]):
+        with pytest.raises(APIError) as err:
+            keep_alive_seconds(bad)
+        assert err.value.status == 400 and err.value.param == "keep_alive"
+    listing = tmp_path / "models.txt"
+    listing.write_text("# chat and a small one\nchat = /m/chat.gguf\n\nsmall=default\n")
+    assert read_models_file(listing) == [("chat", "/m/chat.gguf"), ("small", "default")]
+    listing.write_text("chat /m/chat.gguf\n")
+    with pytest.raises(ValueError, match="line 1"):
+        read_models_file(listing)
