@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 // The vector path needs AVX2 with FMA and F16C (every AVX2 CPU has both).
@@ -132,9 +133,13 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 // Eight int32 partial sums of sum_i u[i] * s[i] (u unsigned < 128 or a magnitude, s signed).
 // With AVX-512 VNNI one instruction does it; its sums are exact, and so are maddubs' here (a pair
 // of products stays within int16: 2 x 127 x 127 < 32768), so both give the same bits.
+// AVX-VNNI (the VEX form, on CPUs with avx_vnni but no AVX-512: Alder Lake and later) is the same
+// instruction at 256 bits. Chosen by the compiler's target (-march=native), never at run time.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -172,7 +177,8 @@ struct PackedTile {
   const uint16_t *scales, *zeros;
   int64_t K, ng, per_group, n0;
 
-  inline void block(int64_t b, Block& out) const {
+  // Decodes block b into `out` and returns it.
+  inline const Block& block(int64_t b, Block& out) const {
     {
       // the weights of the tile PF_TILES ahead, one block's share of it per block (prefetching past
       // the end of the codes is harmless: a prefetch never faults)
@@ -191,6 +197,7 @@ struct PackedTile {
     out.offset = int4 ? _mm_sub_ps(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))),
                                    _mm_mul_ps(_mm_set1_ps(8.f), out.scale))
                       : _mm_setzero_ps();
+    return out;
   }
 };
 
@@ -203,7 +210,9 @@ struct DecodedTile {
     blocks.resize(src.K / QK);
     for (int64_t b = 0; b < src.K / QK; ++b) src.block(b, blocks[b]);
   }
-  inline void block(int64_t b, Block& out) const { out = blocks[b]; }
+  // The stored block itself, not a copy: the kernel reads each part where it is used, which saves
+  // registers (a copy made the compiler spill them).
+  inline const Block& block(int64_t b, Block&) const { return blocks[b]; }
 };
 
 // y[t, n0..n0+4) for TC rows of x from t0 (TC = 2 keeps every accumulator in the 16 vector
@@ -212,30 +221,48 @@ struct DecodedTile {
 // scale) * (x scale * x code sum) with an FMA in the same order, and the result is hsum(lanes) +
 // that part. Neither which rows share a chunk nor where the decoded weights come from changes
 // it, so outputs are batch invariant.
-template <int TC, typename Tile>
-inline void tile_rows(bool int4, const Tile& w, const QuantRows& xr, const float* xsum, int64_t t0,
-                      int64_t K, int64_t N, int64_t n0, float* y) {
+//
+// Speed (many rows, ~2/3 of the time in this loop): the limit is vector loads as much as the
+// multiplies. Each row's block of x is loaded once and held; each weight row's codes are read
+// where used (an operand load); the four products x scale * w scale are one multiply of the
+// x scale by the four w scales in both halves of a register, and each unit's scale is an in-lane
+// permute of it (a register operation) rather than a store and four broadcast loads: 67 -> ~95
+// int8 GOP/s a core here (docs/performance.md). The products are the same float multiplies as
+// before, so the bits are too.
+template <int TC, bool INT4, typename Tile>
+inline void tile_rows(const Tile& w, const QuantRows& xr, const float* xsum, int64_t t0, int64_t K, int64_t N,
+                      int64_t n0, float* y) {
   const int64_t nb = K / QK;
+  const int8_t* xq = xr.q.data() + t0 * K;
+  const float* xs = xr.scale.data() + t0 * nb;
+  const float* xe = xsum + t0 * nb;
   __m256 acc[TC][TILE_N];
   __m128 ext[TC];
   for (int t = 0; t < TC; ++t) {
     ext[t] = _mm_setzero_ps();
     for (int r = 0; r < TILE_N; ++r) acc[t][r] = _mm256_setzero_ps();
   }
-  Block blk;
+  Block scratch;
   for (int64_t b = 0; b < nb; ++b) {
-    w.block(b, blk);
+    const Block& blk = w.block(b, scratch);
+    const __m256 wscale = _mm256_set_m128(blk.scale, blk.scale);
     for (int t = 0; t < TC; ++t) {
-      const int64_t row = t0 + t;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + row * K + b * QK));
-      alignas(16) float sc[TILE_N];
-      _mm_store_ps(sc, _mm_mul_ps(_mm_set1_ps(xr.scale[row * nb + b]), blk.scale));
-      for (int r = 0; r < TILE_N; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * QK));
+      const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(xs[t * nb + b]), wscale);
+      // one unit per weight row, written out: the permute's lane must be a compile-time constant at
+      // any optimization level (a loop over r is only unrolled into constants at -O3)
+      auto unit = [&](auto rc) {
+        constexpr int r = decltype(rc)::value;
         const __m256i c = blk.w[r];
-        const __m256i d = int4 ? dot_u8s8(c, xq) : dot_u8s8(_mm256_sign_epi8(c, c), _mm256_sign_epi8(xq, c));
-        acc[t][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(d), acc[t][r]);
-      }
-      if (int4) ext[t] = _mm_fmadd_ps(blk.offset, _mm_set1_ps(xsum[row * nb + b]), ext[t]);
+        const __m256i d = INT4 ? dot_u8s8(c, x) : dot_u8s8(_mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
+        acc[t][r] = _mm256_fmadd_ps(_mm256_permute_ps(sc, r * 0x55), _mm256_cvtepi32_ps(d), acc[t][r]);
+      };
+      static_assert(TILE_N == 4, "one unit per weight row of a tile");
+      unit(std::integral_constant<int, 0>{});
+      unit(std::integral_constant<int, 1>{});
+      unit(std::integral_constant<int, 2>{});
+      unit(std::integral_constant<int, 3>{});
+      if (INT4) ext[t] = _mm_fmadd_ps(blk.offset, _mm_set1_ps(xe[t * nb + b]), ext[t]);
     }
   }
   for (int t = 0; t < TC; ++t) {
@@ -243,6 +270,15 @@ inline void tile_rows(bool int4, const Tile& w, const QuantRows& xr, const float
     _mm_store_ps(e, ext[t]);
     for (int r = 0; r < TILE_N; ++r) y[(t0 + t) * N + n0 + r] = hsum(acc[t][r]) + e[r];
   }
+}
+
+// Every row of x against one tile: pairs of rows, then the odd one.
+template <bool INT4, typename Tile>
+inline void all_rows(const Tile& w, const QuantRows& xr, const float* xsum, int64_t T, int64_t K, int64_t N,
+                     int64_t n0, float* y) {
+  int64_t t = 0;
+  for (; t + 2 <= T; t += 2) tile_rows<2, INT4>(w, xr, xsum, t, K, N, n0, y);
+  if (t < T) tile_rows<1, INT4>(w, xr, xsum, t, K, N, n0, y);
 }
 #else
 // Without AVX2: the same sums one (t, n) pair at a time (the dot lanes collapse to one float).
@@ -317,14 +353,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 #if defined(RUVLLM_AVX2)
       packed.n0 = i * TILE_N;
       if (T <= 2) {  // decoding as it reads: one pass over the weights either way
-        if (T == 2) tile_rows<2>(int4, packed, xr, xsum.data(), 0, K, N, packed.n0, yp);
-        else tile_rows<1>(int4, packed, xr, xsum.data(), 0, K, N, packed.n0, yp);
+        if (int4) all_rows<true>(packed, xr, xsum.data(), T, K, N, packed.n0, yp);
+        else all_rows<false>(packed, xr, xsum.data(), T, K, N, packed.n0, yp);
         continue;
       }
       decoded.decode(packed);
-      int64_t t = 0;
-      for (; t + 2 <= T; t += 2) tile_rows<2>(int4, decoded, xr, xsum.data(), t, K, N, packed.n0, yp);
-      if (t < T) tile_rows<1>(int4, decoded, xr, xsum.data(), t, K, N, packed.n0, yp);
+      if (int4) all_rows<true>(decoded, xr, xsum.data(), T, K, N, packed.n0, yp);
+      else all_rows<false>(decoded, xr, xsum.data(), T, K, N, packed.n0, yp);
 #else
       tile_rows_scalar(int4, cp, sp, zp, ng, per_group, xr, xsum.data(), T, K, N, i * TILE_N, yp);
 #endif
