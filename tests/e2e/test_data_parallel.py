@@ -157,10 +157,11 @@ def test_zz_a_killed_replica_fails_only_its_requests_and_comes_back(dp_engine: A
     _settle(engine)
 
 
-def test_a_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(tiny_model_dir, tmp_path) -> None:
-    """The adapter registry is the one record of what a core serves: a restarted replica loads what
-    a running replica's registry holds (issue 33's reload hung for 60 s before the new client's
-    receiving thread ran, and kept a failed load in its list for ever)."""
+def test_every_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(tiny_model_dir, tmp_path) -> None:
+    """The front keeps the run-time adapters (issue 33: a restart asked a running replica for them, so
+    with every replica down at once it found none; the reload once hung for 60 s before the new
+    client's receiving thread ran; a failed load stayed in the list). Every replica is SIGKILLed at
+    once; each comes back holding exactly the adapter that loaded, and answers as before."""
     from ruvllm.engine.llm import build_engine_config
     from ruvllm.errors import AdapterError
     from tests.lora_fixtures import make_adapter
@@ -170,35 +171,43 @@ def test_a_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(tiny
     engine = AsyncEngine.launch(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2,
                                                     max_lora_rank=16),
                                 DataParallelConfig(size=2, threads_per_replica=1))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+
+    async def together(lora: str | None, tag: str) -> list[RequestOutput]:  # spread over both replicas
+        return list(await asyncio.gather(*(_run_on(engine, p, params, f"{tag}{i}", lora)
+                                           for i, p in enumerate(prompts))))
+
     try:
         engine.load_lora("a", str(tmp_path / "a"))
         with pytest.raises(AdapterError):
             engine.load_lora("broken", str(tmp_path / "broken"))
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        before = [asyncio.run(_run(engine, [5, 6, 7, 8, 9], params, f"before{i}")) for i in range(2)]
-        victim = engine._client._replicas[0].client.process
-        os.kill(victim.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while engine.replicas[0].restarts < 1 or engine.replicas[0].status != "up":
+        assert engine._client._adapters == {"a": str(tmp_path / "a")}  # the failed load never entered
+        base = [_key(o) for o in asyncio.run(together(None, "base"))]
+        before = [_key(o) for o in asyncio.run(together("a", "before"))]
+        assert before != base  # the adapter changes the answers: serving it is what is checked
+        victims = [rep.client.process for rep in engine._client._replicas]
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while any(r.restarts < 1 or r.status != "up" for r in engine.replicas):
             assert time.monotonic() < deadline, engine.replicas
             time.sleep(0.1)
-        assert engine._client._replicas[0].client.call(ListAdapters()).adapters == [
-            AdapterEntry("a", str(tmp_path / "a"))]
-        # Each replica serves the adapter and answers as before (the router spreads new prompts).
-        for rep in engine._client._replicas:
-            assert rep.client.latest_stats.adapters == ["a"]
-        after = [asyncio.run(_run(engine, [5, 6, 7, 8, 9], params, f"after{i}")) for i in range(2)]
-        assert [_key(o) for o in after] == [_key(o) for o in before]
-        lora = [asyncio.run(_lora_run(engine, params, f"lora{i}")) for i in range(4)]
-        assert len({tuple(o.outputs[0].token_ids) for o in lora}) == 1
+        for rep, victim in zip(engine._client._replicas, victims):
+            assert rep.client.process.pid != victim.pid
+            assert rep.client.call(ListAdapters()).adapters == [AdapterEntry("a", str(tmp_path / "a"))]
+        after = [_key(o) for o in asyncio.run(together("a", "after"))]
+        assert all(r.stats.prefix_queries > 0 for r in engine.replicas), "both replicas were meant to serve"
+        assert after == before
+        assert [_key(o) for o in asyncio.run(together(None, "base-after"))] == base
     finally:
         engine.shutdown()
 
 
-async def _lora_run(engine: AsyncEngine, params: SamplingParams, rid: str) -> RequestOutput:
+async def _run_on(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str,
+                  lora: str | None) -> RequestOutput:
     last = None
-    async for out in engine.generate([5, 6, 7, 8, 9, 10, 11], params, rid, output_kind=OutputKind.FINAL_ONLY,
-                                     lora="a"):
+    async for out in engine.generate(prompt, params, rid, output_kind=OutputKind.FINAL_ONLY, lora=lora):
         last = out
     assert last is not None and last.finished
     return last

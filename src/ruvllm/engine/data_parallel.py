@@ -9,7 +9,9 @@ by one (the `replica` label of /metrics).
 
 A replica that dies (killed, out of memory, a failed step) fails only its own open requests
 (ReplicaLostError, through the front's `on_lost`), is taken out of routing at once, and is started
-again in the background: the same config, then the adapters loaded into the others since start-up.
+again in the background: the same config, then the adapters loaded at run time. The front keeps that
+list (`_adapters`: a load enters it once every running replica has loaded it, an unload leaves it), so
+it outlives any replica, and every replica at once.
 The engine as a whole fails only when no replica is left and restarting has given up (more than
 `max_restarts` failures of one replica within `restart_window_s`).
 """
@@ -28,8 +30,8 @@ from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError
-from ruvllm.messages import (AdapterEntry, CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats,
-                             ListAdapters, LoadAdapter, sum_stats)
+from ruvllm.messages import (CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats, LoadAdapter,
+                             UnloadAdapter, sum_stats)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,12 @@ class DataParallelCoreClient:
         self._stopping = threading.Event()
         self._on_outputs: OnOutputs | None = None
         self._pending: list[ProcessCoreClient] = []
+        # The adapters loaded at run time, name -> path, in load order: what a restarted replica
+        # loads. Kept here rather than asked of a running replica, so a restart after every replica
+        # died still has it. `_adapters_lock` is held through a load or unload on every replica and
+        # while a restarted replica is marked up, so none misses a load made while it restarted.
+        self._adapters: dict[str, str] = {}
+        self._adapters_lock = threading.Lock()
         try:
             for rep in self._replicas:
                 self._pending.append(ProcessCoreClient(rep.config, cpus=rep.cpus))
@@ -177,6 +185,8 @@ class DataParallelCoreClient:
     def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
         """Every running replica answers (adapters are loaded into and unloaded from all); the
         stats returned are their sum, the adapters (ListAdapters) the first one's."""
+        if isinstance(call, (LoadAdapter, UnloadAdapter)):
+            return self._adapter_call(call, timeout)
         answers = []
         for rep in self._up():
             assert rep.client is not None
@@ -186,6 +196,43 @@ class DataParallelCoreClient:
                 continue  # its failure callback takes it out and restarts it
             rep.stats = answers[-1].stats
         return CallResult(0, self.latest_stats, adapters=answers[0].adapters if answers else [])
+
+    def _adapter_call(self, call: LoadAdapter | UnloadAdapter, timeout: float) -> CallResult:
+        """A load or unload on every running replica, then in the front's list. A load one replica
+        refuses is undone on those that took it and never enters the list; with no replica running
+        it is refused (nothing could check the adapter)."""
+        with self._adapters_lock:
+            done: list[_Replica] = []
+            try:
+                for rep in self._up():
+                    assert rep.client is not None
+                    try:
+                        rep.stats = rep.client.call(call, timeout=timeout).stats
+                    except EngineDeadError:
+                        continue  # its restart loads what the list holds then
+                    done.append(rep)
+            except Exception:
+                if isinstance(call, LoadAdapter):
+                    self._undo_load(call.name, done)
+                elif done:  # gone from some replicas: a restart must not bring it back
+                    self._adapters.pop(call.name, None)
+                raise
+            if not done:
+                raise EngineDeadError("no engine replica is running (they are restarting or have failed)")
+            if isinstance(call, LoadAdapter):
+                self._adapters[call.name] = call.path
+            else:
+                self._adapters.pop(call.name, None)
+        return CallResult(0, self.latest_stats)
+
+    @staticmethod
+    def _undo_load(name: str, replicas: list[_Replica]) -> None:
+        for rep in replicas:
+            assert rep.client is not None
+            try:
+                rep.client.call(UnloadAdapter(name))
+            except Exception as exc:  # noqa: BLE001  # the load's own error is what the caller hears
+                log.error("engine replica %d: unloading %r after a failed load failed: %s", rep.index, name, exc)
 
     def _up(self) -> list[_Replica]:
         with self._lock:
@@ -275,8 +322,7 @@ class DataParallelCoreClient:
                 # Started first: its receiving thread answers the reload's calls. Until it is up,
                 # nothing is routed to it, and its failure is a stale client's (ignored).
                 self._attach(rep, client)
-                for entry in self._served_adapters():
-                    client.call(LoadAdapter(entry.name, entry.path))
+                self._reload_adapters(rep, client)  # returns holding _adapters_lock
             except Exception as exc:
                 client.shutdown()
                 if self._stopping.is_set():
@@ -292,26 +338,50 @@ class DataParallelCoreClient:
                     return
                 time.sleep(1.0)
                 continue
-            with self._lock:
-                rep.launching = None
-                if self._stopping.is_set():
-                    client.shutdown()
-                    return
-                rep.client, rep.status, rep.stats = client, "up", client.latest_stats
-                rep.restarts += 1
+            try:
+                with self._lock:
+                    rep.launching = None
+                    if self._stopping.is_set():
+                        client.shutdown()
+                        return
+                    rep.client, rep.status, rep.stats = client, "up", client.latest_stats
+                    rep.restarts += 1
+            finally:
+                self._adapters_lock.release()
             log.warning("engine replica %d is serving again (restart %d)", rep.index, rep.restarts)
             return
 
-    def _served_adapters(self) -> list[AdapterEntry]:
-        """The adapters a running replica's registry holds: what a restarted one loads again (none
-        when no replica is running: a failed load was never registered, so it is never replayed)."""
-        for rep in self._up():
-            assert rep.client is not None
-            try:
-                return rep.client.call(ListAdapters()).adapters
-            except EngineDeadError:
-                continue
-        return []
+    def _reload_adapters(self, rep: _Replica, client: ProcessCoreClient) -> None:
+        """Load the front's list into a restarted replica, and return holding `_adapters_lock` with
+        the replica in step with the list (it is marked up under it). The loads run without the
+        lock (an admin load waits for none of them); a load or unload made meanwhile is caught up
+        with before returning. An adapter that no longer loads (its folder removed since) is
+        logged and left out: the replica serves the rest rather than never coming back."""
+        loaded: dict[str, str] = {}
+        skipped: dict[str, str] = {}
+        while True:
+            with self._adapters_lock:
+                want = dict(self._adapters)
+            for name in [n for n, path in loaded.items() if want.get(n) != path]:  # unloaded meanwhile
+                client.call(UnloadAdapter(name))
+                del loaded[name]
+            for name, path in want.items():
+                if loaded.get(name) == path or skipped.get(name) == path:
+                    continue
+                try:
+                    client.call(LoadAdapter(name, path))
+                    loaded[name] = path
+                except EngineDeadError:
+                    raise
+                except Exception as exc:  # noqa: BLE001  # the adapter's fault, not the replica's
+                    skipped[name] = path
+                    log.error("engine replica %d: adapter %r (%s) did not load again, so this replica serves "
+                              "without it: %s", rep.index, name, path, exc)
+            self._adapters_lock.acquire()
+            if all(loaded.get(n) == p or skipped.get(n) == p for n, p in self._adapters.items()) and all(
+                    self._adapters.get(n) == p for n, p in loaded.items()):
+                return
+            self._adapters_lock.release()
 
     def _count_failure(self, rep: _Replica, error: str) -> bool:
         """Note a failure (under the lock); True when the replica has failed too often to go on."""
