@@ -15,7 +15,9 @@ from ruvllm.grpc import ruvllm_pb2 as pb
 from ruvllm.grpc.translate import (finish_of, priority_of, prompt_of, sampling_params, token_limit, usage_of,
                                    user_of)
 from ruvllm.server.errors import APIError, api_error
+from ruvllm.server.config import ServerConfig
 from ruvllm.server.generation import Run, ServerState, check_context
+from ruvllm.server.model_pool import ModelPool
 from ruvllm.server.guards import KeyTable, key_roles
 from ruvllm.server.tenants import tenant_named
 from ruvllm.tenants import may_use
@@ -58,9 +60,10 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 class GenerationAPI:
-    def __init__(self, st: ServerState) -> None:
-        cfg = st.cfg
-        self.st = st
+    def __init__(self, pool: ModelPool, cfg: ServerConfig) -> None:
+        """`pool`: the server's models (server/model_pool.py); a call goes to the model its `model` names,
+        as an HTTP request does, and holds it until the call ends."""
+        self.pool = pool
         self.keys = KeyTable(key_roles(cfg))
         self.required = bool(cfg.api_key or cfg.api_keys)
         self.open_methods = frozenset(cfg.routes_without_key)  # full method names, as HTTP paths are
@@ -80,22 +83,39 @@ class GenerationAPI:
         return None if role is None else role[0]
 
     async def _begin(self, req: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext,
-                     name: str) -> Run:
+                     name: str) -> tuple[Run, ServerState, str | None]:
+        """The call's run, its model's state and the model it holds (None: a one-model server's, never
+        released); the caller releases both however the call ends."""
         key_tenant = self._key_tenant(context, name)  # before anything of the request is read
         if isinstance(req, Malformed):
             raise APIError(400, f"the request is not a GenerateRequest: {req.error}", None, "invalid_value")
-        st = self.st
-        tenant = tenant_named(key_tenant, user_of(req))
-        adapter = st.check_model(req.model or None, tenant)
-        priority = priority_of(req)
-        prompt = await prompt_of(st, req)
-        params = sampling_params(req, check_context(prompt, token_limit(req), st.max_len))
-        return await st.begin(method(name), tenant, [prompt], [params], "gen-", adapter, priority)
+        st, held = await self._route(req.model or None)
+        try:
+            tenant = tenant_named(key_tenant, user_of(req))
+            adapter = st.check_model(req.model or None, tenant)
+            priority = priority_of(req)
+            prompt = await prompt_of(st, req)
+            params = sampling_params(req, check_context(prompt, token_limit(req), st.max_len))
+            return await st.begin(method(name), tenant, [prompt], [params], "gen-", adapter, priority), st, held
+        except BaseException:
+            self._release(held)
+            raise
+
+    async def _route(self, model: str | None) -> tuple[ServerState, str | None]:
+        single = self.pool.single
+        if single is not None:
+            return single, None
+        name = self.pool.resolve(model)
+        return await self.pool.acquire(name), name
+
+    def _release(self, held: str | None) -> None:
+        if held is not None:
+            self.pool.release(held)
 
     async def generate(self, req: pb.GenerateRequest | Malformed,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            run = await self._begin(req, context, "Generate")
+            run, st, held = await self._begin(req, context, "Generate")
             try:
                 # a cancelled call (client gone, deadline) raises here, which aborts the engine requests
                 async with aclosing(run.following):
@@ -103,7 +123,8 @@ class GenerationAPI:
                         pass
                 results = run.finish()
             finally:
-                self.st.admission.release(run.seqs)
+                st.admission.release(run.seqs)
+                self._release(held)
         except Exception as exc:
             await _abort(context, exc)
         c = results[0].outputs[0]
@@ -114,7 +135,7 @@ class GenerationAPI:
     async def generate_stream(self, req: pb.GenerateRequest | Malformed,
                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         try:
-            run = await self._begin(req, context, "GenerateStream")
+            run, st, held = await self._begin(req, context, "GenerateStream")
         except Exception as exc:
             await _abort(context, exc)
         try:
@@ -130,7 +151,8 @@ class GenerationAPI:
         except Exception as exc:  # mid-stream: the chunks sent stand, the status says why no more come
             await _abort(context, exc)
         finally:
-            self.st.admission.release(run.seqs)
+            st.admission.release(run.seqs)
+            self._release(held)
 
     async def list_models(self, req: pb.ListModelsRequest | Malformed,
                           context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
@@ -139,16 +161,24 @@ class GenerationAPI:
             tenant = tenant_named(self._key_tenant(context, "ListModels"), None)
         except Exception as exc:
             await _abort(context, exc)
-        st = self.st
-        name = st.cfg.served_model_name
-        base = pb.Model(id=name, max_model_len=st.max_len, created=st.created)
-        adapters = [pb.Model(id=lora, parent=name, max_model_len=st.max_len, created=st.created)
-                    for lora in st.engine.loras if may_use(tenant, lora)]
-        return pb.ListModelsResponse(models=[base, *adapters])
+        models = []
+        for e in self.pool.entries.values():  # every model, loaded or not (nothing is loaded to answer)
+            st = e.state
+            if st is None:
+                models.append(pb.Model(id=e.name, created=self.pool.created))
+                continue
+            models.append(pb.Model(id=e.name, max_model_len=st.max_len, created=st.created))
+            models += [pb.Model(id=lora, parent=e.name, max_model_len=st.max_len, created=st.created)
+                       for lora in st.engine.loras if may_use(tenant, lora)]
+        return pb.ListModelsResponse(models=models)
 
     async def health(self, req: Any, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        """As /health, and like it answered without a key: a probe holds no secret."""
-        engine = self.st.engine
+        """As /health, and like it answered without a key: a probe holds no secret. With several models
+        the server serves while it runs (a model whose engine failed is unloaded, the others serve on)."""
+        single = self.pool.single
+        if single is None:
+            return pb.HealthResponse(status=pb.HealthResponse.SERVING)
+        engine = single.engine
         if engine.failure is not None:
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING,
                                      detail=f"engine is not running: {engine.failure}")

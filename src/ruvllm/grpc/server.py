@@ -11,7 +11,8 @@ from google.protobuf.message import DecodeError
 
 from ruvllm.grpc import ruvllm_pb2 as pb
 from ruvllm.grpc.api import SERVICE, GenerationAPI, Malformed
-from ruvllm.server.generation import ServerState
+from ruvllm.server.config import ServerConfig
+from ruvllm.server.model_pool import ModelPool
 
 
 def _lenient(kind: type) -> Callable[[bytes], Any]:
@@ -49,7 +50,7 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def start_grpc(st: ServerState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(pool: ModelPool, cfg: ServerConfig, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server on host:port (0: any free port), and the port it bound. OSError when it
     cannot bind."""
     server = grpc.aio.server(options=(
@@ -57,9 +58,9 @@ async def start_grpc(st: ServerState, host: str, port: int) -> tuple[grpc.aio.Se
         # kernel then splits the connections between the two: a port in use must fail instead
         ("grpc.so_reuseport", 0),
         # the HTTP server's body limit (--max-request-bytes); past it gRPC answers RESOURCE_EXHAUSTED
-        ("grpc.max_receive_message_length", st.cfg.max_request_bytes),
+        ("grpc.max_receive_message_length", cfg.max_request_bytes),
     ))
-    server.add_generic_rpc_handlers((handlers(GenerationAPI(st)),))
+    server.add_generic_rpc_handlers((handlers(GenerationAPI(pool, cfg)),))
     where = address(host, port)
     try:
         bound = server.add_insecure_port(where)

@@ -54,7 +54,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         if service.witness is not None:
             service.witness.close()  # what is queued is committed first
 
-    app = _assemble(ModelPool.of_one(cfg.served_model_name, engine, st), cfg, metrics, st, _nothing, stop)
+    app = _assemble(ModelPool.of_one(cfg.served_model_name, engine, st), cfg, metrics, _nothing, stop)
     app.state.ruvllm = st
     return app
 
@@ -64,11 +64,9 @@ def create_pool_app(models: dict[str, EngineConfig], cfg: ServerConfig, settings
                     ) -> FastAPI:
     """Many models (docs/server.md, "Many models"): each an engine core in a process of its own, loaded on
     demand (or at start: `preload`) and unloaded when idle or short of memory (server/model_pool.py).
-    Learning and gRPC stay one-model features."""
+    Learning stays a one-model feature."""
     if cfg.learning is not None:
         raise ValueError("learning (--learn) serves one model; it is not available with several models")
-    if cfg.grpc_port is not None:
-        raise ValueError("the gRPC API serves one model; it is not available with several models")
     unknown = [name for name in preload if name not in models]
     if unknown:
         raise ValueError(f"--preload {unknown[0]}: no such model (the models are {', '.join(models)})")
@@ -98,7 +96,7 @@ def create_pool_app(models: dict[str, EngineConfig], cfg: ServerConfig, settings
         for log in witnesses.values():
             log.close()
 
-    return _assemble(pool, cfg, metrics, None, start, stop)
+    return _assemble(pool, cfg, metrics, start, stop)
 
 
 def model_state(engine: AsyncEngine, cfg: ServerConfig, metrics: ServerMetrics, service: GenerationService,
@@ -132,15 +130,15 @@ async def _nothing() -> None:
     pass
 
 
-def _assemble(pool: ModelPool, cfg: ServerConfig, metrics: ServerMetrics, grpc_state: ServerState | None,
-              start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> FastAPI:
+def _assemble(pool: ModelPool, cfg: ServerConfig, metrics: ServerMetrics, start: Callable[[], Awaitable[None]],
+              stop: Callable[[], Awaitable[None]]) -> FastAPI:
     @asynccontextmanager
     async def lifespan(running: FastAPI) -> AsyncIterator[None]:
         grpc_server = None
-        if cfg.grpc_port is not None and grpc_state is not None:  # on this event loop, over the same state
+        if cfg.grpc_port is not None:  # on this event loop, over the same models
             from ruvllm.grpc.server import start_grpc
 
-            grpc_server, running.state.grpc_port = await start_grpc(grpc_state, cfg.host, cfg.grpc_port)
+            grpc_server, running.state.grpc_port = await start_grpc(pool, cfg, cfg.host, cfg.grpc_port)
         try:
             await start()
             yield

@@ -239,6 +239,7 @@ class ModelPool:
         """Load (the admin route, --preload); a loaded model only has its idle clock restarted."""
         e = self.entries[name]
         e.holds += 1
+        e.keep_alive_s = None  # the server's default again (an earlier unload set 0)
         try:
             await self._ensure_loaded(e)
         finally:
@@ -282,15 +283,15 @@ class ModelPool:
             self._load_lock = asyncio.Lock()
         async with self._load_lock:  # one load at a time, in arrival order (asyncio's lock is FIFO)
             try:
-                if e.estimate_bytes is None:
-                    e.estimate_bytes = await asyncio.to_thread(self._estimate, e.config)
                 budget = self.settings.max_memory_bytes
+                if budget is not None and e.estimate_bytes is None:  # headers only, but seconds for a big vocabulary
+                    e.estimate_bytes = await asyncio.to_thread(self._estimate, e.config)
                 if budget is not None and e.estimate_bytes > budget:
                     raise APIError(400, f"The model `{e.name}` needs about {_mib(e.estimate_bytes)} (weights + KV "
                                         f"cache), more than this server's whole --max-memory budget of "
                                         f"{_mib(budget)}; it can never be loaded here.", "model",
                                    "model_too_large")
-                await self._make_room(e, e.estimate_bytes)
+                await self._make_room(e, e.estimate_bytes or 0)
                 e.status = LOADING
                 start = time.monotonic()
                 engine = await asyncio.to_thread(self._launch, e.config)
