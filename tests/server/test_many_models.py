@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import ollama
 import openai
 import pytest
 import uvicorn
 
-from ruvllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from ruvllm.grpc import ruvllm_pb2 as pb
+from ruvllm.grpc.ruvllm_pb2_grpc import GenerationStub
 from ruvllm.server.app import create_pool_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.model_pool import ModelPool, PoolSettings, estimate_bytes
@@ -31,9 +34,9 @@ PROMPTS = ["The capital of France is", "Water boils at", "A list of colours: red
 MAX_TOKENS = 10
 
 
-def engine_config(model: str | None, blocks: int = 128) -> EngineConfig:
+def engine_config(model: str | None, blocks: int = 128, **extra: Any) -> EngineConfig:
     return EngineConfig(model=model, num_threads=1, cache=CacheConfig(num_blocks=blocks),
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), **extra)
 
 
 @dataclass
@@ -70,9 +73,9 @@ class PoolServer:
 
 
 @contextmanager
-def pool_server(models: dict[str, EngineConfig], settings: PoolSettings) -> Iterator[PoolServer]:
+def pool_server(models: dict[str, EngineConfig], settings: PoolSettings, **cfg: Any) -> Iterator[PoolServer]:
     port = free_port()
-    app = create_pool_app(models, ServerConfig(port=port, witness_log=None), settings)
+    app = create_pool_app(models, ServerConfig(port=port, witness_log=None, **cfg), settings)
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -104,9 +107,36 @@ def broken(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(gguf: Path, broken: Path) -> Iterator[PoolServer]:
-    models = {"smol": engine_config(None), "gemma": engine_config(str(gguf)), "broken": engine_config(str(broken))}
-    with pool_server(models, PoolSettings(keep_alive_s=300)) as running:
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-4 PEFT adapter on the default model's q and v projections, written as peft writes one (its
+    config and its safetensors), with random weights large enough to change a greedy answer."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("adapters") / "smol-lora"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    weights = {}
+    for layer in range(30):  # SmolLM2-135M: 30 layers, hidden 576, 3 KV heads of 64
+        for proj, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(4, 576, generator=gen) * 0.05
+            weights[f"{key}.lora_B.weight"] = torch.randn(out, 4, generator=gen) * 0.05
+    save_file(weights, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "bias": "none"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(gguf: Path, broken: Path, adapter: Path) -> Iterator[PoolServer]:
+    lora = LoraConfig(enable_lora=True, max_loras=1, max_lora_rank=4)
+    models = {"smol": engine_config(None, lora=lora), "gemma": engine_config(str(gguf)),
+              "broken": engine_config(str(broken))}
+    with pool_server(models, PoolSettings(keep_alive_s=300), grpc_port=free_port(),
+                     lora_dirs=(str(adapter.parent),)) as running:
         yield running
 
 
@@ -152,11 +182,21 @@ def test_switching_under_load_matches_each_model_alone(server: PoolServer) -> No
     alone.update({("gemma", p): server.complete("gemma", p) for p in PROMPTS[1:]})
     assert alone[("smol", PROMPTS[0])] != alone[("gemma", PROMPTS[0])]  # two models, not one twice
 
-    # Back and forth, both at once: each answer as its model gave it alone
+    # Back and forth, both at once, over HTTP and gRPC: each answer as its model gave it alone
     work = [(m, p) for _ in range(2) for p in PROMPTS for m in ("smol", "gemma")]
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda mp: server.complete(*mp), work))
+    with grpc.insecure_channel(f"127.0.0.1:{server.app.state.grpc_port}") as channel:
+        stub = GenerationStub(channel)
+
+        def over_grpc(model: str, prompt: str) -> str:
+            sampling = pb.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0)
+            return stub.Generate(pb.GenerateRequest(text=prompt, model=model, sampling=sampling)).text
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda mp: server.complete(*mp), work))
+            by_grpc = list(pool.map(lambda mp: over_grpc(*mp), work[:4]))
+        assert [m.id for m in stub.ListModels(pb.ListModelsRequest()).models] == ["smol", "gemma", "broken"]
     assert got == [alone[mp] for mp in work]
+    assert by_grpc == [alone[mp] for mp in work[:4]]
     models = {m.id: m.model_extra for m in server.client().models.list().data}
     for name in ("smol", "gemma"):
         assert models[name]["state"] == "loaded" and models[name]["memory_bytes"] > 0
@@ -179,6 +219,22 @@ def test_a_corrupt_model_fails_only_its_own_requests(server: PoolServer) -> None
     with pytest.raises(ollama.ResponseError) as err2:  # every dialect: the same failure in its own shape
         ollama.Client(host=server.url).generate(model="broken", prompt="hi", options={"num_predict": 2})
     assert err2.value.status_code == 500 and "could not be loaded" in err2.value.error
+
+
+def test_an_adapter_goes_to_its_parent_model(server: PoolServer, adapter: Path) -> None:
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(adapter),
+                                                           "model": "smol"})  # `model`: the parent
+        assert loaded.status_code == 200, loaded.text
+        listed = {m.id: m.parent for m in server.client().models.list().data}
+        assert listed["tuned"] == "smol"
+        base, tuned = server.complete("smol", PROMPTS[0]), server.complete("tuned", PROMPTS[0])
+        assert tuned != base
+        assert server.client().completions.create(model="tuned", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                  temperature=0).model == "tuned"
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        server.complete("tuned", PROMPTS[0])
 
 
 def test_unknown_model_is_404_and_loads_nothing(server: PoolServer) -> None:
