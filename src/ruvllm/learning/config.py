@@ -18,6 +18,22 @@ class InstantConfig(Checked):
     context: str = setting("full", "learning/instant.py (docs/learning.md).", choices=("full", "frozen"), cli=False)
     candidates: int = setting(2048, "Sampled softmax size; 0: the whole vocabulary.", minimum=0, cli=False)
     seed: int = setting(0, "Seeds the sampled softmax.", cli=False)
+    # The sampled softmax's competitors (issue 37). Drawn uniformly alone, 2,048 of 49,152 rarely
+    # include the tokens the model actually prefers at a row, so its loss fell to ~0.01 while the
+    # full softmax's worst target token stayed at 1-2 nats: the fact held greedily and not under
+    # sampling. So the base model's top `hard_negatives` tokens at each target row (found once per
+    # (prompt, target) pair) are always candidates, and with `estimate_rest` the uniformly drawn
+    # ones stand for the rest of the vocabulary (their logits + log(rest / drawn)), which makes the
+    # loss an estimate of the full softmax's rather than a bound below it.
+    hard_negatives: int = setting(32, "The base model's top tokens per target row kept as candidates.", minimum=0,
+                                  cli=False)
+    estimate_rest: bool = setting(True, "The drawn candidates stand for the rest of the vocabulary.", cli=False)
+    # More than one step per event, until the worst target token's loss falls under `target_nll`
+    # (nats; 0: always `steps_per_event`): a fact that one step a correction does not carry through
+    # sampling gets more, one already held gets one. Each step costs a step's time (docs/learning.md).
+    steps_per_event: int = setting(1, "Most gradient steps per feedback event.", minimum=1, cli=False)
+    target_nll: float = setting(0.0, "Steps stop once every target token's loss is under this (nats).", minimum=0,
+                                cli=False)
     # EWC++, applied by the background loop (learning/background.py): the penalty lambda * sum F
     # (theta - theta*)^2, theta* the micro-LoRA's starting point (the base model's behaviour) and F
     # an online diagonal Fisher of the LM loss on the tenant's own recent completions, refreshed

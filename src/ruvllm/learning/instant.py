@@ -13,6 +13,7 @@ docs/learning.md:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,13 +40,17 @@ class Prepared:
     frozen: bool = False
     # the prompt's mean hidden state entering the learned layers: the pattern bank's embedding
     embedding: torch.Tensor | None = None
+    # the base model's top tokens at the target's rows, always among the sampled softmax's candidates
+    negatives: torch.Tensor | None = None
 
 
 @dataclass
 class StepTiming:
     forward_backward: float
     optimizer: float
-    loss: float
+    loss: float  # the feedback's loss as the event found it (before its first step)
+    steps: int = 1  # gradient steps the event took
+    final_loss: float | None = None  # the loss before the event's last step
 
 
 @dataclass
@@ -93,32 +98,58 @@ class InstantLearner:
                     self.layers.forward(h[:before], torch.arange(before), None, keep_kv=kv)
                 context = kv
             h = h[before:len(ids) - 1]
-        return Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen, embedding)
+        prep = Prepared(len(prompt), target, h, context, time.perf_counter() - t, frozen, embedding)
+        if self.config.hard_negatives and self.config.candidates:
+            with torch.no_grad():
+                logits = self._rows(prep, None) @ self.layers.head.t()
+                logits[torch.arange(len(target)), torch.tensor(target)] = float("-inf")
+                k = min(self.config.hard_negatives, logits.shape[1])
+                prep.negatives = torch.unique(logits.topk(k, dim=1).indices)
+            prep.seconds = time.perf_counter() - t
+        return prep
+
+    def _rows(self, prep: Prepared, lora: MicroLora | None) -> torch.Tensor:
+        """The final-normed hidden states of the rows that predict the target, under `lora`."""
+        n_prompt, n = prep.prompt_len, len(prep.target)
+        if prep.frozen:
+            return self.layers.forward(prep.h, torch.arange(n_prompt - 1, n_prompt - 1 + n), lora, prep.context)
+        return self.layers.forward(prep.h, torch.arange(n_prompt + n), lora)[n_prompt - 1:-1]
 
     def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
-        """One Adam step of the tenant's micro-LoRA toward (score > 0) or away from the target, on
-        the feedback's loss alone (EWC++ is `consolidate`'s pull, off the feedback's path)."""
-        t0 = time.perf_counter()
-        n_prompt, target = prep.prompt_len, prep.target
-        labels = torch.tensor(target)
-        if prep.frozen:
-            positions = torch.arange(n_prompt - 1, n_prompt - 1 + len(target))
-            rows = self.layers.forward(prep.h, positions, state.lora, prep.context)
-        else:
-            out = self.layers.forward(prep.h, torch.arange(n_prompt + len(target)), state.lora)
-            rows = out[n_prompt - 1:-1]
-        logits, index = self._logits(rows, labels)
-        if score >= 0:
-            loss = F.cross_entropy(logits, index) * max(score, 1e-3)
-        else:
-            p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
-            loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
-        state.opt.zero_grad()
-        loss.backward()
-        t1 = time.perf_counter()
-        state.opt.step()
-        state.steps += 1
-        return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()))
+        """Adam steps of the tenant's micro-LoRA toward (score > 0) or away from the target, on the
+        feedback's loss alone (EWC++ is `consolidate`'s pull, off the feedback's path): one, or up to
+        `steps_per_event` while a target token's loss (toward it) is still over `target_nll`."""
+        c = self.config
+        labels = torch.tensor(prep.target)
+        fb = opt = 0.0
+        first = last = None
+        taken = 0
+        while True:
+            t0 = time.perf_counter()
+            logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives)
+            if score >= 0:
+                nll = F.cross_entropy(logits, index, reduction="none")
+                loss = nll.mean() * max(score, 1e-3)
+                done = taken and float(nll.detach().max()) < c.target_nll
+            else:
+                p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
+                loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
+                done = taken > 0  # pushing away has no target to reach: one step
+            last = float(loss.detach())
+            first = last if first is None else first
+            if done:
+                fb += time.perf_counter() - t0  # (this forward only checked the loss)
+                break
+            state.opt.zero_grad()
+            loss.backward()
+            t1 = time.perf_counter()
+            state.opt.step()
+            state.steps += 1
+            taken += 1
+            fb, opt = fb + t1 - t0, opt + time.perf_counter() - t1
+            if taken >= c.steps_per_event:
+                break
+        return StepTiming(fb, opt, first, taken, last)
 
     def consolidate(self, state: TenantState, steps: int = 1) -> float:
         """EWC++'s pull toward theta*: the proximal step of the penalty lambda * sum F (theta - theta*)^2
@@ -159,12 +190,23 @@ class InstantLearner:
         gamma = self.config.fisher_gamma
         state.fisher = sq if state.fisher is None else [gamma * f + (1 - gamma) * s for f, s in zip(state.fisher, sq)]
 
-    def _logits(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits over the candidates and each label's index among them."""
+    def _logits(self, rows: torch.Tensor, labels: torch.Tensor,
+                negatives: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits over the candidates and each label's index among them: the labels, the hard
+        `negatives`, and `candidates` tokens drawn uniformly (with `estimate_rest`, each drawn one's
+        logit raised by log(rest / drawn), so that together they weigh as the rest of the vocabulary)."""
         head = self.layers.head
-        n = self.config.candidates
-        if not n or n >= head.shape[0]:
+        c = self.config
+        n, vocab = c.candidates, head.shape[0]
+        if not n or n >= vocab:
             return rows @ head.t(), labels
-        others = torch.randint(0, head.shape[0], (n,), generator=self._gen)
-        cands, inverse = torch.unique(torch.cat([labels, others]), return_inverse=True)
-        return rows @ head[cands].t(), inverse[:len(labels)]
+        others = torch.randint(0, vocab, (n,), generator=self._gen)
+        if not c.estimate_rest:
+            fixed = labels if negatives is None else torch.cat([labels, negatives])
+            cands, inverse = torch.unique(torch.cat([fixed, others]), return_inverse=True)
+            return rows @ head[cands].t(), inverse[:len(labels)]
+        exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
+                                      return_inverse=True)
+        others = others[~torch.isin(others, exact)]
+        rest = (rows @ head[others].t()) + math.log((vocab - len(exact)) / max(len(others), 1))
+        return torch.cat([rows @ head[exact].t(), rest], dim=1), inverse[:len(labels)]
