@@ -179,6 +179,9 @@ def test_a_plain_request_keeps_its_pace_beside_a_runaway_compile(default_llm: LL
     while not done:
         done = any(o.request_id == "plain" and o.finish_reason for o in core.step())
     assert time.monotonic() - started < 4.0  # 16 tokens; the compile alone takes about half a minute
+    deadline = time.monotonic() + 60  # run alone, this file's first compile also starts the zygote
+    while compiler._slots[0].pid is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     pid, zygote = compiler._slots[0].pid, compiler._zygote
     assert pid is not None and compiler._slots[0].running is not None and zygote is not None
     core.abort(["runaway"])
