@@ -95,7 +95,7 @@ def main() -> None:
         rows.append((name, [t for t, _ in loads], loads[-1][1]))
     switches = switch_seconds(configs, args.runs)
     print(f"runs: {args.runs}, threads: {args.threads}; seconds, median (min-max)")
-    print(f"| model | weights + KV (MiB) | load (AsyncEngine.launch) | first request after a switch | same request, loaded |")
+    print("| model | weights + KV (MiB) | load (AsyncEngine.launch) | first request after a switch | same request, loaded |")
     print("| --- | --- | --- | --- | --- |")
     for name, loads, size in rows:
         first = [a for a, _ in switches[name]]
