@@ -161,7 +161,8 @@ def test_every_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(
     """The front keeps the run-time adapters (issue 33: a restart asked a running replica for them, so
     with every replica down at once it found none; the reload once hung for 60 s before the new
     client's receiving thread ran; a failed load stayed in the list). Every replica is SIGKILLed at
-    once; each comes back holding exactly the adapter that loaded, and answers as before."""
+    once; while none is up, a load or a request is refused as a replica loss (a retry is answered); each
+    comes back holding exactly the adapter that loaded, and answers as before."""
     from ruvllm.engine.llm import build_engine_config
     from ruvllm.errors import AdapterError
     from tests.lora_fixtures import make_adapter
@@ -189,6 +190,14 @@ def test_every_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(
         victims = [rep.client.process for rep in engine._client._replicas]
         for victim in victims:
             os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(r.status == "up" for r in engine.replicas):  # noticed within 0.2 s; back in seconds
+            assert time.monotonic() < deadline, engine.replicas
+            time.sleep(0.02)
+        with pytest.raises(ReplicaLostError, match="restarting"):  # 503 at the server: a retry is answered
+            engine.load_lora("b", str(tmp_path / "a"))
+        with pytest.raises(ReplicaLostError, match="restarting"):
+            asyncio.run(_run_on(engine, prompts[0], params, "while-down", None))
         deadline = time.monotonic() + 90
         while any(r.restarts < 1 or r.status != "up" for r in engine.replicas):
             assert time.monotonic() < deadline, engine.replicas
@@ -198,7 +207,7 @@ def test_every_replica_killed_after_a_run_time_load_comes_back_with_the_adapter(
             assert rep.client.call(ListAdapters()).adapters == [AdapterEntry("a", str(tmp_path / "a"))]
         after = [_key(o) for o in asyncio.run(together("a", "after"))]
         assert all(r.stats.prefix_queries > 0 for r in engine.replicas), "both replicas were meant to serve"
-        assert after == before
+        assert after == before and engine._client._adapters == {"a": str(tmp_path / "a")}
         assert [_key(o) for o in asyncio.run(together(None, "base-after"))] == base
     finally:
         engine.shutdown()

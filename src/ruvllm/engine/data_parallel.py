@@ -29,7 +29,7 @@ import msgspec
 from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.router import Router, RouterConfig
-from ruvllm.errors import EngineDeadError, ReplicaLostError
+from ruvllm.errors import EngineDeadError, ReplicaLostError, RuvllmError
 from ruvllm.messages import (CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats, LoadAdapter,
                              UnloadAdapter, sum_stats)
 
@@ -154,7 +154,7 @@ class DataParallelCoreClient:
         with self._lock:
             loads = {rep.index: len(rep.sequences) + rep.stats.kv_usage for rep in self._replicas if rep.status == "up"}
             if not loads:
-                raise EngineDeadError("no engine replica is running (they are restarting or have failed)")
+                raise self._none_running()
             assert self.router is not None
             index = self.router.choose(first.prompt_token_ids, (first.cache_salt, first.adapter), loads)
             rep = self._replicas[index]
@@ -200,7 +200,7 @@ class DataParallelCoreClient:
     def _adapter_call(self, call: LoadAdapter | UnloadAdapter, timeout: float) -> CallResult:
         """A load or unload on every running replica, then in the front's list. A load one replica
         refuses is undone on those that took it and never enters the list; with no replica running
-        it is refused (nothing could check the adapter)."""
+        it is refused (nothing could check the adapter): 503 while replicas restart."""
         with self._adapters_lock:
             done: list[_Replica] = []
             try:
@@ -218,12 +218,19 @@ class DataParallelCoreClient:
                     self._adapters.pop(call.name, None)
                 raise
             if not done:
-                raise EngineDeadError("no engine replica is running (they are restarting or have failed)")
+                raise self._none_running()
             if isinstance(call, LoadAdapter):
                 self._adapters[call.name] = call.path
             else:
                 self._adapters.pop(call.name, None)
         return CallResult(0, self.latest_stats)
+
+    def _none_running(self) -> RuvllmError:
+        """No replica is up: while one restarts, a retry will be answered (503 replica_failed at the
+        server); once all are given up, the engine has failed."""
+        if any(rep.status == "restarting" for rep in self._replicas):
+            return ReplicaLostError("no engine replica is running: they are restarting; send it again")
+        return EngineDeadError("no engine replica is running (they have failed)")
 
     @staticmethod
     def _undo_load(name: str, replicas: list[_Replica]) -> None:
