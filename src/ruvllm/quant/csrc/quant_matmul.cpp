@@ -222,13 +222,13 @@ struct DecodedTile {
 // that part. Neither which rows share a chunk nor where the decoded weights come from changes
 // it, so outputs are batch invariant.
 //
-// Speed (many rows, ~2/3 of the time in this loop): the limit is vector loads as much as the
-// multiplies. Each row's block of x is loaded once and held; each weight row's codes are read
-// where used (an operand load); the four products x scale * w scale are one multiply of the
-// x scale by the four w scales in both halves of a register, and each unit's scale is an in-lane
-// permute of it (a register operation) rather than a store and four broadcast loads: 67 -> ~95
-// int8 GOP/s a core here (docs/performance.md). The products are the same float multiplies as
-// before, so the bits are too.
+// Speed (many rows): the limit here is vector loads as much as the multiplies. Each row's block
+// of x is loaded once and held; each weight row's codes are read where used (an operand load);
+// the four products x scale * w scale are one multiply of the x scale by the four w scales in
+// both halves of a register, and each unit's scale is an in-lane permute of it (a register
+// operation): a store and four broadcast loads instead ran ~15% slower, even with the products
+// computed ahead. 67 -> 85-97 int8 GOP/s a core on AVX2 (docs/performance.md). The products are
+// the same float multiplies as before, so the bits are too (tests/unit/test_cpu_matmul_order.py).
 template <int TC, bool INT4, typename Tile>
 inline void tile_rows(const Tile& w, const QuantRows& xr, const float* xsum, int64_t t0, int64_t K, int64_t N,
                       int64_t n0, float* y) {
