@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.test_serve_process import _children, _port, _wait_gone, stop_mid_stream
+from tests.server.conftest import free_port
+from tests.server.test_serve_process import _children, _wait_gone, stop_mid_stream
 
 SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
 
@@ -33,7 +34,7 @@ def _metric(text: str, name: str, replica: int) -> float:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir):
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([*SERVE, str(tiny_model_dir), "--port", str(port), "--num-blocks", "256",
                              "--served-model-name", "tiny", "--data-parallel-size", "2", "--threads-per-replica", "1",
                              "--drain-timeout", "1"],  # test_zzz's stream outlasts the drain
