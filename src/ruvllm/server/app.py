@@ -60,7 +60,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
 
 
 def create_pool_app(models: dict[str, EngineConfig], cfg: ServerConfig, settings: PoolSettings,
-                    preload: tuple[str, ...] = (), launch: Callable[[EngineConfig], AsyncEngine] | None = None
+                    preload: tuple[str, ...] = (), launch: Callable[[EngineConfig, Any], AsyncEngine] | None = None
                     ) -> FastAPI:
     """Many models (docs/server.md, "Many models"): each an engine core in a process of its own, loaded on
     demand (or at start: `preload`) and unloaded when idle or short of memory (server/model_pool.py).

@@ -56,6 +56,9 @@ class ModelEntry:
     loaded_at: float | None = None
     load_seconds: float | None = None
     pinned: bool = False  # the single model of a one-model server: never unloaded
+    # Kept across unloads: a reload skips it (Gemma 3's, built from its GGUF's 262k-token vocabulary, takes
+    # as long as loading the weights; it is tens of MB, outside --max-memory's account)
+    tokenizer: Any = None
     _loading: asyncio.Future[None] | None = None
     _unloading: asyncio.Future[None] | None = None
     _timer: asyncio.TimerHandle | None = None
@@ -135,11 +138,12 @@ def _mib(n: int) -> str:
 
 class ModelPool:
     """The models one server serves (see the module's doc). `make_state(name, engine)` builds a loaded
-    model's ServerState; `launch(config)` starts its engine (blocking: run on a worker thread)."""
+    model's ServerState; `launch(config, tokenizer)` starts its engine (blocking: run on a worker thread),
+    with the tokenizer of an earlier load of the model when there was one (None: load it too)."""
 
     def __init__(self, configs: dict[str, EngineConfig], settings: PoolSettings,
                  make_state: Callable[[str, AsyncEngine], ServerState],
-                 launch: Callable[[EngineConfig], AsyncEngine] | None = None,
+                 launch: Callable[[EngineConfig, Any], AsyncEngine] | None = None,
                  estimate: Callable[[EngineConfig], int] = estimate_bytes) -> None:
         if not configs:
             raise ValueError("a model pool needs at least one model")
@@ -294,7 +298,7 @@ class ModelPool:
                 await self._make_room(e, e.estimate_bytes or 0)
                 e.status = LOADING
                 start = time.monotonic()
-                engine = await asyncio.to_thread(self._launch, e.config)
+                engine = await asyncio.to_thread(self._launch, e.config, e.tokenizer)
             except APIError:
                 e.status = UNLOADED
                 raise
@@ -315,6 +319,7 @@ class ModelPool:
                 e.status = UNLOADED
                 raise
             e.engine, e.status, e.last_error = engine, LOADED, None
+            e.tokenizer = engine.tokenizer
             e.loaded_bytes = engine.info.weight_bytes + engine.info.kv_cache_bytes
             e.load_seconds, e.loaded_at, e.last_used = time.monotonic() - start, time.time(), time.monotonic()
             loop = asyncio.get_running_loop()
@@ -441,10 +446,20 @@ class ModelPool:
         return out
 
 
-def _launch(config: EngineConfig) -> AsyncEngine:
+def _launch(config: EngineConfig, tokenizer: Any) -> AsyncEngine:
+    """AsyncEngine.launch, or with a tokenizer already loaded, the same core process started alone."""
     from ruvllm.engine.async_engine import AsyncEngine
+    from ruvllm.engine.core_client import ProcessCoreClient
 
-    return AsyncEngine.launch(config)
+    if tokenizer is None:
+        return AsyncEngine.launch(config)
+    client = ProcessCoreClient(config)
+    try:
+        client.wait_ready()
+    except BaseException:
+        client.shutdown()
+        raise
+    return AsyncEngine(client, tokenizer)
 
 
 class PoolCollector(Collector):
