@@ -5,8 +5,8 @@ Two figures, for the default model (SmolLM2-135M) and Gemma 3 270M (Q4_K_M GGUF)
 - load: `AsyncEngine.launch(config)`, what the pool runs for a load: the core's process started, the weights
   loaded there, the tokenizer here, until the core says Ready;
 - switch: through a server whose --max-memory holds one model, the first completion (8 tokens) of a request
-  to the model not loaded: the other unloaded, this one loaded, the answer; against the same request once
-  loaded.
+  to the model not loaded: the other unloaded, this one loaded (its tokenizer kept from its first load:
+  only the core process starts), the answer; against the same request once loaded.
 
     python benchmarks/model_switch.py [--runs 3] [--threads 1]
 """
