@@ -65,8 +65,9 @@ class ModelEntry:
 
     @property
     def bytes(self) -> int:
-        """What it takes now (loaded) or will take (loading): the pool's memory account."""
-        if self.status == LOADED:
+        """What it takes now (loaded, or still shutting down) or will take (loading): the pool's memory
+        account."""
+        if self.status == LOADED or self._unloading is not None:
             return self.loaded_bytes
         if self.status == LOADING:
             return self.estimate_bytes or 0
