@@ -107,6 +107,8 @@ def main() -> None:
                 got[which] = run(llm, chunk, named if which == "named" else stacked, args.gen_len)
             rows[which].append(got[which])
         ratios.append(got["stacked"]["tok_s"] / got["named"]["tok_s"])
+        console.print(f"round {rnd + 1}: named {got['named']['tok_s']:.1f} tok/s, stacked "
+                      f"{got['stacked']['tok_s']:.1f} tok/s ({ratios[-1]:.2f}x)")
 
     table = Table(title=f"{args.streams} streams, {args.prompt_len}-token prompts, {args.gen_len} generated; "
                         f"{args.adapters} rank-{args.rank} adapters on all seven projections, each with a rank-2 "
