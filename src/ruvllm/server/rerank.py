@@ -191,7 +191,7 @@ async def _by_logits(st: ServerState, request: Request, call_id: str, pairs: lis
 
     async def one(i: int, request_id: str) -> RequestOutput:
         async for out in st.engine.generate(prompts[i], sampling, request_id, priority, OutputKind.FINAL_ONLY,
-                                            call.adapter, call.cache_salt):
+                                            call.adapter, call.cache_salt, call.stacked):
             if out.finished:
                 return out
         raise RequestError(f"pair {i} ended before it was judged", param)  # e.g. its adapter was unloaded
@@ -231,7 +231,8 @@ async def _by_embedding(st: ServerState, request: Request, call_id: str, pairs: 
     call = await _open(st, tenant, adapter)
 
     async def one(i: int, request_id: str) -> Any:
-        return await st.engine.embed(prompts[i], request_id, priority, call.adapter, call.cache_salt)
+        return await st.engine.embed(prompts[i], request_id, priority, call.adapter, call.cache_salt,
+                                     stacked=call.stacked)
 
     outs = await _admitted(st, request, call_id, len(prompts), params[1], one)
     if outs is None:
