@@ -208,5 +208,7 @@ class InstantLearner:
         exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
                                       return_inverse=True)
         others = others[~torch.isin(others, exact)]
-        rest = (rows @ head[others].t()) + math.log((vocab - len(exact)) / max(len(others), 1))
-        return torch.cat([rows @ head[exact].t(), rest], dim=1), inverse[:len(labels)]
+        # one product over both sets (as many head rows as before, plus the negatives), then the weight
+        bias = torch.zeros(len(exact) + len(others))
+        bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
+        return rows @ head[torch.cat([exact, others])].t() + bias, inverse[:len(labels)]
