@@ -152,7 +152,7 @@ def main() -> None:
                           f"q {q}/{args.samples} p {p}/{args.samples} other {o}/{args.samples} ppl {fig['ppl_pct']:+.2f}% "
                           f"nll mean {diag['nll_mean']:.3f} max {diag['nll_max']:.3f} ({diag['worst']!r}) "
                           f"steps {diag['steps']} kept {fig['kept_min']:.3f} layers "
-                          + " ".join(f"{k}:{v:.3f}" for k, v in diag["per_layer"].items()))
+                          + " ".join(f"{k}:{v:.3f}" for k, v in diag["per_layer"].items()), markup=False)
             rows.append(fig)
 
     c = instant
