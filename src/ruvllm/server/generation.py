@@ -201,8 +201,10 @@ async def state(request: Request) -> ServerState:
         model = body.get("name")  # Ollama's older spelling
     if model is None and request.url.path == "/v1/unload_lora_adapter":
         model = body.get("lora_name")  # the adapter's own model
-    if isinstance(model, str) and request.url.path.startswith("/api/") and model.endswith(":latest"):
-        model = model[:-len(":latest")]  # Ollama's tag, as ollama_protocol.served_name reads it
+    if isinstance(model, str) and request.url.path.startswith("/api/"):
+        from ruvllm.server.ollama_protocol import served_name  # (it imports this module)
+
+        model = served_name(model)  # Ollama's `:latest` tag
     name = pool.resolve(model if isinstance(model, str) else None)
     st = await pool.acquire(name, keep_alive_seconds(body.get("keep_alive")))
     getattr(request.state, HOLDS_KEY).append(name)
