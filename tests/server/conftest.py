@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,23 @@ def free_port() -> int:
             return s.getsockname()[1]
 
 
+@contextmanager
+def serving(app: Any, port: int, join_s: float = 10.0) -> Iterator[str]:
+    """`app` on uvicorn in a thread of this process until the block ends; yields its URL."""
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=join_s)
+
+
 def start_server(llm: LLM, max_num_seqs: int = 32, **server_kwargs) -> Iterator[RunningServer]:
     """max_num_seqs: the engine's running cap, which the server admits (plus max_queue waiting)."""
     sched = SchedulerConfig(max_num_seqs=max_num_seqs)
@@ -69,22 +87,14 @@ def start_server(llm: LLM, max_num_seqs: int = 32, **server_kwargs) -> Iterator[
     port = free_port()
     cfg = ServerConfig(port=port, served_model_name=MODEL, **server_kwargs)
     app = create_app(engine, cfg)
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    running = RunningServer(f"http://127.0.0.1:{port}", engine, cfg, app)
     try:
-        yield running
-        if engine.failure is None:  # a failed engine (the failure tests) has no pool to check
-            stats = running.wait_idle()
-            assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
+        with serving(app, port) as url:
+            running = RunningServer(url, engine, cfg, app)
+            yield running
+            if engine.failure is None:  # a failed engine (the failure tests) has no pool to check
+                stats = running.wait_idle()
+                assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
 
 

@@ -4,21 +4,17 @@ cached, and /metrics counts each tier's hits, misses and bytes."""
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from ruvllm import LLM, CacheConfig
 from ruvllm.server.app import create_app
 from ruvllm.server.config import ServerConfig
-from ruvllm.server.process import uvicorn_config
 from tests.conftest import novel_prompts
-from tests.server.conftest import MODEL, free_port
+from tests.server.conftest import MODEL, free_port, serving
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +23,12 @@ def disk_server(_shared_llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> I
     llm = _shared_llm.with_settings(cache=CacheConfig(num_blocks=20, kv_disk_path=str(tmp_path_factory.mktemp("kv"))))
     engine = llm.async_engine()
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(create_app(engine, ServerConfig(port=port, served_model_name=MODEL)),
-                                           "127.0.0.1", port, drain_s=0))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", llm
-        stats = engine.stats()
-        assert stats.idle and stats.free_blocks == stats.total_blocks, "KV blocks leaked"
+        with serving(create_app(engine, ServerConfig(port=port, served_model_name=MODEL)), port) as url:
+            yield url, llm
+            stats = engine.stats()
+            assert stats.idle and stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
         llm.close()
 

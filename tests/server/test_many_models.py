@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,6 @@ import httpx
 import ollama
 import openai
 import pytest
-import uvicorn
 
 from ruvllm.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from ruvllm.grpc import ruvllm_pb2 as pb
@@ -27,8 +25,7 @@ from ruvllm.grpc.ruvllm_pb2_grpc import GenerationStub
 from ruvllm.server.app import create_pool_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.model_pool import ModelPool, PoolSettings, estimate_bytes
-from ruvllm.server.process import uvicorn_config
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, serving
 
 PROMPTS = ["The capital of France is", "Water boils at", "A list of colours: red,"]
 MAX_TOKENS = 10
@@ -76,18 +73,8 @@ class PoolServer:
 def pool_server(models: dict[str, EngineConfig], settings: PoolSettings, **cfg: Any) -> Iterator[PoolServer]:
     port = free_port()
     app = create_pool_app(models, ServerConfig(port=port, witness_log=None, **cfg), settings)
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, drain_s=0))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if server.started:
-            break
-        time.sleep(0.05)
-    try:
-        yield PoolServer(f"http://127.0.0.1:{port}", app)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)  # the lifespan's end shuts every model's engine down
+    with serving(app, port, join_s=60) as url:  # the lifespan's end shuts every model's engine down
+        yield PoolServer(url, app)
 
 
 @pytest.fixture(scope="module")
