@@ -58,6 +58,11 @@ class AdapterError(RuvllmError, ValueError):
     """A LoRA adapter cannot be loaded or used: the message names the file and the problem."""
 
 
+class AdapterPathError(AdapterError):
+    """An adapter file is not the one the server's path policy checked (swapped, or a link put in its
+    place, since the check): not read (HTTP 403 at the server)."""
+
+
 class AdapterCapacityError(AdapterError):
     """The engine holds as many adapters as it keeps (--max-cpu-loras): one must be unloaded first."""
 

@@ -165,10 +165,12 @@ class ResetPrefixCache(msgspec.Struct, tag=True):
 
 
 class LoadAdapter(msgspec.Struct, tag=True):
-    """Read a PEFT folder off the core's loop, then install it between two steps."""
+    """Read a PEFT folder off the core's loop, then install it between two steps. `files`: what the
+    server's path policy checked of each file the load reads (lora/checked_files.py), or None."""
 
     name: str
     path: str
+    files: dict[str, tuple[str, int, int]] | None = None
 
 
 class UnloadAdapter(msgspec.Struct, tag=True):

@@ -283,23 +283,100 @@ def test_hard_links_are_the_operators_doing(server: RunningServer, adapters: Pat
     assert load(server, "hard", _linked(adapters, "hard", tmp_path / "outside", Path.hardlink_to)).status_code == 200
 
 
-def test_a_file_swapped_for_a_link_after_the_check_is_refused(server: RunningServer, adapters: Path,
-                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between the check and the read, the weights become a symlink to a file outside: the load is
-    undone and refused (403), as if the link had been there at the check."""
+def _swapping(server: RunningServer, monkeypatch: pytest.MonkeyPatch, swap, restore) -> list:
+    """The engine's load wrapped: `swap()` after the server's path check and before the engine opens a
+    file, `restore()` once the load is over. Returns the files the server checked and whether they
+    resolve the same after the restore (what the server's own re-check would have seen)."""
+    from ruvllm.server.adapters import _identities
+
+    real_load, seen = server.engine.load_lora, []
+
+    def swap_then_load(name: str, path: str, files):
+        swap()
+        try:
+            return real_load(name, path, files)
+        finally:
+            restore()
+            seen.append(_identities(Path(path)) == files)
+
+    monkeypatch.setattr(server.engine, "load_lora", swap_then_load)
+    return seen
+
+
+def test_a_file_swapped_for_a_link_and_back_within_the_load_is_refused(
+        server: RunningServer, adapters: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the check and the read, the weights become a symlink to a file outside, and are put
+    back after the read: the engine opens the checked path without following a link, so the load is
+    refused (403, naming the file) though everything resolves as checked again afterwards."""
     import shutil
 
     shutil.copytree(adapters / "b", tmp_path / "outside")
     shutil.copytree(adapters / "a", adapters / "swapped")
-    real_load = server.engine.load_lora
+    weights = adapters / "swapped" / "adapter_model.safetensors"
 
-    def swap_then_load(name: str, path: str):
-        weights = Path(path) / "adapter_model.safetensors"
-        weights.unlink()
+    def swap():
+        weights.rename(weights.with_suffix(".kept"))
         weights.symlink_to(tmp_path / "outside" / "adapter_model.safetensors")
-        return real_load(name, path)
 
-    monkeypatch.setattr(server.engine, "load_lora", swap_then_load)
+    def restore():
+        weights.unlink()
+        weights.with_suffix(".kept").rename(weights)
+
+    same_after = _swapping(server, monkeypatch, swap, restore)
     r = load(server, "swapped", adapters / "swapped")
-    assert r.status_code == 403 and "changed while they were read" in r.json()["error"]["message"], r.text
-    assert "swapped" not in server.engine.loras
+    error = r.json()["error"]
+    assert r.status_code == 403 and error["code"] == "path_not_allowed", r.text
+    assert "adapter_model.safetensors: replaced by a symbolic link" in error["message"]
+    assert same_after == [True] and "swapped" not in server.engine.loras
+    monkeypatch.undo()
+    assert load(server, "swapped", adapters / "swapped").status_code == 200  # as restored, it is allowed
+
+
+def test_a_file_replaced_and_restored_within_the_load_is_refused(
+        server: RunningServer, adapters: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights replaced by another regular file (an outside adapter's bytes copied in) during the
+    load and put back after it: the descriptor read is not the inode checked, so 403."""
+    import shutil
+
+    shutil.copytree(adapters / "a", adapters / "replaced")
+    weights = adapters / "replaced" / "adapter_model.safetensors"
+
+    def swap():
+        weights.rename(weights.with_suffix(".kept"))
+        shutil.copyfile(adapters / "b" / "adapter_model.safetensors", weights)
+
+    def restore():
+        weights.with_suffix(".kept").replace(weights)
+
+    same_after = _swapping(server, monkeypatch, swap, restore)
+    r = load(server, "replaced", adapters / "replaced")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
+    assert "another file than the one the path policy checked" in r.json()["error"]["message"]
+    assert same_after == [True] and "replaced" not in server.engine.loras
+
+
+def test_a_folder_swapped_for_a_link_within_the_load_is_refused(
+        server: RunningServer, adapters: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder on the way (not the file: O_NOFOLLOW guards only the last component) swapped for a
+    symlink to an outside folder during the load and back after it: the opened descriptor lies
+    outside, which the engine sees on the descriptor itself (403 naming both paths)."""
+    import shutil
+
+    shutil.copytree(adapters / "a", adapters / "group" / "ad")
+    shutil.copytree(adapters / "b", tmp_path / "outside" / "group" / "ad")
+    group = adapters / "group"
+
+    def swap():
+        group.rename(adapters / "group.kept")
+        group.symlink_to(tmp_path / "outside" / "group", target_is_directory=True)
+
+    def restore():
+        group.unlink()
+        (adapters / "group.kept").rename(group)
+
+    same_after = _swapping(server, monkeypatch, swap, restore)
+    r = load(server, "group", group / "ad")
+    message = r.json()["error"]["message"]
+    assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed", r.text
+    assert f"opened at {tmp_path / 'outside'}" in message and "a folder on the way was swapped" in message
+    assert same_after == [True] and "group" not in server.engine.loras

@@ -24,6 +24,7 @@ from ruvllm.outputs import ModelRunnerOutput, SchedulerOutput
 from ruvllm.request import ArrivalCounter, FinishReason, Priority, Request
 
 if TYPE_CHECKING:
+    from ruvllm.lora.checked_files import CheckedFiles
     from ruvllm.lora.manager import Served  # the worker's; the core only passes it on
     from ruvllm.structured.compiler import GrammarCompiler
 
@@ -37,7 +38,7 @@ class Executor(Protocol):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def read_adapter(self, name: str, path: str) -> Served: ...
+    def read_adapter(self, name: str, path: str, checked: CheckedFiles | None = None) -> Served: ...
 
     def install_adapter(self, adapter: Served) -> None: ...
 
@@ -67,14 +68,15 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
 
     # --- adapters --------------------------------------------------------------------------------
-    def add_adapter(self, name: str, path: str) -> None:
-        """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong)."""
-        self.install_adapter(self.read_adapter(name, path), path)
+    def add_adapter(self, name: str, path: str, checked: CheckedFiles | None = None) -> None:
+        """Read, check and install a LoRA adapter under `name` (AdapterError names what is wrong;
+        `checked`: the files the server's path policy checked, the only ones read then)."""
+        self.install_adapter(self.read_adapter(name, path, checked), path)
 
-    def read_adapter(self, name: str, path: str) -> Served:
+    def read_adapter(self, name: str, path: str, checked: CheckedFiles | None = None) -> Served:
         """The file work of a load: safe on another thread while the core steps."""
         self.adapter_registry.check_new(name)
-        return self.executor.read_adapter(name, path)
+        return self.executor.read_adapter(name, path, checked)
 
     def install_adapter(self, adapter: Served, path: str) -> None:
         """Make a read adapter servable (any thread, even while a step runs: it takes a slot when a

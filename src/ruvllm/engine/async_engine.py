@@ -201,10 +201,11 @@ class AsyncEngine:
         return self._client.call(ResetPrefixCache()).stats
 
     # --- LoRA adapters (blocking calls: from a server, run them on a worker thread) ----------------
-    def load_lora(self, name: str, path: str) -> EngineStats:
+    def load_lora(self, name: str, path: str, files: dict[str, tuple[str, int, int]] | None = None) -> EngineStats:
         """Load a PEFT adapter folder under `name`: its file is read off the core's loop, then the
-        adapter is installed between two steps. AdapterError names what is wrong with it."""
-        return self._client.call(LoadAdapter(name, str(path))).stats
+        adapter is installed between two steps. AdapterError names what is wrong with it. `files`:
+        what the server's path policy checked of each file (lora/checked_files.py): only those are read."""
+        return self._client.call(LoadAdapter(name, str(path), files)).stats
 
     def unload_lora(self, name: str) -> EngineStats:
         """New requests cannot use it from now; requests running with it finish first."""

@@ -41,7 +41,7 @@ class CoreLoop:
             ResetPrefixCache: lambda c: core.reset_prefix_cache(),
             UnloadAdapter: lambda c: core.remove_adapter(c.name),
             ListAdapters: lambda c: core.adapter_registry.entries(),
-            LoadAdapter: lambda c: core.add_adapter(c.name, c.path)}
+            LoadAdapter: lambda c: core.add_adapter(c.name, c.path, c.files)}
         self._beside_the_loop = {LoadAdapter}
 
     def run_once(self, receive: Receive, idle_timeout: float | None) -> bool:

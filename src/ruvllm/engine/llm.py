@@ -127,9 +127,10 @@ class LLM:
         self.core.close()
 
     # --- LoRA adapters (LLM(..., enable_lora=True)) ---------------------------------------------------
-    def load_lora(self, name: str, path: str | Path) -> None:
-        """Load a PEFT LoRA adapter folder under `name` (AdapterError names what is wrong with it)."""
-        self._client.call(LoadAdapter(name, str(path)))
+    def load_lora(self, name: str, path: str | Path, files: dict[str, tuple[str, int, int]] | None = None) -> None:
+        """Load a PEFT LoRA adapter folder under `name` (AdapterError names what is wrong with it;
+        `files`: as AsyncEngine.load_lora's)."""
+        self._client.call(LoadAdapter(name, str(path), files))
 
     def unload_lora(self, name: str) -> None:
         self._client.call(UnloadAdapter(name))

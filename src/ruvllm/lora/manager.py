@@ -14,6 +14,7 @@ import torch
 from ruvllm.config import LoraConfig, ModelConfig
 from ruvllm.errors import AdapterError
 from ruvllm.lora.batch import LoraBatch, XLoraBatch, lora_kernel
+from ruvllm.lora.checked_files import CheckedFiles
 from ruvllm.lora.peft_adapter import LoraAdapter, load_peft_adapter
 from ruvllm.lora.slots import FUSED, LoraSlots
 from ruvllm.lora.xlora import XLoraAdapter, is_xlora_folder, load_xlora
@@ -32,11 +33,12 @@ class LoraManager:
         self._lock = threading.Lock()  # install runs on a load's own thread, remove on the loop's
         self._slot_of: dict[SlotKey, int] = {}  # resident adapters, least recently used first
 
-    def read(self, name: str, path: str | Path) -> Served:
-        """Read and check an adapter or an X-LoRA model (file work only: no slot is touched)."""
-        if is_xlora_folder(path):
-            return load_xlora(path, self.cfg, self.config.max_lora_rank, name)
-        return load_peft_adapter(path, self.cfg, self.config.max_lora_rank, name)
+    def read(self, name: str, path: str | Path, checked: CheckedFiles | None = None) -> Served:
+        """Read and check an adapter or an X-LoRA model (file work only: no slot is touched); `checked`:
+        the files the server's path policy checked, the only ones read then (lora/checked_files.py)."""
+        if is_xlora_folder(path, checked):
+            return load_xlora(path, self.cfg, self.config.max_lora_rank, name, checked)
+        return load_peft_adapter(path, self.cfg, self.config.max_lora_rank, name, checked)
 
     def install(self, adapter: Served) -> None:
         """Keep a read adapter's weights ready to serve (it takes a slot when a step first uses it).

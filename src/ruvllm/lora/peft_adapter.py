@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from ruvllm.config import ModelConfig
 from ruvllm.errors import AdapterError
+from ruvllm.lora.checked_files import CheckedFiles, read_file
 
 # Hugging Face module names of the projections an adapter may target, by their decoder sublayer.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,19 +73,13 @@ def checked_folder(path: str | Path) -> Path:
     raise AdapterError(f"adapter {folder}: no such folder")
 
 
-def read_resolved(path: Path) -> bytes:
-    """A file's bytes read through the path it resolves to, opened once and without following a link
-    put there since it was resolved: what is read is the file the resolved path names."""
-    with open(os.open(os.path.realpath(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-        return f.read()
-
-
-def read_adapter_config(folder: Path) -> dict:
+def read_adapter_config(folder: Path, checked: CheckedFiles | None = None) -> dict:
+    """`checked`: the files the server's path policy checked for this load (lora/checked_files.py)."""
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise AdapterError(f"{folder}: no adapter_config.json (not a PEFT adapter folder)")
     try:
-        config = json.loads(read_resolved(path).decode("utf-8"))
+        config = json.loads(read_file(path, checked).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(config, dict):
@@ -138,19 +132,21 @@ def _check_number(value: object, what: str) -> None:
         raise AdapterError(f"{what} must be a positive finite number, got {value!r}")
 
 
-def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None) -> LoraAdapter:
+def load_peft_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None,
+                      checked: CheckedFiles | None = None) -> LoraAdapter:
     """Read and check a PEFT LoRA adapter for a model of shape `cfg`. Raises AdapterError naming the
     problem: missing or corrupt files, an unsupported feature, a rank over `max_rank`, a target this
-    model does not have, or shapes made for another model."""
+    model does not have, or shapes made for another model. With `checked`, only the files the
+    server's path policy checked are read (AdapterPathError otherwise)."""
     folder = checked_folder(folder)
-    config = read_adapter_config(folder)
+    config = read_adapter_config(folder, checked)
     check_lora_config(config, folder / "adapter_config.json")
     weights_path = folder / "adapter_model.safetensors"
-    tensors = read_adapter_tensors(folder)
+    tensors = read_adapter_tensors(folder, checked)
     return adapter_from_tensors(tensors, config, cfg, max_rank, name or str(folder), folder, weights_path)
 
 
-def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_adapter_tensors(folder: Path, checked: CheckedFiles | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a PEFT folder's adapter_model.safetensors (AdapterError when missing or corrupt)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -162,8 +158,12 @@ def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
                                "save the adapter with safetensors (PEFT's default)")
         raise AdapterError(f"{folder}: no adapter_model.safetensors")
     try:
-        return load(read_resolved(weights_path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        data = read_file(weights_path, checked)  # outside the try below: a path refusal is no format error
+    except OSError as e:
+        raise AdapterError(f"{weights_path}: not readable ({e})") from None
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
         raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from None
 
 

@@ -31,6 +31,7 @@ from ruvllm.config import ModelConfig
 from ruvllm.errors import AdapterError
 from ruvllm.layers.dense import dense_linear
 from ruvllm.lora.slots import FUSED
+from ruvllm.lora.checked_files import CheckedFiles
 from ruvllm.lora.peft_adapter import (TARGETS, LoraAdapter, checked_folder, load_peft_adapter, read_adapter_config,
                                       read_adapter_tensors)
 
@@ -143,10 +144,10 @@ def gather_index(modules: list[tuple[int, str]], num_layers: int) -> torch.Tenso
     return out
 
 
-def is_xlora_folder(folder: str | Path) -> bool:
+def is_xlora_folder(folder: str | Path, checked: CheckedFiles | None = None) -> bool:
     try:
         path = checked_folder(folder) / "adapter_config.json"
-        return path.is_file() and read_adapter_config(path.parent).get("peft_type") == "XLORA"
+        return path.is_file() and read_adapter_config(path.parent, checked).get("peft_type") == "XLORA"
     except AdapterError:
         return False
 
@@ -161,12 +162,12 @@ def xlora_expert_paths(folder: Path) -> list[Path]:
         return []
 
 
-def _classifier_tensors(folder: Path, subfolders: list[str]) -> dict[str, torch.Tensor]:
+def _classifier_tensors(folder: Path, subfolders: list[str], checked: CheckedFiles | None) -> dict[str, torch.Tensor]:
     """Every classifier tensor the checkpoint holds, keyed as in the top-level file ("3.weight").
     A key of subfolder n lost ".{n}" to peft's save: "layers.weight" in subfolder "0" is "0.weight"."""
     found: dict[str, torch.Tensor] = {}
     for sub in [None, *(s for s in subfolders if (folder / s / "adapter_model.safetensors").is_file())]:
-        tensors = read_adapter_tensors(folder if sub is None else folder / sub)
+        tensors = read_adapter_tensors(folder if sub is None else folder / sub, checked)
         for key, t in tensors.items():
             if not key.startswith(_CLASSIFIER[:-1]):
                 continue
@@ -195,10 +196,12 @@ def expert_paths(folder: Path, config: dict, must_exist: bool = True) -> list[Pa
     return paths
 
 
-def load_xlora(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None) -> XLoraAdapter:
-    """Read and check a peft X-LoRA checkpoint for a model of shape `cfg` (AdapterError names what is wrong)."""
+def load_xlora(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None,
+               checked: CheckedFiles | None = None) -> XLoraAdapter:
+    """Read and check a peft X-LoRA checkpoint for a model of shape `cfg` (AdapterError names what is wrong;
+    `checked`: as load_peft_adapter's, for every file of the checkpoint and of the adapters it mixes)."""
     folder = checked_folder(folder)
-    config = read_adapter_config(folder)
+    config = read_adapter_config(folder, checked)
     where = folder / "adapter_config.json"
     if config.get("peft_type") != "XLORA":
         raise AdapterError(f"{where}: peft_type {config.get('peft_type')!r} is not an X-LoRA checkpoint")
@@ -211,16 +214,17 @@ def load_xlora(folder: str | Path, cfg: ModelConfig, max_rank: int, name: str | 
                            "subfolders as saved)")
     experts = []
     for i, path in enumerate(expert_paths(folder, config)):
-        experts.append(load_peft_adapter(path, cfg, max_rank, f"{name or folder}[{i}]"))
+        experts.append(load_peft_adapter(path, cfg, max_rank, f"{name or folder}[{i}]", checked))
     modules = sorted({m for a in experts for m in a.weights}, key=lambda m: (m[0], TARGETS.index(m[1])))
-    classifier = _read_classifier(folder, [str(i) for i in range(len(experts))], settings, len(experts), len(modules))
+    classifier = _read_classifier(folder, [str(i) for i in range(len(experts))], settings, len(experts), len(modules),
+                                  checked)
     return XLoraAdapter(name=name or str(folder), path=folder, adapters=experts, classifier=classifier,
                         modules=modules, gather=gather_index(modules, cfg.num_layers), base_model=config.get("base_model_name_or_path"))
 
 
 def _read_classifier(folder: Path, subfolders: list[str], s: XLoraSettings, n_adapters: int,
-                     n_modules: int) -> XLoraClassifier:
-    tensors = _classifier_tensors(folder, subfolders)
+                     n_modules: int, checked: CheckedFiles | None = None) -> XLoraClassifier:
+    tensors = _classifier_tensors(folder, subfolders, checked)
     out = n_adapters * n_modules if s.layerwise_scalings else n_adapters
     widths = [s.hidden_size] + [s.xlora_size] * (s.xlora_depth - 1) + [out]
     linears = []

@@ -50,14 +50,12 @@ async def load_lora_adapter(body: LoadLoraRequest, st: ServerState = Depends(sta
     if body.lora_name == st.cfg.served_model_name or body.lora_name in st.engine.loras:
         raise APIError(400, f"the name {body.lora_name!r} is already in use", "lora_name", "name_in_use")
     folder, files = _check_lora_path(st.cfg, body.lora_path)
-    try:  # the folder as checked (resolved), so a link swapped in above it since leads nowhere new
-        await asyncio.to_thread(st.engine.load_lora, body.lora_name, str(folder))
+    # The folder as checked (resolved), and what was checked of each file: the engine reads only a
+    # descriptor that is that file (lora/checked_files.py), so nothing swapped in since is read.
+    try:
+        await asyncio.to_thread(st.engine.load_lora, body.lora_name, str(folder), files)
     except AdapterError as exc:  # told as the client gave the path, not as this host resolved it
-        raise AdapterError(str(exc).replace(str(folder), body.lora_path)) from None
-    if _identities(folder) != files:  # a file replaced (by a link, say) between the check and the read
-        await asyncio.to_thread(st.engine.unload_lora, body.lora_name)
-        raise APIError(403, "the adapter's files changed while they were read; not loaded", "lora_path",
-                       "path_not_allowed")
+        raise type(exc)(str(exc).replace(str(folder), body.lora_path)) from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ruvllm.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, EngineShutdownError, ReplicaLostError,
-                           RequestError, RuvllmError)
+from ruvllm.errors import (AdapterError, AdapterNotFoundError, AdapterPathError, EngineDeadError, EngineShutdownError,
+                           ReplicaLostError, RequestError, RuvllmError)
 from ruvllm.learning.errors import CompletionNotFoundError, UpdateNotServedError
 from ruvllm.tools.format import ToolError
 
@@ -45,6 +45,7 @@ _MEANINGS: tuple[tuple[type, int, str, str | None], ...] = (
     (CompletionNotFoundError, 404, "not_found", "id"),
     (UpdateNotServedError, 503, "learning_capacity", None),
     (RequestError, 400, "invalid_value", None),
+    (AdapterPathError, 403, "path_not_allowed", "lora_path"),
     (AdapterError, 400, "invalid_adapter", "lora_path"),
     (ToolError, 400, "invalid_value", None),
 )

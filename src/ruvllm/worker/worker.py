@@ -24,6 +24,7 @@ from ruvllm.device import default_num_threads, resolve_device
 from ruvllm.errors import AdapterError, RequestError, RuvllmError
 from ruvllm.kv_groups import kv_layout
 from ruvllm.layers.sampler import SamplingState
+from ruvllm.lora.checked_files import CheckedFiles
 from ruvllm.lora.manager import LoraManager, Served
 from ruvllm.loader import iter_weights, load_model_config, resolve_model
 from ruvllm.messages import EngineInfo
@@ -252,10 +253,10 @@ class Worker:
             raise AdapterError("LoRA adapters are not enabled for this engine (enable_lora / --enable-lora)")
         return self.lora
 
-    def read_adapter(self, name: str, path: str) -> Served:
+    def read_adapter(self, name: str, path: str, checked: CheckedFiles | None = None) -> Served:
         lora = self._lora()
         try:
-            return lora.read(name, path)
+            return lora.read(name, path, checked)
         except RuvllmError:
             raise
         except Exception as e:  # a file we did not foresee: the adapter is bad, the engine is fine
