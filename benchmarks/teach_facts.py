@@ -97,7 +97,7 @@ def main() -> None:
     # the instant step's settings (default: InstantConfig's)
     defaults = InstantConfig()
     for name in ("layers", "rank", "alpha", "lr", "candidates", "ewc_lambda", "steps_per_event", "target_nll",
-                 "hard_negatives", "estimate_rest"):
+                 "hard_negatives", "estimate_rest", "kl_weight", "kl_samples", "kl_top", "fisher_samples"):
         value = getattr(defaults, name)
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(value, bool) else type(value)
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
@@ -160,7 +160,8 @@ def main() -> None:
                         f"corrections each, {args.samples} samples at T=0.7; rank {c.rank} alpha {c.alpha:g} on the last "
                         f"{c.layers} layers, lr {c.lr:g}, EWC++ lambda {c.ewc_lambda:g}"
                         + "".join(f", {k} {getattr(c, k)}" for k in ("candidates", "hard_negatives", "estimate_rest",
-                                                                         "steps_per_event", "target_nll"))
+                                                                         "steps_per_event", "target_nll", "kl_weight",
+                                                                         "kl_samples", "fisher_samples"))
                         + f"; {datetime.date.today()}")
     for col in ("fact", "question", "paraphrase", "other tenant", "perplexity", "loss first -> last",
                 "after: NLL mean / worst token", "steps", "EWC kept (min)", "step p50"):

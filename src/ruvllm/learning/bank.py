@@ -15,6 +15,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class PatternBank:
     """`duplicate_similarity`: an example whose embedding has at least this cosine similarity with
     one already in the tenant's bank joins that example's cluster."""
 
-    def __init__(self, path: str | Path, duplicate_similarity: float = 0.95) -> None:
+    def __init__(self, path: str | Path, duplicate_similarity: float = 0.95, max_indexes: int = 64) -> None:
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.threshold = duplicate_similarity
@@ -55,7 +56,10 @@ class PatternBank:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.executescript(_SCHEMA)
         self._lock = threading.Lock()
-        self._indexes: dict[str, tuple[object, list[int]]] = {}  # tenant -> (faiss index, example ids)
+        # tenant -> (faiss index, example ids), the `max_indexes` most recently used (the others are
+        # rebuilt from SQLite when next searched): memory does not grow with every tenant that learned
+        self._indexes: OrderedDict[str, tuple[object, list[int]]] = OrderedDict()
+        self.max_indexes = max_indexes
 
     def close(self) -> None:
         self._conn.close()
@@ -74,6 +78,9 @@ class PatternBank:
                 index.add(vec)
                 ids.append(eid)
             self._indexes[tenant] = (index, ids)
+        self._indexes.move_to_end(tenant)
+        while len(self._indexes) > self.max_indexes:
+            self._indexes.popitem(last=False)
         return self._indexes[tenant]
 
     def add(self, tenant: str, prompt_ids: list[int], target_ids: list[int], score: float,

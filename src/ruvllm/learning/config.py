@@ -43,6 +43,13 @@ class InstantConfig(Checked):
     fisher_every: int = setting(5, "Events between Fisher refreshes.", minimum=1, cli=False)
     fisher_samples: int = setting(4, "Completions per Fisher refresh.", minimum=1, cli=False)
     fisher_gamma: float = setting(0.5, "The Fisher's decay.", minimum=0, maximum=1, cli=False)
+    # A KL term toward the base model in the step (learning/anchor.py; issue 37, item 2): KL(base ||
+    # adapter) over the base's top `kl_top` tokens (and the rest) at every row of the tenant's
+    # `kl_samples` most recent everyday completions, weighed by `kl_weight` (0: off). Each
+    # completion costs a forward and backward of the learned layers over its rows per step.
+    kl_weight: float = setting(0.0, "The KL term's weight in the step (0: off).", minimum=0, cli=False)
+    kl_samples: int = setting(2, "Everyday completions in the KL term.", minimum=1, cli=False)
+    kl_top: int = setting(32, "The base's top tokens a row kept for the KL term.", minimum=1, cli=False)
 
 
 @dataclass(frozen=True)
@@ -74,3 +81,9 @@ class LearningConfig(Checked):
                                             "400).", minimum=1, metavar="N")
     # Older ones are deleted with their policy-store rows; the serving one and every deep-loop promotion stay.
     keep_versions: int = setting(16, "Version folders kept per tenant (0: all).", minimum=0, cli=False)
+    # Learning state held in memory (issue 33: RSS grew ~1.9 MB a learning tenant): the micro-LoRAs
+    # with their Adam moments and Fisher of the `states_keep` most recently taught tenants (an
+    # evicted tenant's is rebuilt from its serving version when it next learns, with fresh Adam
+    # moments and Fisher), and the `prepared_keep` most recent prepared (prompt, target) pairs.
+    states_keep: int = setting(64, "Tenants whose learning state stays in memory.", minimum=1, cli=False)
+    prepared_keep: int = setting(64, "Prepared (prompt, target) pairs kept for later events.", minimum=1, cli=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,10 +116,13 @@ class InstantLearner:
             return self.layers.forward(prep.h, torch.arange(n_prompt - 1, n_prompt - 1 + n), lora, prep.context)
         return self.layers.forward(prep.h, torch.arange(n_prompt + n), lora)[n_prompt - 1:-1]
 
-    def step(self, state: TenantState, prep: Prepared, score: float) -> StepTiming:
+    def step(self, state: TenantState, prep: Prepared, score: float,
+             extra: Callable[[MicroLora], torch.Tensor] | None = None) -> StepTiming:
         """Adam steps of the tenant's micro-LoRA toward (score > 0) or away from the target, on the
-        feedback's loss alone (EWC++ is `consolidate`'s pull, off the feedback's path): one, or up to
-        `steps_per_event` while a target token's loss (toward it) is still over `target_nll`."""
+        feedback's loss (EWC++ is `consolidate`'s pull, off the feedback's path) plus `extra`'s term
+        of the micro-LoRA if given (learning/anchor.py's KL toward the base; not in the loss
+        reported): one, or up to `steps_per_event` while a target token's loss (toward it) is still
+        over `target_nll`."""
         c = self.config
         labels = torch.tensor(prep.target)
         fb = opt = 0.0
@@ -140,6 +144,8 @@ class InstantLearner:
             if done:
                 fb += time.perf_counter() - t0  # (this forward only checked the loss)
                 break
+            if extra is not None:
+                loss = loss + extra(state.lora)
             state.opt.zero_grad()
             loss.backward()
             t1 = time.perf_counter()

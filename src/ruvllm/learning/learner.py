@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from ruvllm.errors import AdapterCapacityError, AdapterError
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
+from ruvllm.learning.anchor import BaseAnchor, kl_to_base, make_anchor
 from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
 from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
@@ -61,8 +64,6 @@ class Learner:
 
         self.config = config or LearningConfig()
         if self.config.threads is not None:
-            import torch
-
             torch.set_num_threads(self.config.threads)
         self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
         self.witness = witness  # promotions and refusals are witnessed there too
@@ -74,7 +75,11 @@ class Learner:
         self.root = Path(self.config.root or default_learned_dir()).expanduser()
         self.policy = PolicyStore(self.root / "policy.sqlite3")
         self.bank = PatternBank(self.root / "bank.sqlite3")
-        self._tenants: dict[str, TenantState] = {}
+        # Learning state (micro-LoRA, Adam moments, Fisher) of the `states_keep` most recently taught
+        # scopes, least recent first; any other is rebuilt from its serving version when it next
+        # learns (_state): memory does not grow with the tenants that ever learned (issue 33).
+        self._tenants: OrderedDict[str, TenantState] = OrderedDict()
+        self._busy: set[str] = set()  # scopes a consolidation pass is working on: never evicted meanwhile
         self._versions: dict[str, int] = {}  # the version serving each tenant
         # Versions loaded in the engine, per tenant, oldest first; tenants least recently served
         # first. When the engine holds all it keeps (max_cpu_loras), the least recently served
@@ -82,8 +87,10 @@ class Learner:
         # tenant is refused because others learned. Its own lock: serving never waits for an update.
         self._loaded: OrderedDict[str, list[int]] = OrderedDict()
         self._loads = threading.RLock()
-        self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
+        self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()  # at most prepared_keep, least recent first
+        self._anchors: OrderedDict[tuple, BaseAnchor] = OrderedDict()  # the KL term's, bounded alike
         self._pending: dict[str, int] = {}  # instant updates since each tenant's last consolidation
+        self._kl_gen = torch.Generator().manual_seed(self.config.instant.seed + 1)  # the KL term's drawn tokens
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
@@ -155,7 +162,7 @@ class Learner:
         if not examples:
             raise ValueError(f"the pattern bank has no positive example for {scope!r} to train on")
         with self._lock:
-            current = self._tenants.get(scope) if scope in self._versions else None
+            current = self._state(scope) if scope in self._versions else None
             start = current.lora if current is not None and current.lora.rank == config.rank else None
             result, lora = train_and_check(self.layers, examples, heldout, probes, config, scope, start, general)
             version = None
@@ -178,9 +185,8 @@ class Learner:
                 self._switch(tenant, want)
 
     def _switch(self, tenant: str, version: int | None) -> None:
-        """Serve `version` (None: the base model) to the tenant; its learning continues from it."""
-        from safetensors.torch import load_file
-
+        """Serve `version` (None: the base model) to the tenant; its learning continues from it (the
+        state is rebuilt from it when the tenant next learns: _state)."""
         self._tenants.pop(tenant, None)
         if version is None:
             self._versions.pop(tenant, None)
@@ -192,13 +198,47 @@ class Learner:
         if version not in self._loaded.get(tenant, ()):
             self._load(tenant, version, row.path)
         self._versions[tenant] = version
-        try:
-            self._tenants[tenant] = self.instant.new_tenant(
-                _seed(tenant), load_file(str(Path(row.path) / "adapter_model.safetensors")))
-        except (KeyError, RuntimeError, OSError):
-            # made with other learned layers, targets or rank: served as it is, learning starts afresh
-            self._tenants[tenant] = self.instant.new_tenant(seed=_seed(tenant))
         self._trim(tenant, keep=2)
+
+    def _state(self, scope: str) -> TenantState:
+        """The scope's learning state, most recently used now: kept, or rebuilt from the version
+        serving it (a pair without one: from what its tenant learned on the base, which served the
+        pair till now), else fresh; then the least recently used states beyond `states_keep` go
+        (none with updates waiting for consolidation). A rebuilt state has the served weights and
+        step count, fresh Adam moments and no Fisher yet (drawn at its next consolidation)."""
+        state = self._tenants.get(scope)
+        if state is None:
+            state = self._tenants[scope] = self._rebuild(scope)
+        self._tenants.move_to_end(scope)
+        spare = len(self._tenants) - self.config.states_keep
+        idle = [t for t in self._tenants if t != scope and t not in self._pending and t not in self._busy]
+        for victim in idle[:max(spare, 0)]:
+            del self._tenants[victim]
+        return state
+
+    def _rebuild(self, scope: str) -> TenantState:
+        from safetensors.torch import load_file
+
+        pair = _pair(scope)
+        source = scope if scope in self._versions else pair[0] if pair is not None else None
+        row = self.policy.version(source, self._versions[source]) \
+            if source is not None and source in self._versions else None
+        if row is not None:
+            try:
+                state = self.instant.new_tenant(_seed(scope), load_file(str(Path(row.path) / "adapter_model.safetensors")))
+                if source == scope:
+                    state.steps = int(row.checks.get("steps", 0))
+                return state
+            except (KeyError, RuntimeError, OSError):
+                pass  # made with other learned layers, targets or rank: served as it is, learning starts afresh
+        return self.instant.new_tenant(seed=_seed(scope))
+
+    def _keep_prepared(self, key: tuple, prep: Prepared) -> None:
+        """Keep a prepared pair for later events on it, the least recently used beyond the bound dropped."""
+        self._prepared[key] = prep
+        self._prepared.move_to_end(key)
+        while len(self._prepared) > self.config.prepared_keep:
+            self._prepared.popitem(last=False)
 
     def _trim(self, tenant: str, keep: int) -> None:
         """Unload all but the tenant's `keep` most recently loaded versions (the serving one stays):
@@ -254,20 +294,15 @@ class Learner:
         with self._lock:
             key = (self.config.instant.context, tuple(done.prompt_ids), tuple(target))
             prep = self._prepared.get(key)
-            prepare_ms = 0.0
+            t = time.perf_counter()
             if prep is None:
                 prep = self.instant.prepare(done.prompt_ids, target)
-                prepare_ms = prep.seconds * 1000
-                self._prepared[key] = prep
-                while len(self._prepared) > 64:
-                    self._prepared.popitem(last=False)
-            state = self._tenants.get(scope)
-            if state is None:  # a pair starts from what the tenant learned on the base (it served the pair till now)
-                own = self._tenants.get(tenant) if scope != tenant else None
-                state = self._tenants[scope] = self.instant.new_tenant(
-                    _seed(scope), own.lora.peft_tensors() if own is not None else None)
-            state.taught.append(completion_id)
-            timing = self.instant.step(state, prep, score)
+            self._keep_prepared(key, prep)
+            self.store.mark_taught(completion_id)  # what it taught is not its everyday text (Fisher, KL)
+            anchors = self._anchors_of(scope) if self.config.instant.kl_weight > 0 else []
+            prepare_ms = (time.perf_counter() - t) * 1000
+            state = self._state(scope)
+            timing = self.instant.step(state, prep, score, self._kl_term(anchors) if anchors else None)
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
@@ -300,9 +335,9 @@ class Learner:
             return {}
         with self._lock:
             pending, self._pending = self._pending, {}
-            jobs = []  # (tenant, its state, events, a copy to draw the Fisher at, or None, what it taught)
+            jobs = []  # (tenant, its state, events, a copy to draw the Fisher at, or None)
             for tenant, events in pending.items():
-                state = self._tenants.get(tenant)
+                state = self._tenants.get(tenant)  # (a scope with pending updates is never evicted)
                 if state is None:
                     continue
                 state.since_fisher += events
@@ -310,17 +345,19 @@ class Learner:
                 if refresh:
                     state.since_fisher = 0
                 copy = self.instant.new_tenant(_seed(tenant), state.lora.peft_tensors()).lora if refresh else None
-                jobs.append((tenant, state, events, copy, set(state.taught)))
+                jobs.append((tenant, state, events, copy))
+            self._busy = {tenant for tenant, *_ in jobs}
         draws = {}
-        for tenant, _, _, copy, taught in jobs:
+        for tenant, _, _, copy in jobs:
             if copy is not None:
                 t = time.perf_counter()
-                samples = self._fisher_samples(tenant, taught)
+                samples = self._fisher_samples(tenant)
                 if samples:
                     draws[tenant] = (self.instant.fisher_sample(copy, samples), time.perf_counter() - t)
         published = {}
         with self._lock:
-            for tenant, state, events, _, _ in jobs:
+            self._busy = set()
+            for tenant, state, events, _ in jobs:
                 if self._tenants.get(tenant) is not state:  # switched (a rollback, a reset) meanwhile
                     continue
                 sq, fisher_s = draws.get(tenant, (None, 0.0))
@@ -333,26 +370,55 @@ class Learner:
                     "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
         return published
 
-    def _fisher_samples(self, tenant: str, taught: set[str]) -> list[Prepared]:
-        """The tenant's own recent completions, none it gave feedback on (another tenant's text never
-        shapes its Fisher), prepared; the shared cache is only touched under the lock. A (tenant,
-        adapter) pair's: the tenant's completions of that adapter."""
-        n, pair = self.config.instant.fisher_samples, _pair(tenant)
+    def _everyday(self, scope: str, n: int) -> list[Completion]:
+        """The scope's own n most recent completions, none it gave feedback on (what it taught is not
+        its everyday traffic; another tenant's text never counts). A (tenant, adapter) pair's: the
+        tenant's completions of that adapter."""
+        pair = _pair(scope)
         if pair is None:
-            recent = self.store.recent(tenant, n, taught)
-        else:
-            recent = [c for c in self.store.recent(pair[0], self.store.max_count, taught) if c.adapter == pair[1]][:n]
+            return self.store.recent(scope, n)
+        return [c for c in self.store.recent(pair[0], self.store.max_count) if c.adapter == pair[1]][:n]
+
+    def _fisher_samples(self, tenant: str) -> list[Prepared]:
+        """The tenant's everyday completions, prepared; the shared cache is only touched under the lock."""
         samples = []
-        for done in recent:
+        for done in self._everyday(tenant, self.config.instant.fisher_samples):
             key = ("full", tuple(done.prompt_ids), tuple(done.output_ids))
             with self._lock:
                 prep = self._prepared.get(key)
             if prep is None:
                 prep = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
-                with self._lock:
-                    self._prepared[key] = prep
+            with self._lock:
+                self._keep_prepared(key, prep)
             samples.append(prep)
         return samples
+
+    def _anchors_of(self, scope: str) -> list[BaseAnchor]:
+        """The KL term's everyday completions with the base's distributions (under the lock; made
+        once per completion, the least recently used beyond `prepared_keep` dropped)."""
+        c = self.config.instant
+        anchors = []
+        for done in self._everyday(scope, c.kl_samples):
+            key = (tuple(done.prompt_ids), tuple(done.output_ids))
+            anchor = self._anchors.get(key)
+            if anchor is None:
+                prep = self.instant.prepare(done.prompt_ids, done.output_ids, "full")
+                anchor = make_anchor(self.layers, prep, c.kl_top)
+            self._anchors[key] = anchor
+            self._anchors.move_to_end(key)
+            anchors.append(anchor)
+        while len(self._anchors) > self.config.prepared_keep:
+            self._anchors.popitem(last=False)
+        return anchors
+
+    def _kl_term(self, anchors: list[BaseAnchor]):
+        """The step's extra term: kl_weight times the mean KL toward the base over `anchors`."""
+        c = self.config.instant
+
+        def term(lora: MicroLora):
+            return c.kl_weight * sum(kl_to_base(self.layers, lora, a, c.candidates, self._kl_gen)
+                                     for a in anchors) / len(anchors)
+        return term
 
     def _publish(self, tenant: str, lora: MicroLora, source: str, checks: dict) -> str:
         """Write the tenant's next version and serve it; unload the one it replaces."""
@@ -370,9 +436,9 @@ class Learner:
         name = _name(tenant, n)
         self._load(tenant, n, folder)
         self.policy.publish(tenant, n, folder, source, checks)
-        if source == "deep":  # the tenant's instant updates continue from the promoted weights
-            self._tenants[tenant] = self.instant.new_tenant(_seed(tenant), lora.peft_tensors())
         self._versions[tenant] = n
+        if source == "deep":  # the tenant's instant updates continue from the promoted weights
+            self._tenants.pop(tenant, None)
         self._trim(tenant, keep=2)
         self._prune(tenant)
         return name

@@ -1,0 +1,81 @@
+"""A KL term toward the base model on the tenant's own everyday text (issue 37, item 2).
+
+EWC++'s pull (background.py) keeps each coordinate near the base by how much the Fisher says it
+matters, whatever direction the fact needs; this term instead asks the micro-LoRA to leave the
+base model's next-token distributions unchanged on text the tenant actually sends, so the step
+itself looks for a change that carries the fact and little else.
+
+Per row of an everyday completion (prompt and output, each row predicting the next token), the
+base's distribution is kept coarsened: its top `k` tokens with their log-probabilities and one
+bucket for the rest of the vocabulary (computed once, with the full softmax, when the completion is
+anchored). The adapter's distribution over the same k + 1 outcomes comes from the step's sampled
+softmax (the union of the rows' top tokens exactly, the drawn ones weighed as the rest, as
+InstantLearner._logits does), and the term is KL(base || adapter) over those outcomes, averaged over
+rows: a lower bound of the full KL (merging outcomes never raises a KL) that is zero exactly where
+the adapter leaves the top tokens' probabilities as the base had them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ruvllm.learning.instant import Prepared
+from ruvllm.learning.tail import LearnedLayers, MicroLora
+
+
+@dataclass
+class BaseAnchor:
+    """One everyday completion, prepared (full context), with the base's coarsened distributions."""
+
+    prep: Prepared
+    top: torch.Tensor  # [R, k] the base's top tokens at each row (R: every row but the last)
+    logp: torch.Tensor  # [R, k] their log-probabilities under the base (full softmax)
+    log_rest: torch.Tensor  # [R] log of the base's probability outside them
+    exact: torch.Tensor  # the union of `top`, sorted: the candidates computed exactly
+    index: torch.Tensor  # [R, k] each top token's position in `exact`
+
+
+def make_anchor(layers: LearnedLayers, prep: Prepared, k: int) -> BaseAnchor:
+    """The base model's top `k` tokens and log-probabilities at every row of a prepared (full
+    context) completion: one forward of the learned layers without a micro-LoRA, one product with
+    the whole head."""
+    n = prep.prompt_len + len(prep.target)
+    with torch.no_grad():
+        rows = layers.forward(prep.h, torch.arange(n), None)[:-1]
+        logp = (rows @ layers.head.t()).log_softmax(-1)
+        top_lp, top = logp.topk(min(k, logp.shape[1]), dim=1)
+    exact, inverse = torch.unique(top, return_inverse=True)
+    return BaseAnchor(prep, top, top_lp, _log1mexp(top_lp.logsumexp(1)), exact, inverse)
+
+
+def kl_to_base(layers: LearnedLayers, lora: MicroLora, anchor: BaseAnchor, drawn: int,
+               generator: torch.Generator) -> torch.Tensor:
+    """KL(base || adapter) over each row's base top tokens and the rest, the rows' mean; the
+    adapter's softmax normalised over the exact candidates and `drawn` uniformly drawn tokens that
+    stand for the rest of the vocabulary (0: the whole vocabulary, exactly)."""
+    prep = anchor.prep
+    n = prep.prompt_len + len(prep.target)
+    rows = layers.forward(prep.h, torch.arange(n), lora)[:-1]
+    head = layers.head
+    vocab = head.shape[0]
+    if drawn and drawn < vocab:
+        others = torch.randint(0, vocab, (drawn,), generator=generator)
+        others = others[~torch.isin(others, anchor.exact)]
+        bias = torch.zeros(len(anchor.exact) + len(others))
+        bias[len(anchor.exact):] = math.log((vocab - len(anchor.exact)) / max(len(others), 1))
+        logq_all = (rows @ head[torch.cat([anchor.exact, others])].t() + bias).log_softmax(-1)
+        logq = logq_all.gather(1, anchor.index)
+    else:
+        logq = (rows @ head.t()).log_softmax(-1).gather(1, anchor.top)
+    logq_rest = _log1mexp(logq.logsumexp(1))
+    p = anchor.logp.exp()
+    kl = (p * (anchor.logp - logq)).sum(1) + anchor.log_rest.exp() * (anchor.log_rest - logq_rest)
+    return kl.mean()
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, kept finite where the top tokens hold (nearly) all the mass."""
+    return torch.log1p(-x.exp().clamp(max=1 - 1e-6))

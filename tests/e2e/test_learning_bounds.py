@@ -1,0 +1,97 @@
+"""The learner's memory is bounded whatever the number of tenants that learn (issue 33: RSS grew
+~1.9 MB a learning tenant): at most `states_keep` tenants' learning states, `prepared_keep`
+prepared pairs and the pattern bank's most recent indexes are held; an evicted tenant learns on
+from its serving version, rebuilt. On the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ruvllm import LLM, SamplingParams
+from ruvllm.learning.config import InstantConfig, LearningConfig
+from tests.engine_fixtures import write_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("bounds") / "base")
+
+
+def _llm(base: Path, root: Path, **learning: object) -> LLM:
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=4, num_blocks=64,
+              quantization="none")
+    cfg = InstantConfig(layers=1, lr=5e-2, context="full", candidates=0, ewc_lambda=1e6, fisher_every=1)
+    llm.enable_learning(LearningConfig(instant=cfg, root=str(root), **learning))
+    llm.learner.bank.max_indexes = 2
+    return llm
+
+
+def test_kept_learning_state_never_exceeds_its_bounds(base: Path, tmp_path: Path) -> None:
+    llm = _llm(base, tmp_path / "learned", states_keep=2, prepared_keep=3)
+    learner = llm.learner
+    for i in range(8):
+        t = f"t{i}"
+        llm.generate([[11 + i, 12, 13, 14]], GREEDY, tenant=t)  # everyday text: its Fisher's
+        asked = llm.generate([[5, 80 + i, 23, 311, 42]], GREEDY, tenant=t)[0]
+        for _ in range(2):
+            llm.feedback(asked.request_id, 1.0, "t7 t7", tenant=t)
+            assert len(learner._tenants) <= 2 and len(learner._prepared) <= 3 and len(learner.bank._indexes) <= 2
+        learner.consolidate()
+        assert len(learner._tenants) <= 2 and len(learner._prepared) <= 3
+    assert list(learner._tenants) == ["t6", "t7"]  # the most recently taught
+    assert learner.bank.count("t0") == 2 and len(learner.bank.best_per_cluster("t0")) == 1
+
+
+def test_an_evicted_tenant_learns_on_from_its_serving_version(base: Path, tmp_path: Path) -> None:
+    """Its state is rebuilt from the version that serves it: the same weights and step count; what it
+    is served does not change by the eviction."""
+    llm = _llm(base, tmp_path / "learned", states_keep=1)
+    learner = llm.learner
+    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0]
+    for _ in range(3):
+        llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    learner.consolidate()  # (nothing to pull toward: no everyday text) its updates are no longer pending
+    weights = [p.detach().clone() for p in learner._tenants["acme"].lora.parameters()]
+    served = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0].outputs[0].token_ids
+    other = llm.generate([[5, 81, 23]], GREEDY, tenant="globex")[0]
+    llm.feedback(other.request_id, 1.0, "t9", tenant="globex")
+    assert list(learner._tenants) == ["globex"]
+    with learner._lock:
+        state = learner._state("acme")
+    assert state.steps == 3 and state.fisher is None
+    assert all(torch.equal(p, w) for p, w in zip(state.lora.parameters(), weights))
+    assert llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0].outputs[0].token_ids == served
+    assert llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme").version == "learned:acme:v4"
+
+
+def test_a_tenant_with_updates_pending_is_never_evicted(base: Path, tmp_path: Path) -> None:
+    """Its consolidation (the pull for each of its steps) would be lost with its state."""
+    llm = _llm(base, tmp_path / "learned", states_keep=1)
+    learner = llm.learner
+    for t in ("acme", "globex"):
+        llm.generate([[11, 12, 13, 14]], GREEDY, tenant=t)
+        asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant=t)[0]
+        llm.feedback(asked.request_id, 1.0, "t7 t7", tenant=t)
+    assert sorted(learner._tenants) == ["acme", "globex"]  # both wait for the pass: over the bound for now
+    assert sorted(learner.consolidate()) == ["acme", "globex"]
+    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="initech")[0]
+    llm.feedback(asked.request_id, 1.0, "t7", tenant="initech")
+    assert list(learner._tenants) == ["initech"]
+
+
+def test_the_kl_term_anchors_on_everyday_text_only(base: Path, tmp_path: Path) -> None:
+    """With `kl_weight`, the step's KL term is over the tenant's own everyday completions: never the
+    one it corrected, nor another tenant's."""
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=4, num_blocks=64, quantization="none")
+    cfg = InstantConfig(layers=1, lr=5e-2, candidates=0, kl_weight=1.0, kl_samples=4)
+    learner = llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
+    llm.generate([[9, 8, 7, 6]], GREEDY, tenant="globex")
+    everyday = llm.generate([[11, 12, 13, 14]], GREEDY, tenant="acme")[0]
+    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0]
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    assert list(learner._anchors) == [(tuple(everyday.prompt_token_ids), tuple(everyday.outputs[0].token_ids))]
