@@ -36,7 +36,8 @@ def ms(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1000:.1f} / {p95 * 1000:.1f} (n={len(samples)})"
 
 
-def learn_all(llm, tenants: list[str], prompts: dict[str, str], refused: list[str]) -> dict[bool, list[float]]:
+def learn_all(llm, tenants: list[str], prompts: dict[str, str], refused: list[str],
+              rss: list[float] | None = None) -> dict[bool, list[float]]:
     """Each tenant asks its question and corrects the answer: feedback seconds by whether the
     publish evicted another tenant's version. The first event (warm-up) is left out."""
     from ruvllm import SamplingParams
@@ -53,6 +54,8 @@ def learn_all(llm, tenants: list[str], prompts: dict[str, str], refused: list[st
             refused.append(f"{t}: {exc}")
             continue
         took = time.perf_counter() - start
+        if rss is not None:
+            rss.append(rss_mb()[0])
         if i:
             learn[any(not n.startswith(f"learned:{t}:") for n in before - set(llm.loras()))].append(took)
     return learn
@@ -67,6 +70,9 @@ def main() -> None:
                                                               "for all (no eviction; 0: none)")
     ap.add_argument("--repeats", type=int, default=3, help="times each still-loaded tenant is served")
     ap.add_argument("--model", default=None, help="a model folder (default: the engine's default model)")
+    ap.add_argument("--states-keep", type=int, default=None,
+                    help="LearningConfig.states_keep (default: its default; a number over --tenants keeps every "
+                         "tenant's learning state, as before the bound)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -83,11 +89,14 @@ def main() -> None:
     prompts = {t: f"Question {i}: what is the capital of Zorblax?" for i, t in enumerate(tenants)}
     refused: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        llm.enable_learning(LearningConfig(root=tmp))  # its own float copy of the model's layers
+        bounds = {} if args.states_keep is None else {"states_keep": args.states_keep}
+        learner = llm.enable_learning(LearningConfig(root=tmp, **bounds))  # its own float copy of the model's layers
         rss_start = rss_mb()[0]
         t0 = time.perf_counter()
-        learn = learn_all(llm, tenants, prompts, refused)
+        trace: list[float] = []  # RSS after each tenant learned
+        learn = learn_all(llm, tenants, prompts, refused, trace)
         learned_s, rss_learned = time.perf_counter() - t0, rss_mb()[0]
+        kept = (len(learner._tenants), len(learner._prepared), len(learner.bank._indexes))
 
         def serve(t: str) -> tuple[float, bool]:
             loaded = any(n.startswith(f"learned:{t}:") for n in llm.loras())
@@ -126,7 +135,11 @@ def main() -> None:
             ("serve a tenant whose version was evicted (reload)", ms(reload)),
             ("learning pass, all tenants (s)", f"{learned_s:.1f}"),
             ("RSS MB: learning enabled / after learning / after serving (peak)",
-             f"{rss_start:.0f} / {rss_learned:.0f} / {rss:.0f} ({hwm:.0f})")):
+             f"{rss_start:.0f} / {rss_learned:.0f} / {rss:.0f} ({hwm:.0f})"),
+            ("RSS growth per tenant, MB: all tenants / the second half (past the warm-up)",
+             f"{(rss_learned - rss_start) / args.tenants:.2f} / "
+             f"{(trace[-1] - trace[len(trace) // 2]) / max(len(trace) - 1 - len(trace) // 2, 1):.2f}"),
+            ("kept after learning: tenant states / prepared pairs / bank indexes", " / ".join(map(str, kept)))):
         table.add_row(name, value)
     Console(width=200).print(table)
 

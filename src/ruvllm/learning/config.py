@@ -50,6 +50,11 @@ class InstantConfig(Checked):
     kl_weight: float = setting(0.0, "The KL term's weight in the step (0: off).", minimum=0, cli=False)
     kl_samples: int = setting(2, "Everyday completions in the KL term.", minimum=1, cli=False)
     kl_top: int = setting(32, "The base's top tokens a row kept for the KL term.", minimum=1, cli=False)
+    # The correction also learned in the answer's position under this system prompt (issue 37, item
+    # 2): the prompt's user message, found through the model's chat template, rendered again after it;
+    # the step's loss is then the mean over both forms. "": off; a prompt that is not one user turn
+    # of the template is learned in its own form only.
+    system_prompt: str = setting("", "A system prompt the correction is also learned under.", cli=False)
 
 
 @dataclass(frozen=True)

@@ -300,9 +300,10 @@ class Learner:
             self._keep_prepared(key, prep)
             self.store.mark_taught(completion_id)  # what it taught is not its everyday text (Fisher, KL)
             anchors = self._anchors_of(scope) if self.config.instant.kl_weight > 0 else []
+            forms = self._forms(done.prompt_ids, target) if score > 0 else []
             prepare_ms = (time.perf_counter() - t) * 1000
             state = self._state(scope)
-            timing = self.instant.step(state, prep, score, self._kl_term(anchors) if anchors else None)
+            timing = self.instant.step(state, prep, score, self._extra(anchors, forms, score))
             if prep.embedding is not None:
                 self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
             t = time.perf_counter()
@@ -411,13 +412,38 @@ class Learner:
             self._anchors.popitem(last=False)
         return anchors
 
-    def _kl_term(self, anchors: list[BaseAnchor]):
-        """The step's extra term: kl_weight times the mean KL toward the base over `anchors`."""
+    def _forms(self, prompt_ids: list[int], target: list[int]) -> list[Prepared]:
+        """The correction's other forms to learn it under (under the lock): the prompt's user message
+        under `system_prompt`, prepared (kept as any pair is)."""
         c = self.config.instant
+        if not c.system_prompt:
+            return []
+        form = under_system(self.tokenizer, prompt_ids, c.system_prompt)
+        if form is None or len(form) + len(target) > self.model_config.max_position_embeddings:
+            return []
+        key = (c.context, tuple(form), tuple(target))
+        prep = self._prepared.get(key) or self.instant.prepare(form, target)
+        self._keep_prepared(key, prep)
+        return [prep]
+
+    def _extra(self, anchors: list[BaseAnchor], forms: list[Prepared], score: float):
+        """The step's extra terms, or None: kl_weight times the mean KL toward the base over
+        `anchors`, and the feedback's loss under each other form (the step's loss becomes the mean
+        over the forms)."""
+        c = self.config.instant
+        if not anchors and not forms:
+            return None
 
         def term(lora: MicroLora):
-            return c.kl_weight * sum(kl_to_base(self.layers, lora, a, c.candidates, self._kl_gen)
-                                     for a in anchors) / len(anchors)
+            total = 0.0
+            if anchors:
+                total = c.kl_weight * sum(kl_to_base(self.layers, lora, a, c.candidates, self._kl_gen)
+                                          for a in anchors) / len(anchors)
+            for prep in forms:
+                logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),
+                                                     prep.negatives)
+                total = total + torch.nn.functional.cross_entropy(logits, index) * score
+            return total
         return term
 
     def _publish(self, tenant: str, lora: MicroLora, source: str, checks: dict) -> str:
@@ -462,6 +488,25 @@ class Learner:
                 shutil.rmtree(v.path, ignore_errors=True)
         if old:
             self.policy.forget(tenant, [v.version for v in old])
+
+
+def under_system(tokenizer: Any, prompt_ids: list[int], system: str) -> list[int] | None:
+    """The prompt's one user message rendered again by the model's chat template after `system`;
+    None when the prompt is not exactly one user turn of the template (or there is no template)."""
+    from ruvllm.engine.prompts import has_chat_template, render_chat
+
+    if not has_chat_template(tokenizer):
+        return None
+    mark = "\u2063QUESTION\u2063"  # (an invisible separator: in no ordinary message)
+    shape = tokenizer.decode(render_chat(tokenizer, [{"role": "user", "content": mark}]))
+    text = tokenizer.decode(prompt_ids)
+    head, _, tail = shape.partition(mark)
+    if not _ or not text.startswith(head) or not text.endswith(tail) or len(text) <= len(head) + len(tail):
+        return None
+    question = text[len(head):len(text) - len(tail)]
+    if tail.strip() in question or any(t in question for t in tokenizer.all_special_tokens):
+        return None  # several turns (their markers inside what would be the one message)
+    return render_chat(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
 
 
 def _name(tenant: str, n: int) -> str:
