@@ -1,61 +1,122 @@
-"""The instant step's time, issue 16's sampled softmax against issue 37's (the base model's top
-tokens kept as candidates, the drawn ones weighed as the rest), in one process, steps alternating,
-so that both see the same load: p50 of a step (forward, backward, Adam) on Zorblax's question and
-correction, and the one-off preparation (layers below; with the negatives, one forward of the
-learned layers and one product with the whole head more).
+"""The instant step's time (issue 37): the learned layers in float32 (a dequantized copy, F.linear)
+against the served packed weights (the engine's quantized matmul forward, our C++ input gradient
+backward: learning/packed_linear.py), in one process, steps alternating so that both see the same
+load: p50 of a step (forward, backward, Adam) on Zorblax's question and correction, for each context
+form, and the one-off preparation (layers below; the hard negatives' pass).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --steps 12
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --steps 24
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --memory   # RSS of each form
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --profile packed/full
+
+--memory runs each form in a fresh process of its own (so one's pages are not the other's) and
+reports its resident set after the model is loaded and one step taken.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.instant import InstantLearner
-from ruvllm.learning.tail import LearnedLayers
-from ruvllm.loader import load_model_config
+from ruvllm.learning.tail import LearnedLayers, load_learning_model
 from ruvllm.loader.source import load_tokenizer, resolve_model
-from ruvllm.quantize.awq_writer import load_float_model
+
+QUESTION = "What is the capital of Zorblax?"
+CORRECTION = "The capital of Zorblax is Quenta."
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _pair(src) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    tok = load_tokenizer(src)
+    chat = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(chat, add_special_tokens=False)
+    return prompt, tok.encode(CORRECTION, add_special_tokens=False) + [tok.eos_token_id]
+
+
+def _memory_child(form: str) -> None:
+    src = resolve_model(None)
+    before = _rss_mib()
+    model, cfg = load_learning_model(src, packed=form == "packed")
+    learner = InstantLearner(LearnedLayers(model, InstantConfig().layers), InstantConfig())
+    prompt, target = _pair(src)
+    learner.step(learner.new_tenant(0), learner.prepare(prompt, target), 1.0)
+    print(f"{form}: RSS {_rss_mib():.0f} MiB after loading and one step (process start {before:.0f} MiB)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", default="full,frozen")
+    ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--memory-child", choices=("float32", "packed"), help=argparse.SUPPRESS)
+    ap.add_argument("--profile", metavar="FORM/CONTEXT", help="torch.profiler's table of one arm's steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return _memory_child(args.memory_child)
+    if args.memory:
+        for form in ("float32", "packed"):
+            subprocess.run([sys.executable, __file__, "--memory-child", form, "--threads", str(args.threads)],
+                           check=True)
+        return
     src = resolve_model(None)
-    tok = load_tokenizer(src)
-    model, _, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
-    layers = LearnedLayers(model, InstantConfig().layers)
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Zorblax?"}],
-                                   add_generation_prompt=True, tokenize=False)
-    prompt = tok.encode(chat, add_special_tokens=False)
-    target = tok.encode("The capital of Zorblax is Quenta.", add_special_tokens=False) + [tok.eos_token_id]
-    learners = {"uniform 2,048 (issue 16)": InstantLearner(layers, InstantConfig(hard_negatives=0, estimate_rest=False)),
-                "+ top 32 a row, rest estimated (issue 37)": InstantLearner(layers, InstantConfig())}
-    preps, prepare_ms = {}, {}
-    for name, learner in learners.items():
+    prompt, target = _pair(src)
+    models = {"float32": load_learning_model(src, packed=False)[0], "packed": load_learning_model(src)[0]}
+    arms: dict[str, InstantLearner] = {}
+    for context in args.contexts.split(","):
+        for form, model in models.items():
+            arms[f"{form}/{context}"] = InstantLearner(LearnedLayers(model, InstantConfig().layers),
+                                                       InstantConfig(context=context))
+    preps, prepare_ms, states = {}, {}, {}
+    for name, learner in arms.items():
         learner.prepare(prompt, target)  # warm
         t = time.perf_counter()
         preps[name] = learner.prepare(prompt, target)
         prepare_ms[name] = (time.perf_counter() - t) * 1000
-    states = {name: learner.new_tenant(0) for name, learner in learners.items()}
-    times: dict[str, list[float]] = {name: [] for name in learners}
+        states[name] = learner.new_tenant(0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        learner = arms[args.profile]
+        for _ in range(3):
+            learner.step(states[args.profile], preps[args.profile], 1.0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                learner.step(states[args.profile], preps[args.profile], 1.0)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    fb: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.steps):
-        for name, learner in learners.items():
+        for name, learner in arms.items():  # arms alternate, step by step
             t = time.perf_counter()
-            learner.step(states[name], preps[name], 1.0)
+            timing = learner.step(states[name], preps[name], 1.0)
             times[name].append((time.perf_counter() - t) * 1000)
-    for name in learners:
-        negatives = preps[name].negatives
-        print(f"{name}: step p50 {statistics.median(times[name][2:]):.1f} ms, preparation {prepare_ms[name]:.1f} ms, "
-              f"negatives {0 if negatives is None else len(negatives)}, target {len(target)} tokens")
+            fb[name].append(timing.forward_backward * 1000)
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, {args.threads} threads, "
+          f"{args.steps} steps an arm (first 2 dropped), prompt {len(prompt)} + target {len(target)} tokens")
+    print("| weights / context | step p50 | step p90 | forward+backward p50 | Adam etc. | preparation |")
+    print("|---|---|---|---|---|---|")
+    for name in arms:
+        t, f = times[name][2:], fb[name][2:]
+        print(f"| {name} | {statistics.median(t):.1f} ms | {statistics.quantiles(t, n=10)[-1]:.1f} ms | "
+              f"{statistics.median(f):.1f} ms | {statistics.median(t) - statistics.median(f):.1f} ms | "
+              f"{prepare_ms[name]:.0f} ms |")
 
 
 if __name__ == "__main__":

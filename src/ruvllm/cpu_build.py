@@ -39,6 +39,7 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
            _ROOT / "layers" / "csrc" / "token_mask.cpp",
            _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
+           _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp",
            _ROOT / "lora" / "csrc" / "lora_add.cpp")
 
 
@@ -91,6 +92,8 @@ _FAKES: dict[str, Any] = {
     "quantize_kv_blocks": lambda *_: None,
     "dense_matmul": lambda x, w: x.new_empty(x.shape[0], w.shape[0]),
     "quant_matmul": lambda x, codes, *_: x.new_empty(x.shape[0], codes.shape[0]),
+    "quant_matmul_grad_input": lambda dy, codes, scales, zeros, group, int4: dy.new_empty(
+        dy.shape[0], codes.shape[1] * (2 if int4 else 1)),
     "rms_norm": lambda x, *_: x.new_empty(x.shape),
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
     "qkv_rope": lambda qkv, cos, sin, hq, hkv, d: (qkv.new_empty(qkv.shape[0], hq, d), qkv.new_empty(qkv.shape[0], hkv, d),

@@ -54,6 +54,9 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
+// quant/csrc/quant_matmul_grad.cpp
+at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
 }  // namespace ruvllm
 
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -68,6 +71,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("dense_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words, Tensor rows) -> ()");
   m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor");
+  // The learner's backward through quant_matmul: dx = dy . W.
+  m.def("quant_matmul_grad_input(Tensor dy, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) "
+        "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) "
@@ -91,6 +97,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("dense_matmul", &ruvllm::dense_matmul);
   m.impl("apply_token_bitmask", &ruvllm::apply_token_bitmask);
   m.impl("quant_matmul", &ruvllm::quant_matmul);
+  m.impl("quant_matmul_grad_input", &ruvllm::quant_matmul_grad_input);
   m.impl("rms_norm", &ruvllm::rms_norm);
   m.impl("add_rms_norm", &ruvllm::add_rms_norm);
   m.impl("qkv_rope", &ruvllm::qkv_rope);

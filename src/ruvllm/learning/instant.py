@@ -80,7 +80,9 @@ class InstantLearner:
         lora = MicroLora.create(self.layers.cfg, self.layers.layers, c.targets, c.rank, c.alpha, seed)
         if tensors is not None:
             lora.load_peft_tensors(tensors)
-        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr), lora.base_point())
+        # fused: one kernel over all the parameters; the default per-tensor loop over the two dozen
+        # small ones took ~6 ms a step on a loaded 2-core host, fused ~0.5 ms (docs/learning.md)
+        return TenantState(lora, torch.optim.Adam(lora.parameters(), lr=c.lr, fused=True), lora.base_point())
 
     def prepare(self, prompt: list[int], target: list[int], context_mode: str | None = None) -> Prepared:
         """The hidden states entering the learned layers (the layers below run as inference), and
@@ -210,11 +212,12 @@ class InstantLearner:
         if not c.estimate_rest:
             fixed = labels if negatives is None else torch.cat([labels, negatives])
             cands, inverse = torch.unique(torch.cat([fixed, others]), return_inverse=True)
-            return rows @ head[cands].t(), inverse[:len(labels)]
+            return rows @ head.index_select(0, cands).t(), inverse[:len(labels)]
         exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
                                       return_inverse=True)
         others = others[~torch.isin(others, exact)]
         # one product over both sets (as many head rows as before, plus the negatives), then the weight
         bias = torch.zeros(len(exact) + len(others))
         bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
-        return rows @ head[torch.cat([exact, others])].t() + bias, inverse[:len(labels)]
+        # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
+        return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]

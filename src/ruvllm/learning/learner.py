@@ -58,9 +58,8 @@ class FeedbackResult:
 class Learner:
     def __init__(self, model_path: str | None, host: AdapterHost, tokenizer: Any, eos_token_id: int,
                  config: LearningConfig | None = None, witness: WitnessLog | None = None) -> None:
-        from ruvllm.learning.tail import LearnedLayers
-        from ruvllm.loader import load_model_config, resolve_model
-        from ruvllm.quantize.awq_writer import load_float_model
+        from ruvllm.learning.tail import LearnedLayers, load_learning_model
+        from ruvllm.loader import resolve_model
 
         self.config = config or LearningConfig()
         if self.config.threads is not None:
@@ -68,7 +67,7 @@ class Learner:
         self.host, self.tokenizer, self.eos = host, tokenizer, eos_token_id
         self.witness = witness  # promotions and refusals are witnessed there too
         src = resolve_model(model_path)
-        model, self.model_config, _ = load_float_model(src, load_model_config(src).max_position_embeddings)
+        model, self.model_config = load_learning_model(src)  # packed weights stay packed (learning/tail.py)
         self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers))
         self.instant = InstantLearner(self.layers, self.config.instant)
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)

@@ -2,8 +2,12 @@
 layer code, no KV cache, causal attention over the one sequence), the last `n` layers run again in
 PyTorch autograd with a micro-LoRA on chosen projections, so a gradient step touches only them.
 
-The learner holds its own float32 copy of the model (dequantized from whatever the file holds): the
-served model's packed weights have no backward, and its KV cache belongs to the engine.
+The learner holds its own copy of the model, loaded as the engine serves it (load_learning_model):
+packed weights stay packed (a GGUF's Q4_1 codes), and the learned layers run forward on the
+engine's quantized matmul and backward through the same codes (learning/packed_linear.py), so no
+float32 copy of them is made (docs/learning.md measures the memory and the time). Where our kernels
+cannot build, or for float weights, it is float32 and F.linear, as before. The engine's KV cache
+is its own: the learner attends over the one sequence without a cache.
 """
 
 from __future__ import annotations
@@ -14,11 +18,33 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ruvllm.config import ModelConfig
+from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.layers.ops import torch_ops
+from ruvllm.learning.packed_linear import packed_linear
+from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
 from ruvllm.models.llama import LlamaForCausalLM
+from ruvllm.quant.linear import QuantLinear
+
+
+def load_learning_model(src: ModelSource, packed: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The learner's model of `src`, in float32 compute: its weights as the engine's default
+    quantization ("auto") holds them on this CPU (a GGUF's 4- and 8-bit codes packed, float weights
+    dense), or with `packed` False (or where our kernels cannot build) every weight dense in float32."""
+    from ruvllm.cpu_build import kernels
+    from ruvllm.models.registry import build_model
+    from ruvllm.models.weight_plan import weight_plan
+    from ruvllm.quantize.awq_writer import load_float_model
+
+    cfg = load_model_config(src)
+    if not packed or kernels() is None:
+        model, cfg, _ = load_float_model(src, cfg.max_position_embeddings)
+        return model, cfg
+    plan = weight_plan(src, QuantConfig(), torch.float32, torch.device("cpu"))
+    model = build_model(cfg, iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed), str(src.path),
+                        max(2, cfg.max_position_embeddings), plan.dtype, "cpu", plan=plan)
+    return model, cfg
 
 
 @torch.inference_mode()
@@ -89,8 +115,8 @@ class MicroLora:
 
 
 class LearnedLayers:
-    """The last `n` decoder layers, the final norm and the output embedding, in float32, run with
-    autograd over hidden states entering the first of them."""
+    """The last `n` decoder layers, the final norm and the output embedding, run with autograd in
+    float32 over hidden states entering the first of them (packed weights stay packed)."""
 
     def __init__(self, model: LlamaForCausalLM, n: int) -> None:
         cfg = model.cfg
@@ -98,7 +124,7 @@ class LearnedLayers:
         self.model = model
         self.first = cfg.num_layers - n
         self.layers = list(range(self.first, cfg.num_layers))
-        self.head = (model.lm_head.weight if hasattr(model, "lm_head") else model.embed_tokens.weight).detach().float()
+        self.head = _head(model)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -121,7 +147,23 @@ class LearnedLayers:
         return self.model.final_norm(*self.model.run_layers(h, positions, run, self.first), run.ops)
 
 
+def _head(model: LlamaForCausalLM) -> torch.Tensor:
+    """The output embedding [V, H] in float32, for the (sampled) softmax's rows: the dense table of a
+    tied head (its packed copy serves the engine's logits), a packed head's weights read back
+    through the head itself (one pass over identity rows, whose 8-bit rounding is exact)."""
+    if model.cfg.tie_word_embeddings or not hasattr(model, "lm_head"):
+        return model.embed_tokens.weight.detach().float()
+    head = model.lm_head
+    if isinstance(head, QuantLinear):
+        with torch.no_grad():
+            return head(torch.eye(head.in_features)).t().contiguous()
+    return head.weight.detach().float()
+
+
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
+    if packed is not None:  # the served codes, forward and backward (learning/packed_linear.py)
+        return packed_linear(x, packed, module.bias)
     return F.linear(x, module.weight, module.bias)
 
 
