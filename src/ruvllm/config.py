@@ -354,6 +354,9 @@ class EngineConfig(Checked):
     grammar_compile_timeout: float = setting(
         10.0, "Seconds a structured-output constraint may take to compile; past it the compile is stopped and the "
              "request gets a 400 (docs/structured.md).", minimum=0.01)
+    grammar_idle_exit: float = setting(
+        120.0, "Seconds without a new structured-output constraint after which the grammar-compile process "
+               "(about 290 MB) leaves; the next new constraint starts it again (seconds). 0 keeps it.", minimum=0.0)
     quantization: QuantConfig = field(default_factory=QuantConfig)
     # Attention: "auto" is the Triton kernel on CUDA and our compiled C++ kernel on CPU (when it
     # builds); "torch" plain PyTorch ops; "triton" forces the Triton kernel (on CPU: interpreted, tests only).

@@ -224,7 +224,8 @@ def test_a_new_constraint_compiles_beside_a_runaway_one(default_llm: LLM) -> Non
     compiler = core._grammar_compiler()
     timeout, compiler.timeout = compiler.timeout, 20.0
     try:
-        default_llm.generate([ask], SamplingParams(max_tokens=2, structured=StructuredOutputs(regex="[a-z]+")))
+        default_llm.generate([ask], SamplingParams(max_tokens=2, structured=StructuredOutputs(  # never seen: it
+            regex=f"[a-z]+{uuid.uuid4().hex[:6]}")))  # compiles, so the zygote is up (it leaves when idle)
         zygote = compiler._zygote  # up: nothing below waits for a start
         assert zygote is not None and len(compiler._slots) == 1
 
@@ -262,6 +263,41 @@ def test_a_new_constraint_compiles_beside_a_runaway_one(default_llm: LLM) -> Non
         core.abort(["runaway", "new", "plain"])  # a failed assertion leaves nothing behind
         while core.has_unfinished:
             core.step()
+    stats = default_llm.stats()
+    assert stats.idle and stats.free_blocks == stats.total_blocks
+
+
+def test_an_idle_compile_process_leaves_and_the_next_constraint_starts_another(default_llm: LLM) -> None:
+    """The zygote (about 290 MB) leaves once no compile has run for idle_exit seconds (1 s here; 120 by
+    default, --grammar-idle-exit): an engine that met one structured request does not keep it for
+    life, a compiled constraint is still served from the core's cache, and a new one starts another."""
+    import time
+    import uuid
+
+    compiler = default_llm.core._grammar_compiler()
+    ask = _ask(default_llm, "Hi")
+    idle_exit, compiler.idle_exit = compiler.idle_exit, 1.0
+    try:
+        def choose(*options: str) -> str:
+            params = SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputs(choice=list(options)))
+            return default_llm.generate([ask], params)[0].outputs[0].text
+
+        tag = uuid.uuid4().hex[:6]  # never seen: it compiles (the zygote is started if it is not up)
+        assert choose(f"yes{tag}", f"no{tag}") in (f"yes{tag}", f"no{tag}")
+        zygote = compiler._zygote
+        assert zygote is not None
+        deadline = time.monotonic() + 30
+        while compiler._zygote is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert compiler._zygote is None, "the idle zygote did not leave"
+        zygote.wait(timeout=10)  # killed and reaped (just after it was let go)
+        assert choose(f"yes{tag}", f"no{tag}") in (f"yes{tag}", f"no{tag}")  # cached: no zygote needed
+        assert compiler._zygote is None
+        tag = uuid.uuid4().hex[:6]
+        assert choose(f"yes{tag}", f"no{tag}") in (f"yes{tag}", f"no{tag}")
+        assert compiler._zygote is not None and compiler._zygote.poll() is None  # a new one compiled it
+    finally:
+        compiler.idle_exit = idle_exit
     stats = default_llm.stats()
     assert stats.idle and stats.free_blocks == stats.total_blocks
 

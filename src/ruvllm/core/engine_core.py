@@ -64,7 +64,7 @@ class EngineCore:
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self.adapter_registry = AdapterRegistry(self.info.max_loras, config.lora.cpu_capacity)
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
-        self._compile_timeout = config.grammar_compile_timeout
+        self._compile_timeout, self._compile_idle_exit = config.grammar_compile_timeout, config.grammar_idle_exit
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
 
     # --- adapters --------------------------------------------------------------------------------
@@ -176,7 +176,8 @@ class EngineCore:
             from ruvllm.structured.compiler import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.executor.load_tokenizer, self.info.vocab_size,
-                                             self.info.eos_token_ids, self._compile_timeout)
+                                             self.info.eos_token_ids, self._compile_timeout,
+                                             idle_exit=self._compile_idle_exit)
         return self._grammars
 
     def _failed_compiles(self) -> list[CoreOutput]:

@@ -8,7 +8,12 @@ where a fresh interpreter takes seconds of imports, 10-20 s on a loaded machine)
 passes its deadline, or whose requests all left, is stopped by killing its process; nothing else is
 lost with it. One compile runs at a time; when one has run past `second_after` and another waits, a
 second thread takes the waiting ones, so a runaway compile (until its deadline) holds back no other
-constraint. Never more than two at once per engine: a third waits while two compile."""
+constraint. Never more than two at once per engine: a third waits while two compile.
+
+The zygote (about 290 MB: xgrammar and torch under it) leaves once no compile has run for `idle_exit`
+seconds, and the next new constraint starts another (seconds of imports): compiled constraints are
+cached here, in the core, so a server that serves the same few schemas needs it only for the first,
+and an engine that met one structured request (a test's, an evaluation's) does not keep it for life."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from ruvllm.structured.spec import ByteBudget, StructuredOutputs
 _START_TIMEOUT = 300.0  # seconds for the zygote to import xgrammar and read the vocabulary (not a compile's)
 _MAX_COMPILES = 2
 _POLL_S = 0.1  # how often a thread waiting for its compile looks for constraints waiting behind it
+_IDLE = object()  # what the first thread's wait for a job answers once the zygote has been idle too long
 
 
 class CompileError(ValueError):
@@ -51,12 +57,16 @@ class _Slot:
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: tuple[int, ...],
                  timeout: float = 10.0, cache_size: int = 256, cache_bytes: int = 256 << 20,
-                 second_after: float = 1.0) -> None:
+                 second_after: float = 1.0, idle_exit: float = 120.0) -> None:
+        """idle_exit: seconds without a compile after which the zygote leaves (0: it stays while the
+        compiler is open)."""
         self._load_tokenizer, self.vocab_size, self.stop_token_ids = load_tokenizer, vocab_size, stop_token_ids
         self.timeout = timeout
         # A compile usually takes 0.1 s: one past a second is probably a slow one, worth a second core
         # for the constraints behind it (and not otherwise: the engine's steps share the same cores).
         self.second_after = second_after
+        self.idle_exit = idle_exit
+        self._last_compile = time.monotonic()  # when the latest compile ended (under _lock)
         self._info: Any = None  # xgrammar's TokenizerInfo, made at the first compile (the tokenizer's load)
         # by constraint: a compile's bytes once done (xgrammar's own count) and its key's
         self.cache: ByteBudget[tuple[str, str], Future] = ByteBudget(cache_bytes, _entry_bytes, cache_size)
@@ -127,18 +137,25 @@ class GrammarCompiler:
                 if job is None:  # closed, or a second thread with nothing left to do
                     self._slots.remove(slot)
                     return
-                slot.running, slot.since, slot.stop = job[1], time.monotonic(), False
+                if job is not _IDLE:
+                    slot.running, slot.since, slot.stop = job[1], time.monotonic(), False
+            if job is _IDLE:
+                self._stop_idle_zygote()
+                continue
             spec, fut = job
             try:
                 fut.set_result(self._compile(slot, spec))
             except BaseException as exc:  # noqa: BLE001  # the request's failure, not this thread's
                 fut.set_exception(exc)
-            with self._lock:
+            with self._wake:
                 slot.running = None
+                self._last_compile = time.monotonic()
+                self._wake.notify_all()  # the first thread, waiting, times the zygote's idleness from now
             self.cache.trim()  # its size is known now
 
-    def _take(self, slot: _Slot) -> tuple[StructuredOutputs, Future] | None:
-        """Under the lock: the next job still wanted, or None (closed; a second thread finds none)."""
+    def _take(self, slot: _Slot) -> Any:
+        """Under the lock: the next job still wanted, or None (closed; a second thread finds none), or
+        _IDLE (the first thread: the zygote has had no compile for idle_exit seconds)."""
         while not self._closed:
             while self._jobs:
                 spec, fut = self._jobs.popleft()
@@ -146,8 +163,28 @@ class GrammarCompiler:
                     return spec, fut
             if not slot.first:
                 return None
-            self._wake.wait()
+            idle_left = self._idle_left()
+            if idle_left is not None and idle_left <= 0:
+                return _IDLE
+            self._wake.wait(idle_left)
         return None
+
+    def _idle_left(self) -> float | None:
+        """Under the lock: seconds until the zygote has been idle for idle_exit; None when there is no
+        zygote to stop (or it stays), or a compile runs."""
+        if not self.idle_exit > 0 or self._zygote is None or any(s.running is not None for s in self._slots):
+            return None
+        return self._last_compile + self.idle_exit - time.monotonic()
+
+    def _stop_idle_zygote(self) -> None:
+        """The zygote leaves, unless a compile came meanwhile: each fork is asked for under
+        _zygote_lock, held here, and a compile is marked running (under _lock) before it asks."""
+        with self._zygote_lock:
+            with self._lock:
+                idle_left = self._idle_left()
+                if self._jobs or self._closed or idle_left is None or idle_left > 0:
+                    return
+            self._stop_zygote()
 
     def _more_help(self, slot: _Slot) -> None:
         """Called while `slot` compiles: a second thread when this compile is slow and others wait."""
