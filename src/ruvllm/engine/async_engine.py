@@ -274,9 +274,7 @@ class AsyncEngine:
             targets.append((stream, _embedding(out, ids)))
         if aborts:
             self._client.abort(aborts)  # stop strings matched: the core frees those sequences
-        for stream, result in targets:
-            if stream is not None:
-                deliver(stream, result)
+        deliver_all([(stream, result) for stream, result in targets if stream is not None])
 
     def _lose(self, seq_ids: list[str], error: BaseException) -> None:
         """A data-parallel replica failed: the requests it served end with `error`; the rest go on."""
@@ -316,6 +314,28 @@ def _embedding(out: CoreOutput, token_ids: list[int]) -> EmbeddingOutput | Reque
         return RequestError(out.error or f"request {out.request_id} ended before it was embedded "
                                           f"({out.finish_reason or 'no reason given'})", "input")
     return EmbeddingOutput.from_bytes(out.request_id, token_ids, out.embedding, out.num_cached_tokens, out.queue_time)
+
+
+def deliver_all(items: list[tuple[Stream, Any]]) -> None:
+    """A step's items handed over with one wake-up per event loop (not one per stream: at 32 streams
+    that is 32 writes to the loop's wake-up pipe and as many of its turns, per step); each queue gets
+    its items in order."""
+    if len(items) == 1:
+        deliver(*items[0])
+        return
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            pass  # a loop that has closed has nobody left to tell
+
+
+def _put_all(batch: list[tuple[Stream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 def deliver(stream: Stream, item: Any) -> None:

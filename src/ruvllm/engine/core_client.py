@@ -368,10 +368,17 @@ class ProcessCoreClient(_OneCore):
         return not self._dead and not self._stopping.is_set() and self.process.poll() is None
 
     def _receive(self) -> None:
+        # A receive that waits at most the liveness poll: one call per message (a poll before each
+        # receive would be a second one, per token of every stream).
+        self._out.setsockopt(zmq.RCVTIMEO, int(_LIVENESS_POLL_S * 1000))
         try:
             while True:
-                if self._out.poll(int(_LIVENESS_POLL_S * 1000)):
-                    msg = self._decoder.decode(self._out.recv())
+                try:
+                    data = self._out.recv()
+                except zmq.Again:
+                    data = None
+                if data is not None:
+                    msg = self._decoder.decode(data)
                     self._on_message(msg)
                     if isinstance(msg, CoreFailed):
                         return

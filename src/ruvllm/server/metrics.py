@@ -116,6 +116,7 @@ class RequestTracker:
         self.labels = (m.model, endpoint)
         self.first: float | None = None  # when the first token came (Ollama's bodies split the time there)
         self.last: float | None = None
+        self._itl: Any = None  # this request's inter-token series, looked up once (not per token)
 
     def on_output(self, out: RequestOutput) -> None:
         """`out`: a DELTA output (what it adds, over all its completions)."""
@@ -131,8 +132,10 @@ class RequestTracker:
                 self.m.queue_time.labels(*label).observe(out.queue_time)
         else:
             # Several tokens can arrive in one output (n > 1); spread the gap over them.
+            if self._itl is None:
+                self._itl = self.m.itl.labels(*label)
             for _ in range(new):
-                self.m.itl.labels(*label).observe((now - self.last) / new)
+                self._itl.observe((now - self.last) / new)
         self.last = now
 
     def on_finish(self, results: list[RequestOutput]) -> None:

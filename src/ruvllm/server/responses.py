@@ -71,6 +71,19 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+_SLOT = "\x00choices\x00"  # JSON writes it as an escape no id, name or number contains
+
+
+def sse_frames(before: dict[str, Any], after: dict[str, Any]) -> Callable[[list[dict[str, Any]]], str]:
+    """`sse({**before, "choices": choices, **after})` for any `choices`, byte for byte, with the fixed
+    fields encoded once per stream rather than once per token."""
+    text, slot = json.dumps({**before, "choices": _SLOT, **after}, ensure_ascii=False), json.dumps(_SLOT)
+    if "choices" in before or "choices" in after or text.count(slot) != 1:
+        return lambda choices: sse({**before, "choices": choices, **after})
+    head, _, tail = text.partition(slot)
+    return lambda choices: f"data: {head}{json.dumps(choices, ensure_ascii=False)}{tail}\n\n"
+
+
 def _reason(c: CompletionOutput) -> str | None:
     return c.finish_reason.value if c.finish_reason is not None else None
 
@@ -98,13 +111,14 @@ async def _chunks(st: ServerState, body: Any, run: Run, obj: str, first: Iterabl
     head = _head(st, run, obj)
     usage_asked = bool(body.stream_options and body.stream_options.include_usage)
     extra = {"usage": None} if usage_asked else {}  # null until the last chunk
+    frame = sse_frames(head, extra)
     for choice in first:
-        yield sse({**head, "choices": [choice], **extra})
+        yield frame([choice])
     async with aclosing(run.following):
         async for pi, out in run.following:
             for c in out.outputs:
                 for choice in choices(pi, c):
-                    yield sse({**head, "choices": [choice], **extra})
+                    yield frame([choice])
     results = run.finish()
     if usage_asked:
         yield sse({**head, "choices": [], "usage": usage(results)})

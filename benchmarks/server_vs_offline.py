@@ -1,0 +1,149 @@
+"""One stream's decode rate through the server against the same engine offline (issue 34, item 4).
+
+- offline: `LLM`'s core stepped in this process, as benchmarks/vs_llama_bench.py's `decode_rate`
+  measures llama-bench's tg (N tokens after a 1-token prompt; the tokens after the first over the
+  time after the first);
+- server: `ruvllm serve` (the core in its own process, as users run it) started by this script, one
+  streaming `/v1/completions` client sending the same 1-token prompt (greedy, ignore_eos), timed the
+  same way on the client: from the first token's SSE chunk to the last one's. Everything between the
+  core's step and the client's socket is in it: the core's message, the front's detokenizer and
+  output processor, the SSE chunk and the HTTP write;
+- `--url URL` adds an already running server (another commit's, say) as a third arm.
+
+Arms alternate within each round (the first of a round rotating), for `--rounds` rounds; the table
+gives medians and the server over offline within each round (median and range), so a noisy
+neighbour on a shared machine slows both sides of a round alike. The 1-minute load average is printed
+with the table.
+
+    .venv/bin/python benchmarks/server_vs_offline.py --rounds 7 --tokens 128
+    .venv/bin/python benchmarks/server_vs_offline.py --model /path/to/smollm2-1.7b.gguf --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.` imports
+
+from benchmarks.serve_load import start_ruvllm  # noqa: E402
+from benchmarks.vs_llama_bench import decode_rate  # noqa: E402
+from benchmarks.vs_llama_realistic import LoadSampler, machine  # noqa: E402
+
+SERVED = "bench"
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of a process has used so far, by thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def core_pid(front: int) -> int | None:
+    """The engine core's process: the server's child."""
+    children = Path(f"/proc/{front}/task/{front}/children").read_text().split()
+    return int(children[0]) if children else None
+
+
+def stream_rate(client: httpx.Client, url: str, tokens: int) -> float:
+    """One streaming client's tokens after the first over the time after the first (client clock)."""
+    body = {"model": SERVED, "prompt": [1], "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    first = last = None
+    n = 0
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices and (choices[0]["text"] or choices[0]["finish_reason"] is None):
+                last = time.perf_counter()
+                first = first or last
+                n += 1
+    assert first is not None and last is not None and n == tokens, (n, tokens)
+    return (tokens - 1) / (last - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path or name (default: the default model)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per measurement")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--url", default=None, help="also measure this running server (served as `bench`)")
+    ap.add_argument("--url-label", default="server at --url")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `ruvllm serve` argument (repeat)")
+    args = ap.parse_args()
+
+    from ruvllm import LLM, SamplingParams
+
+    proc, url = start_ruvllm(1, args.serve_arg, args.model, SERVED)
+    try:
+        llm = LLM(args.model) if args.model else LLM()
+        llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+        client = httpx.Client(timeout=httpx.Timeout(3600))
+        arms = {"offline (LLM core)": lambda i: decode_rate(llm, args.tokens, f"tg{i}"),
+                "server (this tree)": lambda i: stream_rate(client, url, args.tokens)}
+        if args.url:
+            arms[args.url_label] = lambda i: stream_rate(client, args.url, args.tokens)
+        for name, fn in arms.items():  # warm-up of each arm (first HTTP connection, first stream)
+            fn(-1 - len(name))
+        rates: dict[str, list[float]] = {name: [] for name in arms}
+        names = list(arms)
+        server = names[1]
+        core = core_pid(proc.pid)
+        front_cpu: dict[str, float] = {}  # the server's front, by thread, over its measured streams
+        core_cpu = 0.0
+        with LoadSampler() as load:
+            for rnd in range(args.rounds):
+                k = rnd % len(names)
+                for name in names[k:] + names[:k]:
+                    if name == server:
+                        before, core_before = cpu_seconds(proc.pid), sum(cpu_seconds(core).values()) if core else 0.0
+                    rates[name].append(arms[name](rnd))
+                    if name == server:
+                        after = cpu_seconds(proc.pid)
+                        for t, v in after.items():
+                            front_cpu[t] = front_cpu.get(t, 0.0) + v - before.get(t, 0.0)
+                        core_cpu += (sum(cpu_seconds(core).values()) if core else 0.0) - core_before
+                print(f"round {rnd + 1}: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items()), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    off = rates[names[0]]
+    print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; model {args.model or 'default'}; "
+          f"{args.tokens} tokens after a 1-token prompt, greedy; {args.rounds} rounds; {load.summary()}")
+    print("| arm | decode tok/s (median) | range | vs offline (median of rounds) | range |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        r = rates[name]
+        ratio = [a / b for a, b in zip(r, off)]
+        print(f"| {name} | {statistics.median(r):.1f} | {min(r):.1f}-{max(r):.1f} | "
+              f"{statistics.median(ratio):.3f}x | {min(ratio):.3f}-{max(ratio):.3f} |")
+    per_token = 1000 / (args.tokens * args.rounds)
+    threads = ", ".join(f"{t} {v * per_token:.2f}" for t, v in sorted(front_cpu.items(), key=lambda kv: -kv[1]) if v)
+    print(f"server CPU per token: front {sum(front_cpu.values()) * per_token:.2f} ms ({threads}); "
+          f"core process {core_cpu * per_token:.2f} ms")
+    print(f"(load average now {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
