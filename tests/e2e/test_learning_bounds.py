@@ -69,19 +69,23 @@ def test_an_evicted_tenant_learns_on_from_its_serving_version(base: Path, tmp_pa
     assert llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme").version == "learned:acme:v4"
 
 
-def test_a_tenant_with_updates_pending_is_never_evicted(base: Path, tmp_path: Path) -> None:
-    """Its consolidation (the pull for each of its steps) would be lost with its state."""
-    llm = _llm(base, tmp_path / "learned", states_keep=1)
+def test_tenants_with_updates_pending_are_evicted_last(base: Path, tmp_path: Path) -> None:
+    """Their consolidation (the pull for each of their steps) goes with their state; offline, where
+    nothing consolidates unless asked, every tenant waits and the bound still holds."""
+    llm = _llm(base, tmp_path / "learned", states_keep=2)
     learner = llm.learner
-    for t in ("acme", "globex"):
-        llm.generate([[11, 12, 13, 14]], GREEDY, tenant=t)
-        asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant=t)[0]
-        llm.feedback(asked.request_id, 1.0, "t7 t7", tenant=t)
-    assert sorted(learner._tenants) == ["acme", "globex"]  # both wait for the pass: over the bound for now
-    assert sorted(learner.consolidate()) == ["acme", "globex"]
-    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="initech")[0]
-    llm.feedback(asked.request_id, 1.0, "t7", tenant="initech")
-    assert list(learner._tenants) == ["initech"]
+    asked = {t: llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant=t)[0] for t in ("acme", "globex", "initech")}
+    llm.feedback(asked["acme"].request_id, 1.0, "t7 t7", tenant="acme")
+    learner.consolidate()  # acme waits for nothing now
+    llm.feedback(asked["globex"].request_id, 1.0, "t7 t7", tenant="globex")  # globex waits for a pass
+    with learner._lock:
+        learner._state("acme")  # acme used more recently than globex
+    llm.feedback(asked["initech"].request_id, 1.0, "t7", tenant="initech")
+    assert list(learner._tenants) == ["globex", "initech"]  # acme went, though globex was used less recently
+    for i in range(5):  # nothing consolidated: all wait, the bound holds
+        t = f"t{i}"
+        llm.feedback(llm.generate([[5, 90 + i, 23]], GREEDY, tenant=t)[0].request_id, 1.0, "t7", tenant=t)
+        assert len(learner._tenants) <= 2 and len(learner._pending) <= 2
 
 
 def test_the_kl_term_anchors_on_everyday_text_only(base: Path, tmp_path: Path) -> None:

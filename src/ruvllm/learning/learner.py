@@ -203,16 +203,22 @@ class Learner:
         """The scope's learning state, most recently used now: kept, or rebuilt from the version
         serving it (a pair without one: from what its tenant learned on the base, which served the
         pair till now), else fresh; then the least recently used states beyond `states_keep` go
-        (none with updates waiting for consolidation). A rebuilt state has the served weights and
+        (those with updates waiting for consolidation last). A rebuilt state has the served weights and
         step count, fresh Adam moments and no Fisher yet (drawn at its next consolidation)."""
         state = self._tenants.get(scope)
         if state is None:
             state = self._tenants[scope] = self._rebuild(scope)
         self._tenants.move_to_end(scope)
         spare = len(self._tenants) - self.config.states_keep
-        idle = [t for t in self._tenants if t != scope and t not in self._pending and t not in self._busy]
-        for victim in idle[:max(spare, 0)]:
-            del self._tenants[victim]
+        if spare > 0:
+            # those with updates waiting for the background pass go last (their pulls go with them: the
+            # version they serve stays as the steps left it; offline, without consolidate(), all wait);
+            # never one a pass is working on
+            order = sorted((t for t in self._tenants if t != scope and t not in self._busy),
+                           key=lambda t: t in self._pending)
+            for victim in order[:spare]:
+                del self._tenants[victim]
+                self._pending.pop(victim, None)
         return state
 
     def _rebuild(self, scope: str) -> TenantState:
@@ -337,7 +343,7 @@ class Learner:
             pending, self._pending = self._pending, {}
             jobs = []  # (tenant, its state, events, a copy to draw the Fisher at, or None)
             for tenant, events in pending.items():
-                state = self._tenants.get(tenant)  # (a scope with pending updates is never evicted)
+                state = self._tenants.get(tenant)
                 if state is None:
                     continue
                 state.since_fisher += events
