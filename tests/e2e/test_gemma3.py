@@ -98,13 +98,17 @@ def test_logits_match_transformers(direct_runner: DirectRunner, prompt: list[int
 
 # --- outside the engine: the learner's layers and AWQ calibration run the same layer definition -----
 
-def _float_model(gguf: Path) -> torch.nn.Module:
+@pytest.fixture(scope="module")
+def float_model(gguf: Path) -> torch.nn.Module:
+    """Every weight dequantized to fp32 (6-12 s to load): read by the learner's test, copied by AWQ's,
+    which changes its weights."""
     from ruvllm.quantize.awq_writer import load_float_model
 
     return load_float_model(resolve_model(str(gguf)), 2048)[0]
 
 
-def test_learned_layers_match_transformers(gguf: Path, hf_model: torch.nn.Module, long_prompt: list[int]) -> None:
+def test_learned_layers_match_transformers(float_model: torch.nn.Module, hf_model: torch.nn.Module,
+                                           long_prompt: list[int]) -> None:
     """The learner on Gemma 3: the 16 layers below as inference, the last two (a sliding and a global
     one) in autograd, over 700 tokens (past the window): transformers' logits, whole-context and with
     the frozen context; a gradient step moves the micro-LoRA."""
@@ -112,7 +116,7 @@ def test_learned_layers_match_transformers(gguf: Path, hf_model: torch.nn.Module
     from ruvllm.learning.instant import InstantLearner
     from ruvllm.learning.tail import LearnedLayers, hidden_before
 
-    model, ids = _float_model(gguf), long_prompt[:700]
+    model, ids = float_model, long_prompt[:700]
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids]), logits_to_keep=64).logits[0]
     layers = LearnedLayers(model, 2)
@@ -129,13 +133,15 @@ def test_learned_layers_match_transformers(gguf: Path, hf_model: torch.nn.Module
     assert learner.step(state, prep, 1.0).loss > 0 and not torch.equal(state.lora.parameters()[1], b)
 
 
-def test_awq_on_gemma3(gguf: Path, hf_model: torch.nn.Module, long_prompt: list[int]) -> None:
+def test_awq_on_gemma3(float_model: torch.nn.Module, hf_model: torch.nn.Module, long_prompt: list[int]) -> None:
     """AWQ on Gemma 3: its calibration forward is transformers' Gemma 3; its folds (into Gemma's own
     producers) keep the float model; its int4 weights stay closer to the float logits than plain
     round-to-nearest's, on text other than the calibration's."""
     from ruvllm.quantize.awq import awq_fold, calibration_ids, fake_quantize, forward_logits
 
-    model = _float_model(gguf)
+    import copy
+
+    model = copy.deepcopy(float_model)  # (2 s; a second load took 6-12)
     calib = calibration_ids(long_prompt[1:1025], 2, 256)  # two samples: the [S, L] path
     probe = torch.tensor([long_prompt[1100:1356]])
     with torch.no_grad():  # 256 rows without a <bos> (larger activations): 2.3e-4, 5e-6 of the largest logit
