@@ -4,6 +4,7 @@ The server runs over the tiny model's folder, with adapters made by peft at test
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,10 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     corrupt = root / "corrupt"
     make_adapter(tiny_model_dir, corrupt, seed=31)
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    nan = root / "nan"  # issue 33: a NaN lora_alpha loaded (200), then outputs were empty and streams bare NaN
+    make_adapter(tiny_model_dir, nan, seed=32)
+    config = json.loads((nan / "adapter_config.json").read_text())
+    (nan / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
     return root
 
 
@@ -126,6 +131,7 @@ def test_hot_load_and_unload_while_streaming(server: RunningServer, adapters: Pa
     ("missing", 400, "no such folder"),
     ("corrupt", 400, "not a readable safetensors file"),
     ("rank", 400, "over the maximum 16"),
+    ("nan-alpha", 400, "lora_alpha must be a positive finite number, got nan"),
     ("outside", 403, "does not load adapters from that path"),
     ("dotdot", 403, "does not load adapters from that path"),
     ("name-in-use", 400, "already in use"),
@@ -133,6 +139,7 @@ def test_hot_load_and_unload_while_streaming(server: RunningServer, adapters: Pa
 def test_bad_loads_are_4xx_and_the_server_serves_on(server: RunningServer, adapters: Path, tmp_path: Path,
                                                     case: str, status: int, fragment: str) -> None:
     path = {"missing": adapters / "nope", "corrupt": adapters / "corrupt", "rank": adapters / "big",
+            "nan-alpha": adapters / "nan",
             "outside": tmp_path, "dotdot": f"{adapters}/../elsewhere", "name-in-use": adapters / "a"}[case]
     name = MODEL if case == "name-in-use" else "x"
     r = load(server, name, path)
