@@ -94,7 +94,7 @@ class MicroLora:
         if pair is None:
             return None
         a, b = pair
-        return (x @ a.t()) @ b.t() * self.scaling
+        return ((x @ a.t()) * self.scaling) @ b.t()  # (scaled at rank r: a [T, r] product, not [T, n])
 
     def load_peft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the weights of a version written by peft_tensors (learning continues from them)."""
@@ -136,10 +136,21 @@ class LearnedLayers:
         cfg = self.cfg
 
         def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up)."""
+            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up). A piece
+            without one is left as it is: one learned piece is added where it lies (no split and
+            concatenation of the whole output, ~4% of a step)."""
             targets = FUSED[fused]
-            parts = y.split([projection_shape(cfg, t)[1] for t in targets], dim=-1)
-            return torch.cat([_add(p, lora.delta(layer, t, x)) for p, t in zip(parts, targets)], dim=-1)
+            widths = [projection_shape(cfg, t)[1] for t in targets]
+            deltas = [lora.delta(layer, t, x) for t in targets]
+            learned = [i for i, d in enumerate(deltas) if d is not None]
+            if not learned:
+                return y
+            if len(learned) == 1:
+                i = learned[0]
+                before = sum(widths[:i])
+                return y + F.pad(deltas[i], (before, y.shape[-1] - before - widths[i]))
+            parts = y.split(widths, dim=-1)
+            return torch.cat([_add(p, d) for p, d in zip(parts, deltas)], dim=-1)
 
         run = self.model.dense_run(torch_ops(), lora=None if lora is None else add, linear=_linear,
                                    context=None if context is None else dict(zip(self.layers, context)),
