@@ -199,10 +199,22 @@ def test_core_process_loads_serves_and_unloads(tiny_model_dir: Path, adapters: P
     from ruvllm.errors import AdapterError, AdapterNotFoundError
     from ruvllm.outputs import OutputKind
 
+    import shutil
+
+    from ruvllm.errors import AdapterPathError
+    from ruvllm.server.adapters import _identities
+
     engine = AsyncEngine.launch(build_engine_config(str(tiny_model_dir), enable_lora=True, max_loras=2, max_lora_rank=16))
     try:
-        engine.load_lora("a", str(adapters / "a"))
+        engine.load_lora("a", str(adapters / "a"), _identities(adapters / "a"))  # the server's check, sent over
         assert engine.loras == ["a"]
+        shutil.copytree(adapters / "b", adapters / "b-process")
+        checked = _identities(adapters / "b-process")
+        weights = adapters / "b-process" / "adapter_model.safetensors"
+        weights.rename(weights.with_suffix(".kept"))  # replaced after the check: the core process sees another
+        shutil.copyfile(adapters / "c" / "adapter_model.safetensors", weights)  # inode (the old one is kept)
+        with pytest.raises(AdapterPathError, match="another file than the one the path policy checked"):
+            engine.load_lora("b", str(adapters / "b-process"), checked)
         with pytest.raises(AdapterError, match="over the maximum 16"):
             engine.load_lora("big", str(adapters / "big"))
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

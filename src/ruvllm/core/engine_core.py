@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Protocol
@@ -178,6 +180,12 @@ class EngineCore:
             self._grammars = GrammarCompiler(self.executor.load_tokenizer, self.info.vocab_size,
                                              self.info.eos_token_ids, self._compile_timeout,
                                              idle_exit=self._compile_idle_exit)
+            # A core dropped without close() (a test's server, an AsyncEngine over a copy of an LLM's
+            # core) must not leave its zygote: the compiler's threads hold the compiler, not the core.
+            # Closed on a thread of its own: a collection can run inside one of the compiler's threads
+            # while it holds the compiler's lock, which close() takes.
+            weakref.finalize(self, lambda grammars=self._grammars: threading.Thread(
+                target=grammars.close, name="ruvllm-grammar-close", daemon=True).start())
         return self._grammars
 
     def _failed_compiles(self) -> list[CoreOutput]:
