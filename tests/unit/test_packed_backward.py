@@ -1,7 +1,8 @@
 """The learner's backward over the served packed weights (issue 37): our C++ input gradient is
 dY . W of the dequantized weight, computes each row alike alone or batched, and autograd runs it;
 and on the default model (its GGUF's own Q4_1 codes) an instant step's loss and micro-LoRA
-gradients are those of a float32 autograd reference over the same weights, dequantized.
+gradients are those of a float32 autograd reference over the same weights, dequantized; and the
+full context's pass that skips the last layer's unread rows is the whole pass's.
 
 The stated tolerance of the step: the packed forward rounds each activation row to 8 bits per block
 of 32 (as serving does), which the reference does not, so the two differ by that rounding: the loss
@@ -102,3 +103,31 @@ def test_a_step_on_the_packed_weights_matches_the_float32_reference(default_mode
     for gp, gf in zip(grads_p, grads_f):
         assert gf.norm() > 0
         assert (gp - gf).norm() <= 0.10 * gf.norm()
+
+
+@pytest.mark.parametrize("form", ["packed", "float32"])
+def test_the_last_layer_skips_the_rows_nobody_reads(default_models, form: str) -> None:
+    """forward(keep_from=k) is forward()[k:], and learns alike: the prompt's rows at the last layer
+    give their K/V (with the micro-LoRA's v_proj delta) and nothing else."""
+    from ruvllm.learning.instant import InstantLearner
+    from ruvllm.learning.tail import LearnedLayers, hidden_before
+
+    model = default_models[0 if form == "packed" else 1]
+    layers = LearnedLayers(model, 2)
+    learner = InstantLearner(layers, InstantConfig(layers=2))
+    lora = learner.new_tenant(seed=4).lora
+    with torch.no_grad():
+        for _, b in lora.weights.values():
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05)
+    ids = [1, 9690, 198, 2683, 314, 260, 3575, 282, 34106, 47, 2, 198, 504, 3575]
+    h = hidden_before(model, ids, layers.first)
+    outs, grads = [], []
+    for keep_from in (0, 9):
+        out = layers.forward(h, torch.arange(len(ids)), lora, keep_from=keep_from)
+        out = out[9:] if keep_from == 0 else out
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), lora.parameters()))
+    assert outs[0].shape == outs[1].shape == (len(ids) - 9, model.cfg.hidden_size)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-4 * outs[0].abs().max()
+    for a, b in zip(*grads):
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-12

@@ -116,7 +116,7 @@ class InstantLearner:
         n_prompt, n = prep.prompt_len, len(prep.target)
         if prep.frozen:
             return self.layers.forward(prep.h, torch.arange(n_prompt - 1, n_prompt - 1 + n), lora, prep.context)
-        return self.layers.forward(prep.h, torch.arange(n_prompt + n), lora)[n_prompt - 1:-1]
+        return self.layers.forward(prep.h, torch.arange(n_prompt + n), lora, keep_from=n_prompt - 1)[:-1]
 
     def step(self, state: TenantState, prep: Prepared, score: float,
              extra: Callable[[MicroLora], torch.Tensor] | None = None) -> StepTiming:

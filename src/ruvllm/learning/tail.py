@@ -128,11 +128,13 @@ class LearnedLayers:
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                keep_kv: list | None = None) -> torch.Tensor:
+                keep_kv: list | None = None, keep_from: int = 0) -> torch.Tensor:
         """The final-normed hidden states [T, H] of rows entering the learned layers as h [T, H], at
         `positions`; `context`: each learned layer's K/V of earlier positions (not learned through).
         With `keep_kv` (a list), each layer's K/V of these rows is appended to it. The model's own
-        layers, in plain torch ops and F.linear (which autograd differentiates)."""
+        layers, in plain torch ops and F.linear (which autograd differentiates). `keep_from`: only
+        rows from it on are returned, [T - keep_from, H], and the last layer computes no more of
+        the rows before than their K/V (learned through)."""
         cfg = self.cfg
 
         def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,10 +154,25 @@ class LearnedLayers:
             parts = y.split(widths, dim=-1)
             return torch.cat([_add(p, d) for p, d in zip(parts, deltas)], dim=-1)
 
-        run = self.model.dense_run(torch_ops(), lora=None if lora is None else add, linear=_linear,
-                                   context=None if context is None else dict(zip(self.layers, context)),
-                                   keep_kv=keep_kv)
-        return self.model.final_norm(*self.model.run_layers(h, positions, run, self.first), run.ops)
+        model, delta = self.model, None if lora is None else add
+        run = model.dense_run(torch_ops(), lora=delta, linear=_linear,
+                              context=None if context is None else dict(zip(self.layers, context)),
+                              keep_kv=keep_kv)
+        if keep_from <= 0 or keep_kv is not None or context is not None:
+            return model.final_norm(*model.run_layers(h, positions, run, self.first), run.ops)
+        # The full context's step reads only the target's rows: in the last layer the prompt's rows
+        # need their K/V alone, not the attention output, o_proj and MLP (~15% of the step's matmuls).
+        last = cfg.num_layers - 1
+        x, residual = model.run_layers(h, positions, run, self.first, last)
+        layer, ops = model.layers[last], run.ops
+        rope = model.rope if model.windows[last] is None else model.local_rope
+        before = ops.add_rms_norm(x[:keep_from], None if residual is None else residual[:keep_from],
+                                  layer.input_layernorm.weight, cfg.rms_norm_eps)[0]
+        _, k, v = layer.qkv(before, *rope.for_positions(positions[:keep_from]), run)
+        tail_run = model.dense_run(ops, lora=delta, linear=_linear, context={last: (k, v)})
+        x, residual = layer(x[keep_from:], None if residual is None else residual[keep_from:],
+                            rope.for_positions(positions[keep_from:]), tail_run)
+        return model.final_norm(x, residual, ops)
 
 
 def _head(model: LlamaForCausalLM) -> torch.Tensor:
