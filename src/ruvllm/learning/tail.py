@@ -44,6 +44,10 @@ def load_learning_model(src: ModelSource, packed: bool = True) -> tuple[LlamaFor
     plan = weight_plan(src, QuantConfig(), torch.float32, torch.device("cpu"))
     model = build_model(cfg, iter_weights(src, plan.dtype, keep_quantized=plan.keep_packed), str(src.path),
                         max(2, cfg.max_position_embeddings), plan.dtype, "cpu", plan=plan)
+    if any(isinstance(m, QuantLinear) and m._kernel_weight is None for m in model.layers.modules()):
+        # a packed layer our kernel cannot run (a shape it does not tile) has no backward here
+        del model
+        model, cfg, _ = load_float_model(src, cfg.max_position_embeddings)
     return model, cfg
 
 
