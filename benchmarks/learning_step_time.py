@@ -7,6 +7,10 @@ form, and the one-off preparation (layers below; the hard negatives' pass).
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --steps 24
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --memory   # RSS of each form
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --profile packed/full
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --threads 1 --batch 4
+
+--batch N (issue 37 item 3): N events one step each against the same N in one batched step
+(`InstantLearner.step_events`), packed weights, full context, alternating: ms per event.
 
 --memory runs each form in a fresh process of its own (so one's pages are not the other's) and
 reports its resident set after the model is loaded and one step taken.
@@ -57,6 +61,25 @@ def _memory_child(form: str) -> None:
     print(f"{form}: RSS {_rss_mib():.0f} MiB after loading and one step (process start {before:.0f} MiB)")
 
 
+def _batched(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    learner = InstantLearner(LearnedLayers(load_learning_model(src)[0], InstantConfig().layers), InstantConfig())
+    prep = learner.prepare(prompt, target)
+    one, many = learner.new_tenant(0), learner.new_tenant(1)
+    per_event: dict[str, list[float]] = {"one step an event": [], f"one step over {args.batch} events": []}
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        for _ in range(args.batch):
+            learner.step(one, prep, 1.0)
+        per_event["one step an event"].append((time.perf_counter() - t) * 1000 / args.batch)
+        t = time.perf_counter()
+        learner.step_events(many, [(prep, 1.0)] * args.batch)
+        per_event[f"one step over {args.batch} events"].append((time.perf_counter() - t) * 1000 / args.batch)
+    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, packed weights, full context, "
+          f"{args.steps} rounds (first 2 dropped)")
+    for name, v in per_event.items():
+        print(f"| {name} | {statistics.median(v[2:]):.1f} ms an event |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24)
@@ -65,6 +88,7 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true")
     ap.add_argument("--memory-child", choices=("float32", "packed"), help=argparse.SUPPRESS)
     ap.add_argument("--profile", metavar="FORM/CONTEXT", help="torch.profiler's table of one arm's steps")
+    ap.add_argument("--batch", type=int, default=0, help="N events: one step each against one batched step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -76,6 +100,8 @@ def main() -> None:
         return
     src = resolve_model(None)
     prompt, target = _pair(src)
+    if args.batch:
+        return _batched(src, prompt, target, args)
     models = {"float32": load_learning_model(src, packed=False)[0], "packed": load_learning_model(src)[0]}
     arms: dict[str, InstantLearner] = {}
     for context in args.contexts.split(","):

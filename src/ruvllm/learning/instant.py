@@ -159,6 +159,35 @@ class InstantLearner:
                 break
         return StepTiming(fb, opt, first, taken, last)
 
+    def step_events(self, state: TenantState, events: list[tuple[Prepared, float]]) -> StepTiming:
+        """One Adam step of the tenant's micro-LoRA over several feedback events at once (a backlog
+        coalesced, issue 37 item 3): the loss is the mean of the events' losses. Full-context events
+        run through the learned layers as one batch, each sequence padded at its end to the longest
+        (causal attention never reads the padding), so each weight is read once for all of them;
+        frozen-context events run one by one into the same loss. Returns the mean first loss."""
+        t0 = time.perf_counter()
+        full = [(p, s) for p, s in events if not p.frozen]
+        rows: list[tuple[torch.Tensor, Prepared, float]] = []
+        if full:
+            longest = max(len(p.h) for p, _ in full)
+            h = torch.cat([F.pad(p.h, (0, 0, 0, longest - len(p.h))) for p, _ in full])
+            out = self.layers.forward(h, torch.arange(longest).repeat(len(full)), state.lora, sequences=len(full))
+            for i, (p, s) in enumerate(full):
+                start = i * longest + p.prompt_len - 1
+                rows.append((out[start:start + len(p.target)], p, s))
+        rows += [(self._rows(p, state.lora), p, s) for p, s in events if p.frozen]
+        losses = []
+        for r, p, s in rows:
+            logits, index = self._logits(r, torch.tensor(p.target), p.negatives)
+            losses.append(_feedback_loss(logits, index, s))
+        loss = torch.stack(losses).mean()
+        state.opt.zero_grad()
+        loss.backward()
+        t1 = time.perf_counter()
+        state.opt.step()
+        state.steps += 1
+        return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()), 1, float(loss.detach()))
+
     def consolidate(self, state: TenantState, steps: int = 1) -> float:
         """EWC++'s pull toward theta*: the proximal step of the penalty lambda * sum F (theta - theta*)^2
         at the learning rate, theta <- theta* + (theta - theta*) / (1 + 2 lr lambda F), in closed form
@@ -221,3 +250,12 @@ class InstantLearner:
         bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
         # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
         return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
+
+
+def _feedback_loss(logits: torch.Tensor, index: torch.Tensor, score: float) -> torch.Tensor:
+    """An event's loss, as `InstantLearner.step` computes it: cross-entropy toward the target
+    weighted by the score (a correction, a positive score), or unlikelihood away from it."""
+    if score >= 0:
+        return F.cross_entropy(logits, index) * max(score, 1e-3)
+    p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
+    return -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
