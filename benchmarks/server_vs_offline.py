@@ -89,14 +89,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--url", default=None, help="also measure this running server (served as `bench`)")
     ap.add_argument("--url-label", default="server at --url")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads of both engines (default: every core; on a loaded host 1 keeps OpenMP's "
+                         "waits from dominating both arms)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `ruvllm serve` argument (repeat)")
     args = ap.parse_args()
 
     from ruvllm import LLM, SamplingParams
 
-    proc, url = start_ruvllm(1, args.serve_arg, args.model, SERVED)
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    proc, url = start_ruvllm(1, [*threads, *args.serve_arg], args.model, SERVED)
     try:
-        llm = LLM(args.model) if args.model else LLM()
+        llm = LLM(args.model, num_threads=args.threads)
         llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
         client = httpx.Client(timeout=httpx.Timeout(3600))
         arms = {"offline (LLM core)": lambda i: decode_rate(llm, args.tokens, f"tg{i}"),
@@ -110,14 +114,17 @@ def main() -> None:
         server = names[1]
         core = core_pid(proc.pid)
         front_cpu: dict[str, float] = {}  # the server's front, by thread, over its measured streams
-        core_cpu = 0.0
+        core_cpu = offline_cpu = 0.0
         with LoadSampler() as load:
             for rnd in range(args.rounds):
                 k = rnd % len(names)
                 for name in names[k:] + names[:k]:
                     if name == server:
                         before, core_before = cpu_seconds(proc.pid), sum(cpu_seconds(core).values()) if core else 0.0
+                    own_before = time.process_time()
                     rates[name].append(arms[name](rnd))
+                    if name == names[0]:
+                        offline_cpu += time.process_time() - own_before
                     if name == server:
                         after = cpu_seconds(proc.pid)
                         for t, v in after.items():
@@ -130,7 +137,8 @@ def main() -> None:
 
     off = rates[names[0]]
     print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; model {args.model or 'default'}; "
-          f"{args.tokens} tokens after a 1-token prompt, greedy; {args.rounds} rounds; {load.summary()}")
+          f"{args.tokens} tokens after a 1-token prompt, greedy; threads {args.threads or 'all'}; {args.rounds} rounds; "
+          f"{load.summary()}")
     print("| arm | decode tok/s (median) | range | vs offline (median of rounds) | range |")
     print("|---|---|---|---|---|")
     for name in names:
@@ -140,8 +148,8 @@ def main() -> None:
               f"{statistics.median(ratio):.3f}x | {min(ratio):.3f}-{max(ratio):.3f} |")
     per_token = 1000 / (args.tokens * args.rounds)
     threads = ", ".join(f"{t} {v * per_token:.2f}" for t, v in sorted(front_cpu.items(), key=lambda kv: -kv[1]) if v)
-    print(f"server CPU per token: front {sum(front_cpu.values()) * per_token:.2f} ms ({threads}); "
-          f"core process {core_cpu * per_token:.2f} ms")
+    print(f"CPU per token: offline {offline_cpu * per_token:.2f} ms (this process); server: core process "
+          f"{core_cpu * per_token:.2f} ms, front {sum(front_cpu.values()) * per_token:.2f} ms ({threads})")
     print(f"(load average now {os.getloadavg()[0]:.1f})")
 
 
