@@ -53,7 +53,7 @@ class InstantConfig(Checked):
     kl_top: int = setting(32, "The base's top tokens a row kept for the KL term.", minimum=1, cli=False)
     # The correction also learned in the answer's position under this system prompt (issue 37, item
     # 2): the prompt's user message, found through the model's chat template, rendered again after it;
-    # the step's loss is then the mean over both forms. "": off; a prompt that is not one user turn
+    # the step's loss is then the sum over both forms. "": off; a prompt that is not one user turn
     # of the template is learned in its own form only.
     system_prompt: str = setting("", "A system prompt the correction is also learned under.", cli=False)
 
