@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +61,6 @@ class TenantState:
     fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
     since_fisher: int = 0  # feedback events since the Fisher was last refreshed
-    # completions the tenant gave feedback on: what it taught, not its everyday traffic (kept out of the Fisher)
-    taught: deque[str] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class InstantLearner:
