@@ -61,4 +61,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        if logits.requires_grad:  # autograd needs tanh's output kept: no in-place ops
+            return torch.tanh(logits / cap) * cap
+        # In place on the head's fresh output: the same three operations and roundings (tokens
+        # checked equal), without two vocabulary-wide temporaries a step (at 32 rows of 262,144
+        # words, 2 x 32 MiB; ~1% of a 32-row decode step, 307.6 against 310.2 ms on the AVX2 EPYC).
+        return logits.div_(cap).tanh_().mul_(cap)
