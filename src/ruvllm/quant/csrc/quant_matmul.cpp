@@ -311,23 +311,31 @@ void tile_rows_scalar(bool int4, const uint8_t* codes, const uint16_t* scales, c
 
 namespace ruvllm {
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& zeros, int64_t group, bool int4) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, K]");
-  const int64_t T = x.size(0), K = x.size(1), N = codes.size(0);
+// The packed layout's checks, for every kernel that reads it (this one and quant_matmul_grad.cpp's):
+// codes [N, K/2] uint8 (int4) or [N, K] int8 with K the caller's input width; scales (and int4's
+// zeros) float16 bits as int16 [N/4, K/group, 4]. Returns the zeros' bits (nullptr for int8).
+const uint16_t* checked_packed(const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, int64_t group, bool int4, int64_t K) {
+  const int64_t N = codes.size(0);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K), "codes: [N, K/2] (int4) or [N, K] (int8)");
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == (int4 ? K / 2 : K),
+              "codes: [N, K/2] (int4) or [N, K] (int8)");
   TORCH_CHECK(N % TILE_N == 0, "N must be a multiple of 4");
   TORCH_CHECK(scales.scalar_type() == at::kShort && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) * TILE_N == N && scales.size(1) == K / group && scales.size(2) == TILE_N,
               "scales: float16 bits as contiguous int16 [N/4, K/group, 4]");
-  const uint16_t* zp = nullptr;
-  if (int4) {
-    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kShort && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(), "zeros: float16 bits as contiguous int16 [N/4, K/group, 4]");
-    zp = reinterpret_cast<const uint16_t*>(zeros->data_ptr());
-  }
+  if (!int4) return nullptr;
+  TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kShort && zeros->is_contiguous() &&
+              zeros->sizes() == scales.sizes(), "zeros: float16 bits as contiguous int16 [N/4, K/group, 4]");
+  return reinterpret_cast<const uint16_t*>(zeros->data_ptr());
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& zeros, int64_t group, bool int4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, K]");
+  const int64_t T = x.size(0), K = x.size(1), N = codes.size(0);
+  const uint16_t* zp = checked_packed(codes, scales, zeros, group, int4, K);
   auto y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   // reused across calls (no allocation per call); worker threads must reach the caller's copy, so it

@@ -141,23 +141,17 @@ inline void all_rows(const float* w, int64_t rows, const float* dy, int64_t T, i
 
 namespace ruvllm {
 
+// quant_matmul.cpp: the packed layout's checks; the zeros' bits (nullptr for int8)
+const uint16_t* checked_packed(const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, int64_t group, bool int4, int64_t K);
+
 at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& zeros, int64_t group, bool int4) {
   TORCH_CHECK(dy.dim() == 2 && dy.scalar_type() == at::kFloat && dy.is_contiguous(), "dy: contiguous float32 [T, N]");
+  TORCH_CHECK(codes.dim() == 2, "codes: [N, K/2] (int4) or [N, K] (int8)");
   const int64_t T = dy.size(0), N = codes.size(0), K = int4 ? codes.size(1) * 2 : codes.size(1);
   TORCH_CHECK(dy.size(1) == N, "dy's columns must be the weight's output features");
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && K % QK == 0, "codes: [N, K/2] (int4) or [N, K] (int8)");
-  TORCH_CHECK(group > 0 && group % QK == 0 && K % group == 0, "group: a multiple of 32 that divides K");
-  TORCH_CHECK(N % TILE_N == 0, "N must be a multiple of 4");
-  TORCH_CHECK(scales.scalar_type() == at::kShort && scales.is_contiguous() && scales.dim() == 3 &&
-              scales.size(0) * TILE_N == N && scales.size(1) == K / group && scales.size(2) == TILE_N,
-              "scales: float16 bits as contiguous int16 [N/4, K/group, 4]");
-  const uint16_t* zp = nullptr;
-  if (int4) {
-    TORCH_CHECK(zeros.has_value() && zeros->scalar_type() == at::kShort && zeros->is_contiguous() &&
-                zeros->sizes() == scales.sizes(), "zeros: float16 bits as contiguous int16 [N/4, K/group, 4]");
-    zp = reinterpret_cast<const uint16_t*>(zeros->data_ptr());
-  }
+  const uint16_t* zp = checked_packed(codes, scales, zeros, group, int4, K);
   auto dx = at::empty({T, K}, dy.options());
   if (T == 0 || K == 0) return dx;
   float* dxp = dx.data_ptr<float>();
