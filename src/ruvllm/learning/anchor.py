@@ -66,7 +66,8 @@ def kl_to_base(layers: LearnedLayers, lora: MicroLora, anchor: BaseAnchor, drawn
         others = others[~torch.isin(others, anchor.exact)]
         bias = torch.zeros(len(anchor.exact) + len(others))
         bias[len(anchor.exact):] = math.log((vocab - len(anchor.exact)) / max(len(others), 1))
-        logq_all = (rows @ head[torch.cat([anchor.exact, others])].t() + bias).log_softmax(-1)
+        # (index_select: a row copy each, ~6x faster than advanced indexing here; instant.py's _logits)
+        logq_all = (rows @ head.index_select(0, torch.cat([anchor.exact, others])).t() + bias).log_softmax(-1)
         logq = logq_all.gather(1, anchor.index)
     else:
         logq = (rows @ head.t()).log_softmax(-1).gather(1, anchor.top)

@@ -135,8 +135,7 @@ class InstantLearner:
                 loss = nll.mean() * max(score, 1e-3)
                 done = taken and float(nll.detach().max()) < c.target_nll
             else:
-                p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
-                loss = -torch.log1p(-p.clamp(max=1 - 1e-6)).mean() * -score
+                loss = _feedback_loss(logits, index, score)
                 done = taken > 0  # pushing away has no target to reach: one step
             last = float(loss.detach())
             first = last if first is None else first
@@ -250,8 +249,9 @@ class InstantLearner:
 
 
 def _feedback_loss(logits: torch.Tensor, index: torch.Tensor, score: float) -> torch.Tensor:
-    """An event's loss, as `InstantLearner.step` computes it: cross-entropy toward the target
-    weighted by the score (a correction, a positive score), or unlikelihood away from it."""
+    """An event's loss: cross-entropy toward the target weighted by the score (a correction, a
+    positive score), or unlikelihood, -log(1 - p), away from it (`step` computes the first itself,
+    keeping each token's loss to know when to stop)."""
     if score >= 0:
         return F.cross_entropy(logits, index) * max(score, 1e-3)
     p = logits.log_softmax(-1).gather(1, index[:, None]).exp().squeeze(1)
