@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ruvllm.learning.config import InstantConfig
-from ruvllm.learning.instant import InstantLearner, _feedback_loss
+from ruvllm.learning.instant import InstantLearner, feedback_loss
 from ruvllm.learning.tail import LearnedLayers
 from tests.engine_fixtures import write_tiny_model
 
@@ -32,7 +32,7 @@ def _one_by_one(learner: InstantLearner, state, preps) -> list[torch.Tensor]:  #
     losses = []
     for prep, (_, target, score) in zip(preps, EVENTS):
         logits, index = learner._logits(learner._rows(prep, state.lora), torch.tensor(target))
-        losses.append(_feedback_loss(logits, index, score))
+        losses.append(feedback_loss(logits, index, score))
     return list(torch.autograd.grad(torch.stack(losses).mean(), state.lora.parameters()))
 
 

@@ -135,7 +135,7 @@ class InstantLearner:
                 loss = nll.mean() * max(score, 1e-3)
                 done = taken and float(nll.detach().max()) < c.target_nll
             else:
-                loss = _feedback_loss(logits, index, score)
+                loss = feedback_loss(logits, index, score)
                 done = taken > 0  # pushing away has no target to reach: one step
             last = float(loss.detach())
             first = last if first is None else first
@@ -175,7 +175,7 @@ class InstantLearner:
         losses = []
         for r, p, s in rows:
             logits, index = self._logits(r, torch.tensor(p.target), p.negatives)
-            losses.append(_feedback_loss(logits, index, s))
+            losses.append(feedback_loss(logits, index, s))
         loss = torch.stack(losses).mean()
         state.opt.zero_grad()
         loss.backward()
@@ -248,7 +248,7 @@ class InstantLearner:
         return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
 
 
-def _feedback_loss(logits: torch.Tensor, index: torch.Tensor, score: float) -> torch.Tensor:
+def feedback_loss(logits: torch.Tensor, index: torch.Tensor, score: float) -> torch.Tensor:
     """An event's loss: cross-entropy toward the target weighted by the score (a correction, a
     positive score), or unlikelihood, -log(1 - p), away from it (`step` computes the first itself,
     keeping each token's loss to know when to stop)."""

@@ -24,7 +24,7 @@ from ruvllm.errors import AdapterCapacityError, AdapterError
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
 from ruvllm.learning.anchor import BaseAnchor, kl_to_base, make_anchor
-from ruvllm.learning.instant import InstantLearner, Prepared, TenantState
+from ruvllm.learning.instant import InstantLearner, Prepared, TenantState, feedback_loss
 from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
@@ -447,7 +447,7 @@ class Learner:
             for prep in forms:
                 logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),
                                                      prep.negatives)
-                total = total + torch.nn.functional.cross_entropy(logits, index) * score
+                total = total + feedback_loss(logits, index, score)
             return total
         return term
 
