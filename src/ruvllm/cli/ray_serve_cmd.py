@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
         host, port = cfg.server.host, cfg.server.port
         with console.status("starting Ray and the replicas"):
             ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-            serve.start(http_options={"host": host, "port": port})
+            serve.start(http_options={"host": host, "port": port,
+                                      "keep_alive_timeout_s": cfg.server.http_keep_alive_s})
             serve.run(application(cfg), name="ruvllm", route_prefix="/")
         console.print(f"serving [bold]{cfg.server.served_model_name}[/bold] on http://{host}:{port}/v1 through Ray "
                       f"Serve ({'autoscaling' if cfg.min_replicas is not None else cfg.replicas} engine replica(s); "

@@ -17,9 +17,12 @@ from ruvllm.server.model_pool import ModelPool
 
 
 def uvicorn_config(app: Any, host: str, port: int, drain_s: float) -> uvicorn.Config:
-    """The one uvicorn configuration the server runs with (tests use it too)."""
+    """The one uvicorn configuration the server runs with (tests use it too); the rest of its settings
+    are the app's ServerConfig's."""
+    cfg = app.state.server_cfg
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(drain_s) + 5,
-                          http=RuvllmH11Protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                          timeout_keep_alive=cfg.http_keep_alive_s, http=RuvllmH11Protocol,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 
 class GracefulServer(uvicorn.Server):
