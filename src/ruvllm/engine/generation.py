@@ -7,7 +7,7 @@ for feedback, the witness log records them)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from ruvllm.tenants import LEARNED_PREFIX, may_use, tenant_salt
 if TYPE_CHECKING:
     from ruvllm.engine.async_engine import AsyncEngine
     from ruvllm.learning.config import LearningConfig
-    from ruvllm.learning.learner import AdapterHost, FeedbackResult, Learner
+    from ruvllm.learning.learner import AdapterHost, FeedbackEvent, FeedbackResult, Learner
     from ruvllm.witness.log import WitnessLog
 
 
@@ -101,14 +101,31 @@ class GenerationService:
         if self.learner is None:
             raise RuntimeError("learning is not enabled")
         result = self.learner.feedback(request_id, tenant, score, correction)
-        if self.witness is not None:
-            from ruvllm.witness.log import token_hash
-
-            ids = self.learner.tokenizer.encode(correction, add_special_tokens=False) if correction else None
-            self.witness.append(request_id, "feedback", tenant, {
-                "score": score, "correction_hash": None if ids is None else token_hash(ids),
-                "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)})
+        self._witness_feedback(request_id, tenant, score, correction, result)
         return result
+
+    def feedback_many(self, events: list[FeedbackEvent]) -> Iterator[tuple[int, FeedbackResult | Exception]]:
+        """Learn a backlog of feedback events, each tenant's coalesced into steps (Learner.feedback_many):
+        (index, result or the error refusing it) as each is done; every event learned is witnessed."""
+        if self.learner is None:
+            raise RuntimeError("learning is not enabled")
+        for i, result in self.learner.feedback_many(events):
+            if not isinstance(result, Exception):
+                self._witness_feedback(*events[i], result)
+            yield i, result
+
+    def _witness_feedback(self, request_id: str, tenant: str, score: float, correction: str | None,
+                          result: FeedbackResult) -> None:
+        if self.witness is None:
+            return
+        from ruvllm.witness.log import token_hash
+
+        ids = self.learner.tokenizer.encode(correction, add_special_tokens=False) if correction else None
+        body = {"score": score, "correction_hash": None if ids is None else token_hash(ids),
+                "adapter_version": result.version, "loss": result.loss, "step_ms": round(result.step_ms, 3)}
+        if result.events > 1:  # learned in one step with others of its tenant's (a backlog coalesced)
+            body["step_events"] = result.events
+        self.witness.append(request_id, "feedback", tenant, body)
 
 
 @dataclass

@@ -85,6 +85,14 @@ class LearningConfig(Checked):
     # 53 s and 1.3 GB, 4k tokens 221 s and 4 GB, on the one update thread everyone shares).
     feedback_max_tokens: int = setting(256, "With --learn: the longest correction, in tokens (a longer one gets "
                                             "400).", minimum=1, metavar="N")
+    # A backlog coalesced (issue 37 item 3): when several feedback events wait for the update thread,
+    # each tenant's are learned in one step over up to this many (InstantLearner.step_events; the KL
+    # term toward the base computed once a step, not once an event), tenants in turn. Bounded because
+    # the step's memory and time grow with the events it holds (each full-context event's rows run
+    # through the learned layers in one batch, padded to the longest) and every event in it waits for
+    # the whole step; 4 is the size measured (docs/learning.md). 1: one step an event, as before.
+    update_batch: int = setting(4, "With --learn: most waiting feedback events of a tenant learned in one step "
+                                   "(1: one step an event).", flag="--learn-batch", minimum=1, metavar="N")
     # Older ones are deleted with their policy-store rows; the serving one and every deep-loop promotion stay.
     keep_versions: int = setting(16, "Version folders kept per tenant (0: all).", minimum=0, cli=False)
     # Learning state held in memory (issue 33: RSS grew ~1.9 MB a learning tenant): the micro-LoRAs

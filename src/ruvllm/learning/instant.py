@@ -51,6 +51,7 @@ class StepTiming:
     loss: float  # the feedback's loss as the event found it (before its first step)
     steps: int = 1  # gradient steps the event took
     final_loss: float | None = None  # the loss before the event's last step
+    losses: list[float] | None = None  # (step_events) each event's own loss as it found it, in order
 
 
 @dataclass
@@ -155,12 +156,16 @@ class InstantLearner:
                 break
         return StepTiming(fb, opt, first, taken, last)
 
-    def step_events(self, state: TenantState, events: list[tuple[Prepared, float]]) -> StepTiming:
+    def step_events(self, state: TenantState, events: list[tuple[Prepared, float]],
+                    extra: Callable[[MicroLora], torch.Tensor] | None = None) -> StepTiming:
         """One Adam step of the tenant's micro-LoRA over several feedback events at once (a backlog
-        coalesced, issue 37 item 3): the loss is the mean of the events' losses. Full-context events
-        run through the learned layers as one batch, each sequence padded at its end to the longest
-        (causal attention never reads the padding), so each weight is read once for all of them;
-        frozen-context events run one by one into the same loss. Returns the mean first loss."""
+        coalesced, issue 37 item 3): the loss is the mean of the events' losses, plus `extra`'s term
+        once (the KL term toward the base is the same for every event of a tenant, so the mean of
+        the events' `step` losses has it once: computed once here, where one step each computes it
+        per event). Full-context events run through the learned layers as one batch, each sequence
+        padded at its end to the longest (causal attention never reads the padding), so each weight
+        is read once for all of them; frozen-context events run one by one into the same loss.
+        Returns the mean first loss (without `extra`'s term) and each event's own in `losses`."""
         t0 = time.perf_counter()
         full = [(p, s) for p, s in events if not p.frozen]
         rows: list[tuple[torch.Tensor, Prepared, float]] = []
@@ -176,13 +181,21 @@ class InstantLearner:
         for r, p, s in rows:
             logits, index = self._logits(r, torch.tensor(p.target), p.negatives)
             losses.append(feedback_loss(logits, index, s))
+        # (rows were gathered full-context first: each event's loss goes back to its place in `events`)
+        order = sorted(range(len(events)), key=lambda i: events[i][0].frozen)  # (a stable sort)
+        own = [0.0] * len(events)
+        for i, value in zip(order, losses):
+            own[i] = float(value.detach())
         loss = torch.stack(losses).mean()
+        reported = float(loss.detach())
+        if extra is not None:
+            loss = loss + extra(state.lora)
         state.opt.zero_grad()
         loss.backward()
         t1 = time.perf_counter()
         state.opt.step()
         state.steps += 1
-        return StepTiming(t1 - t0, time.perf_counter() - t1, float(loss.detach()), 1, float(loss.detach()))
+        return StepTiming(t1 - t0, time.perf_counter() - t1, reported, 1, reported, own)
 
     def consolidate(self, state: TenantState, steps: int = 1) -> float:
         """EWC++'s pull toward theta*: the proximal step of the penalty lambda * sum F (theta - theta*)^2

@@ -16,7 +16,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -53,6 +54,28 @@ class FeedbackResult:
     prepare_ms: float  # hidden states below the learned layers (0 when kept from an earlier event)
     step_ms: float  # the gradient step (forward, backward, optimizer)
     publish_ms: float  # writing the version and loading it into the engine
+    events: int = 1  # the events learned in the same step (a backlog coalesced: server/backlog.py)
+
+
+class FeedbackEvent(NamedTuple):
+    """One feedback event as the API takes it (Learner.feedback's arguments)."""
+
+    completion_id: str
+    tenant: str
+    score: float
+    correction: str | None = None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """An event found valid: what its update learns, and whose micro-LoRA (the scope)."""
+
+    completion_id: str
+    tenant: str
+    scope: str
+    prompt_ids: list[int]
+    target: list[int]
+    score: float
 
 
 class Learner:
@@ -260,6 +283,39 @@ class Learner:
 
     # --- feedback ----------------------------------------------------------------------------------
     def feedback(self, completion_id: str, tenant: str, score: float, correction: str | None = None) -> FeedbackResult:
+        """Learn one feedback event at once: one step (`InstantLearner.step`), served as the scope's next version."""
+        return self._learn([self._check(FeedbackEvent(completion_id, tenant, score, correction))])[0]
+
+    def feedback_many(self, events: list[FeedbackEvent]) -> Iterator[tuple[int, FeedbackResult | Exception]]:
+        """Learn a backlog of events (issue 37 item 3), yielding (index in `events`, its result or the
+        error that refused it) as each is done. Each scope's events, in the order given, are learned in
+        steps of up to `update_batch` (one `step_events`, one version served), scopes in turn: a
+        tenant's events are never reordered, and one tenant's long backlog does not hold another's
+        back for more than a step. A lone event of a scope takes `feedback`'s own path (`step`).
+        Every event keeps its own result: its loss, the version its step made, the step's times."""
+        queues: OrderedDict[str, list[tuple[int, _Checked]]] = OrderedDict()
+        for i, event in enumerate(events):
+            try:
+                checked = self._check(event)
+            except Exception as exc:  # noqa: BLE001  # refused: that event's answer alone
+                yield i, exc
+                continue
+            queues.setdefault(checked.scope, []).append((i, checked))
+        size = self.config.update_batch
+        while queues:
+            for scope in list(queues):
+                chunk, queues[scope] = queues[scope][:size], queues[scope][size:]
+                if not queues[scope]:
+                    del queues[scope]
+                try:
+                    results: list[FeedbackResult | Exception] = list(self._learn([c for _, c in chunk]))
+                except Exception as exc:  # noqa: BLE001  # the step failed: every event in it gets the error
+                    results = [exc] * len(chunk)
+                yield from ((i, r) for (i, _), r in zip(chunk, results))
+
+    def _check(self, event: FeedbackEvent) -> _Checked:
+        """The event's completion, target, score and scope, or the error (typed) that refuses it."""
+        completion_id, tenant, score, correction = event
         if not isinstance(score, (int, float)) or isinstance(score, bool) or not -1.0 <= score <= 1.0:
             raise FeedbackError(f"score must be a number from -1 to 1, got {score!r}", "score")
         if correction is not None and not correction.strip():
@@ -296,32 +352,58 @@ class Learner:
         # stacked on that adapter when served; never the adapter itself, nor the tenant's own.
         scope = tenant if done.adapter is None or done.adapter.startswith(LEARNED_PREFIX) \
             else stack_scope(tenant, done.adapter)
+        return _Checked(completion_id, tenant, scope, done.prompt_ids, target, score)
+
+    def _learn(self, chunk: list[_Checked]) -> list[FeedbackResult]:
+        """One update of a scope over its events (all of one scope, in order): one `step` for a lone
+        event (with `steps_per_event` > 1 too, each event its own steps: see below), else one
+        `step_events` over them all; one version published. The background loop's counts go by
+        events, as they did when every event was a step: its pull per event and its Fisher's refresh
+        do not depend on how the events were coalesced."""
+        if len(chunk) > 1 and self.config.instant.steps_per_event > 1:
+            # more steps an event until its own target is reached has no batched form: one at a time
+            return [result for event in chunk for result in self._learn([event])]
+        scope, tenant = chunk[0].scope, chunk[0].tenant
         with self._lock:
-            key = (self.config.instant.context, tuple(done.prompt_ids), tuple(target))
-            prep = self._prepared.get(key)
+            preps = []
             t = time.perf_counter()
-            if prep is None:
-                prep = self.instant.prepare(done.prompt_ids, target)
-            self._keep_prepared(key, prep)
-            self.store.mark_taught(completion_id)  # what it taught is not its everyday text (Fisher, KL)
+            for event in chunk:
+                key = (self.config.instant.context, tuple(event.prompt_ids), tuple(event.target))
+                prep = self._prepared.get(key)
+                if prep is None:
+                    prep = self.instant.prepare(event.prompt_ids, event.target)
+                self._keep_prepared(key, prep)
+                self.store.mark_taught(event.completion_id)  # what it taught is not its everyday text (Fisher, KL)
+                preps.append(prep)
             anchors = self._anchors_of(scope) if self.config.instant.kl_weight > 0 else []
-            forms = self._forms(done.prompt_ids, target) if score > 0 else []
+            forms = [self._forms(e.prompt_ids, e.target) if e.score > 0 else [] for e in chunk]
             prepare_ms = (time.perf_counter() - t) * 1000
             state = self._state(scope)
-            timing = self.instant.step(state, prep, score, self._extra(anchors, forms, score))
-            if prep.embedding is not None:
-                self.bank.add(tenant, done.prompt_ids, target, score, prep.embedding.numpy())
+            if len(chunk) == 1:
+                timing = self.instant.step(state, preps[0], chunk[0].score,
+                                           self._extra(anchors, [(forms[0], chunk[0].score)]))
+                losses = [timing.loss]
+            else:
+                timing = self.instant.step_events(state, [(p, e.score) for p, e in zip(preps, chunk)],
+                                                  self._extra(anchors, [(f, e.score) for f, e in zip(forms, chunk)]))
+                losses = timing.losses or []
+            for event, prep in zip(chunk, preps):
+                if prep.embedding is not None:
+                    self.bank.add(tenant, event.prompt_ids, event.target, event.score, prep.embedding.numpy())
             t = time.perf_counter()
+            checks: dict[str, Any] = {"loss": timing.loss, "steps": state.steps}
+            if len(chunk) > 1:
+                checks["events"] = len(chunk)
             try:
-                version = self._publish(scope, state.lora, "instant", {"loss": timing.loss, "steps": state.steps})
+                version = self._publish(scope, state.lora, "instant", checks)
             except AdapterError as exc:  # the engine keeps no more adapters (max_cpu_loras)
                 raise UpdateNotServedError(f"the update could not be served: {exc}") from exc
             publish_ms = (time.perf_counter() - t) * 1000
-            self._pending[scope] = self._pending.get(scope, 0) + 1
+            self._pending[scope] = self._pending.get(scope, 0) + len(chunk)
         if self._background is not None:
             self._background.notify()
-        return FeedbackResult(tenant, version, timing.loss, prepare_ms,
-                              (timing.forward_backward + timing.optimizer) * 1000, publish_ms)
+        step_ms = (timing.forward_backward + timing.optimizer) * 1000
+        return [FeedbackResult(tenant, version, loss, prepare_ms, step_ms, publish_ms, len(chunk)) for loss in losses]
 
     # --- the background loop ------------------------------------------------------------------------
     def consolidate(self) -> dict[str, str]:
@@ -431,12 +513,13 @@ class Learner:
         self._keep_prepared(key, prep)
         return [prep]
 
-    def _extra(self, anchors: list[BaseAnchor], forms: list[Prepared], score: float):
+    def _extra(self, anchors: list[BaseAnchor], events: list[tuple[list[Prepared], float]]):
         """The step's extra terms, or None: kl_weight times the mean KL toward the base over
-        `anchors`, and the feedback's loss under each other form (the step's loss becomes the mean
-        over the forms)."""
+        `anchors`, and the feedback's loss under each event's other forms (with their event's score),
+        over the events' count (the mean of the events' losses, as `step_events` takes it; the same
+        for one event: `step`'s loss is then the sum over its forms)."""
         c = self.config.instant
-        if not anchors and not forms:
+        if not anchors and not any(forms for forms, _ in events):
             return None
 
         def term(lora: MicroLora):
@@ -444,10 +527,12 @@ class Learner:
             if anchors:
                 total = c.kl_weight * sum(kl_to_base(self.layers, lora, a, c.candidates, self._kl_gen)
                                           for a in anchors) / len(anchors)
-            for prep in forms:
-                logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),
-                                                     prep.negatives)
-                total = total + feedback_loss(logits, index, score)
+            for forms, score in events:
+                for prep in forms:
+                    logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),
+                                                         prep.negatives)
+                    loss = feedback_loss(logits, index, score)
+                    total = total + (loss if len(events) == 1 else loss / len(events))
             return total
         return term
 

@@ -43,7 +43,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
     if cfg.learning is not None:
         service.learner = GenerationService.new_learner(engine, engine.info.model, engine.tokenizer,
                                                         engine.info.eos_token_ids, cfg.learning)
-        st.feedback = feedback.Feedback(cfg, engine.info.model, service.learner.root, cfg.learning.nice)
+        st.feedback = feedback.Feedback(cfg, service, engine.info.model, service.learner.root, cfg.learning.nice)
 
     async def stop() -> None:
         if service.learner is not None:

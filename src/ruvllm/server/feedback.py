@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
 from ruvllm.engine.generation import GenerationService
-from ruvllm.learning.background import lower_thread_priority
+from ruvllm.learning.learner import FeedbackEvent, FeedbackResult
+from ruvllm.server.backlog import Backlog
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState, state
@@ -35,18 +35,21 @@ class FeedbackRequest(BaseModel):
 
 class Feedback:
     """The server's side of learning: a rate per tenant, one update at a time on a thread of its own
-    (at the learner's priority), a bounded backlog, and the deep loop's trigger."""
+    (at the learner's priority), a bounded backlog learned a backlog at a time (server/backlog.py),
+    and the deep loop's trigger."""
 
-    def __init__(self, cfg: ServerConfig, model: str, learned_dir: Path, nice: int) -> None:
+    def __init__(self, cfg: ServerConfig, service: GenerationService, model: str, learned_dir: Path,
+                 nice: int) -> None:
         self.cfg, self.limiter = cfg, RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
-        self.updates = ThreadPoolExecutor(1, "ruvllm-learning", lower_thread_priority, (nice,))
+        # one update thread; the events waiting for it are learned together, each tenant's coalesced
+        self.updates: Backlog[FeedbackEvent, FeedbackResult] = Backlog(service.feedback_many, nice)
         self.waiting = 0  # feedback requests in the update thread or queued for it (the event loop alone counts)
         self.deep = DeepTrigger(cfg, model, learned_dir) if cfg.deep_every else None
         # may tenants named by `user` learn: by default, only on a server without keys (docs/decisions.md)
         user_tenants = cfg.learn_user_tenants
         self.user_tenants = not (cfg.api_key or cfg.api_keys or cfg.admin_key) if user_tenants is None else user_tenants
 
-    async def learn(self, service: GenerationService, who: str, body: FeedbackRequest) -> dict[str, Any]:
+    async def learn(self, who: str, body: FeedbackRequest) -> dict[str, Any]:
         if not self.limiter.allow(who):
             raise APIError(429, f"too much feedback: at most {self.cfg.feedback_rate:g} events a second per tenant",
                            None, "rate_limit_exceeded")
@@ -55,19 +58,19 @@ class Feedback:
                                 "try again later", None, "rate_limit_exceeded")
         self.waiting += 1
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self.updates, service.feedback, body.id, who, body.score, body.correction)
+            result = await asyncio.wrap_future(self.updates.submit(FeedbackEvent(body.id, who, body.score,
+                                                                                 body.correction)))
         finally:
             self.waiting -= 1
         if self.deep is not None:
             self.deep.feedback(who, 1.0 if body.correction else abs(body.score))
         return {"id": body.id, "object": "feedback", "status": "learned", "adapter": result.version,
                 "loss": result.loss, "update_ms": round(result.step_ms, 3), "prepare_ms": round(result.prepare_ms, 3),
-                "publish_ms": round(result.publish_ms, 3)}
+                "publish_ms": round(result.publish_ms, 3), "step_events": result.events}
 
     async def close(self) -> None:
         """An update in progress finishes before the learner's stores close."""
-        await asyncio.to_thread(self.updates.shutdown, True)
+        await asyncio.to_thread(self.updates.close)
 
 
 class RateLimiter:
@@ -134,4 +137,4 @@ async def feedback(request: Request, body: FeedbackRequest, st: ServerState = De
         raise APIError(403, "this request's tenant is named by its `user` field, and on this server only the "
                             "tenants of API keys learn (the operator allows `user` tenants with "
                             "--learn-user-tenants)", "user", "user_tenant_cannot_learn")
-    return await st.feedback.learn(st.service, tenant_of(request, body.user), body)
+    return await st.feedback.learn(tenant_of(request, body.user), body)
