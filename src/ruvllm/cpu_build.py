@@ -96,7 +96,7 @@ _FAKES: dict[str, Any] = {
         dy.shape[0], codes.shape[1] * (2 if int4 else 1)),
     "rms_norm": lambda x, *_: x.new_empty(x.shape),
     "add_rms_norm": lambda x, *_: (x.new_empty(x.shape), x.new_empty(x.shape)),
-    "qkv_rope": lambda qkv, cos, sin, hq, hkv, d: (qkv.new_empty(qkv.shape[0], hq, d), qkv.new_empty(qkv.shape[0], hkv, d),
+    "qkv_rope": lambda qkv, cos, sin, hq, hkv, d, *_: (qkv.new_empty(qkv.shape[0], hq, d), qkv.new_empty(qkv.shape[0], hkv, d),
                                                    qkv.new_empty(qkv.shape[0], hkv, d)),
     "silu_and_mul": lambda g: g.new_empty(g.shape[0], g.shape[1] // 2),
     "qkv_rope_cache": lambda qkv, cos, sin, hq, hkv, d, *_: qkv.new_empty(qkv.shape[0], hq, d),

@@ -34,11 +34,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t num_heads,
-                                                        int64_t num_kv_heads, int64_t head_dim);
+                                                        int64_t num_kv_heads, int64_t head_dim,
+                                                        const std::optional<at::Tensor>& q_norm,
+                                                        const std::optional<at::Tensor>& k_norm, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping);
+                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps);
 // lora/csrc/lora_add.cpp
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
               const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
@@ -46,11 +49,12 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at:
 // models/csrc/llama_layers.cpp
 at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
                         at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
-                        at::TensorList v_caches, const at::Tensor& final_norm, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& row_seq, const at::Tensor& row_ctx, int64_t block_size, double scale,
-                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::TensorList lora,
-                        at::IntArrayRef lora_bounds, const std::optional<at::Tensor>& row_slot);
+                        at::TensorList v_caches, const at::Tensor& final_norm, at::TensorList cos,
+                        at::TensorList sin, at::IntArrayRef layer_rope, at::TensorList slot_mappings,
+                        at::TensorList block_tables, at::TensorList row_seqs, at::TensorList row_ctxs,
+                        at::IntArrayRef windows, at::IntArrayRef layer_group, int64_t block_size, double scale,
+                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool gelu_tanh,
+                        at::TensorList lora, at::IntArrayRef lora_bounds, const std::optional<at::Tensor>& row_slot);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -76,18 +80,20 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "-> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
+        "Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.) -> (Tensor, Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   // Writes k and v into the caches in place.
   m.def("qkv_rope_cache(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float eps=0.) -> Tensor");
   // Adds each row's adapter delta to y in place.
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor A, Tensor B, Tensor ranks, Tensor row_slot, int[] bounds, Tensor? row_weight=None) -> ()");
   m.def("llama_layers(Tensor x, Tensor?[] weights, int[] kinds, int[] groups, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor row_seq, Tensor row_ctx, int block_size, float scale, float eps, int num_heads, int num_kv_heads, "
-        "int head_dim, Tensor[] lora, int[] lora_bounds, Tensor? row_slot) -> Tensor");
+        "Tensor(b!)[] v_caches, Tensor final_norm, Tensor[] cos, Tensor[] sin, int[] layer_rope, "
+        "Tensor[] slot_mappings, Tensor[] block_tables, Tensor[] row_seqs, Tensor[] row_ctxs, int[] windows, "
+        "int[] layer_group, int block_size, float scale, float eps, int num_heads, int num_kv_heads, int head_dim, "
+        "bool gelu_tanh, Tensor[] lora, int[] lora_bounds, Tensor? row_slot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

@@ -4,10 +4,14 @@ At one decoding sequence the Python layer loop's own overhead (module calls, att
 dispatcher call per op) was more than 1 ms of a ~10 ms step. The C++ loop calls the same kernels in
 the same order, so a step's hidden states are bitwise the Python loop's (tests/unit/test_llama_layers.py).
 
-It applies when every piece of a layer has a C++ kernel here: each linear is a QuantLinear on our
-quantized kernel (int4, int8 in groups or per channel; not W8A8) or a dense fp32 weight on our dense
-kernel, the model computes in fp32, there are no q/k norms (Qwen3), and the KV cache has no
-quantized tier. Anything else keeps the Python loop, which stays the reference.
+One loop serves the Llama family and Gemma 3: a layer class says how the C++ loop runs it (its
+LOOP_FORM: GELU-tanh or SiLU, post-norms or not; q/k norms are read from the layer). It applies when
+every piece of a layer has a C++ kernel here: the layer's class declares a LOOP_FORM itself (a family
+that changes the layer otherwise, or has not been checked against the C++ loop, keeps the Python
+loop), each linear is a QuantLinear on our quantized kernel (int4, int8 in groups or per channel; not
+W8A8) or a dense fp32 weight on our dense kernel, the model and its norms are fp32, and the step's KV
+cache has no quantized tier and runs our paged-attention kernel. Anything else keeps the Python
+loop, which stays the reference.
 
 `CpuLayerLoop.build(model)` lays the weights out once; the model drops it when its parameters move
 (`_apply`) or are loaded. Code that swaps a layer's modules or parameters after that must call
@@ -29,6 +33,16 @@ from ruvllm.quant.linear import QuantLinear
 if TYPE_CHECKING:
     from ruvllm.lora.batch import LoraBatch
     from ruvllm.models.llama import LlamaForCausalLM
+
+@dataclass(frozen=True)
+class LoopForm:
+    """How the C++ loop runs a layer class: GELU-tanh on the MLP's gate instead of SiLU (Gemma), and
+    each sublayer's output normed (post_attention_layernorm, post_feedforward_layernorm) before it
+    joins the residual (Gemma's sandwich norms)."""
+
+    gelu_tanh: bool = False
+    post_norms: bool = False
+
 
 # A linear's kind, as llama_layers.cpp numbers them.
 DENSE, INT4, INT8 = 0, 1, 2
@@ -56,18 +70,22 @@ def _linear_entry(module: torch.nn.Module) -> tuple[int, int, list[torch.Tensor 
 
 @dataclass(frozen=True)
 class CpuLayerLoop:
-    weights: list[torch.Tensor | None]  # 18 a layer: norm, qkv (4), o (4), norm, gate_up (4), down (4)
+    # 22 a layer: norm, qkv (4), o (4), MLP norm, gate_up (4), down (4), q norm, k norm, attention's
+    # post-norm, the MLP's post-norm (None where the family has none)
+    weights: list[torch.Tensor | None]
     kinds: list[int]  # four a layer: qkv, o, gate_up, down
     groups: list[int]
     final_norm: torch.Tensor
+    form: LoopForm
     ops: Any  # the kernels' operator namespace
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> CpuLayerLoop | None:
-        """The loop for this model, or None where some piece has no C++ path here."""
-        cfg = model.cfg
+        """The loop for this model, or None where some piece has no C++ path here (the module's
+        docstring lists them)."""
+        form = vars(model.layer_class).get("LOOP_FORM")
         ops = kernels()
-        if ops is None or model.ops.name != "cpu" or cfg.qk_norm or not hasattr(model, "norm"):
+        if ops is None or form is None or model.ops.name != "cpu" or not hasattr(model, "norm"):
             return None
         if model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32:
             return None
@@ -75,36 +93,50 @@ class CpuLayerLoop:
         kinds: list[int] = []
         groups: list[int] = []
         for layer in model.layers:
+            if type(layer) is not model.layer_class:  # swapped for something else: its own forward
+                return None
             entries = []
             for name in _LINEARS:
                 entry = _linear_entry(getattr(layer, name))
                 if entry is None:
                     return None
                 entries.append(entry)
-            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-            if any(n.dtype != torch.float32 for n in norms):
+            qk = ("q_norm", "k_norm") if model.cfg.qk_norm else ()
+            post = ("post_attention_layernorm", "post_feedforward_layernorm") if form.post_norms else ()
+            norms = {name: getattr(layer, name).weight.detach()
+                     for name in ("input_layernorm", layer.MLP_NORM, *qk, *post)}
+            if any(n.dtype != torch.float32 for n in norms.values()):
                 return None
-            weights.append(norms[0])
+            weights.append(norms["input_layernorm"])
             weights.extend(entries[0][2] + entries[1][2])
-            weights.append(norms[1])
+            weights.append(norms[layer.MLP_NORM])
             weights.extend(entries[2][2] + entries[3][2])
+            weights.extend([norms["q_norm"], norms["k_norm"]] if qk else [None, None])
+            weights.extend([norms[name] for name in post] if post else [None, None])
             kinds.extend(e[0] for e in entries)
             groups.extend(e[1] for e in entries)
-        return CpuLayerLoop(weights, kinds, groups, model.norm.weight.detach(), ops)
+        return CpuLayerLoop(weights, kinds, groups, model.norm.weight.detach(), form, ops)
 
     def applies(self, x: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata, attention_kernel: Any) -> bool:
         """Whether this step can take it: fp32 rows, our paged-attention kernel over a cache without
         a quantized tier."""
         return (x.dtype == torch.float32 and attention_kernel is self.ops.paged_attention
-                and meta.tier is None and all(len(c) == 2 for c in kv_caches))
+                and all(m.tier is None for m in meta.by_group or [meta]) and all(len(c) == 2 for c in kv_caches))
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[tuple],
-                 meta: AttentionMetadata, model: LlamaForCausalLM, lora: LoraBatch | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
+                 model: LlamaForCausalLM, lora: LoraBatch | None = None) -> torch.Tensor:
         """`lora`: the step's adapters (their deltas need our LoRA kernel: `lora.kernel` set)."""
         cfg = model.cfg
         tensors, bounds = lora.slots.flat() if lora is not None else ([], [])
+        metas = meta.by_group or [meta]
+        # RoPE tables: the global one, and the sliding layers' own where the model has one (Gemma 3)
+        ropes = [model.rope] if model.local_rope is model.rope else [model.rope, model.local_rope]
+        cos, sin = zip(*(r.for_positions(positions) for r in ropes))
+        layer_rope = [0 if w is None or len(ropes) == 1 else 1 for w in model.windows]
         return self.ops.llama_layers(
             x.contiguous(), self.weights, self.kinds, self.groups, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-            self.final_norm, cos, sin, meta.slot_mapping, meta.block_tables, meta.row_seq, meta.row_ctx,
-            meta.block_size, cfg.head_dim ** -0.5, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            tensors, bounds, None if lora is None else lora.rows)
+            self.final_norm, list(cos), list(sin), layer_rope, [m.slot_mapping for m in metas],
+            [m.block_tables for m in metas], [m.row_seq for m in metas], [m.row_ctx for m in metas],
+            [m.window for m in metas], model.kv_group, meta.block_size, cfg.attention_scale, cfg.rms_norm_eps,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.form.gelu_tanh, tensors, bounds,
+            None if lora is None else lora.rows)

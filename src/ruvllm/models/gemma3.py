@@ -7,7 +7,8 @@ its post-norm; RMSNorm weights used as (1 + w); q/k RMSNorm (the config's qk_nor
 (tanh GELU on the gate); attention scaled by query_pre_attn_scalar**-0.5 (cfg.attention_scale);
 most layers attend through a sliding window with their own RoPE base (the model's local_rope),
 every sixth globally; a final logit soft-cap. The window is the attention's business: each layer
-reads its KV group's metadata (kv_groups.py), routed by the Llama model as for any layout.
+reads its KV group's metadata (kv_groups.py), routed by the Llama model as for any layout. The C++
+layer loop (models/cpu_layer_loop.py) runs these layers too, bitwise as this Python loop does.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from ruvllm.attention.backend import AttentionBackend
 from ruvllm.attention.metadata import AttentionMetadata
 from ruvllm.config import ModelConfig
 from ruvllm.errors import AdapterError
+from ruvllm.models.cpu_layer_loop import LoopForm
 from ruvllm.models.llama import DecoderLayer, LayerRun, LlamaForCausalLM, RMSNorm
 
 
 class Gemma3DecoderLayer(DecoderLayer):
     MLP_NORM = "pre_feedforward_layernorm"
+    LOOP_FORM = LoopForm(gelu_tanh=True, post_norms=True)  # the C++ loop runs it (cpu_layer_loop.py)
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__(cfg, index)

@@ -4,7 +4,7 @@ Tokens of all sequences in a step are one flat [T] batch; attention metadata tel
 cache slots to write and which keys each query row may see. The layer is defined once: the engine,
 the learner (autograd) and AWQ/SmoothQuant calibration run it with their own `LayerRun`, and other
 families override only what differs (models/gemma3.py; docs/architecture.md, "How to add a model
-family"). The C++ loop (cpu_layer_loop.py) is this layer's fast path.
+family"). The C++ loop (cpu_layer_loop.py) is this layer's fast path (and Gemma 3's).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ruvllm.kv_groups import kv_layout
 from ruvllm.layers.dense import DenseLinear, dense_linear
 from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.layers.rotary import RotaryEmbedding
-from ruvllm.models.cpu_layer_loop import CpuLayerLoop
+from ruvllm.models.cpu_layer_loop import CpuLayerLoop, LoopForm
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.plan import Weight, fuse_pieces, realize, stored_form
 from ruvllm.quant.weights import QuantizedWeight
@@ -81,6 +81,10 @@ class DecoderLayer(nn.Module):
     (one fused kernel): forward takes and returns that pair (residual None: x is the whole stream)."""
 
     MLP_NORM = "post_attention_layernorm"  # the norm whose output enters the MLP (AWQ folds into it)
+    # How the C++ layer loop runs this layer (cpu_layer_loop.py). Read from each class's own
+    # namespace, not inherited: a subclass that changes the layer runs the Python loop until it
+    # declares its form (and the C++ loop is checked bitwise against the Python loop for it).
+    LOOP_FORM = LoopForm()
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -122,6 +126,9 @@ class DecoderLayer(nn.Module):
         qkv = self.project("qkv_proj", "qkv", h, run)
         if not cfg.qk_norm:
             return ops.qkv_rope(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if ops.qk_norm_rope is not None:  # the norms and RoPE in one kernel (the C++ loop's)
+            return ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps, cos, sin,
+                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = ops.rms_norm(q.view(-1, cfg.num_heads, cfg.head_dim), self.q_norm.weight, cfg.rms_norm_eps)
         k = ops.rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
@@ -166,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         # A step with adapters takes the C++ loop only where their deltas run on our kernel too.
         loop = self._layer_loop() if lora is None or lora.in_layer_loop else None
         if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
-            return loop(x, *self.rope.for_positions(positions), kv_caches, meta, self, lora)  # the same kernels
+            return loop(x, positions, kv_caches, meta, self, lora)  # the same kernels
         metas, scale = meta.by_group or [meta], self.cfg.attention_scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -206,11 +213,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_loop(self) -> CpuLayerLoop | None:
         """The C++ layer loop for this model's weights (models/cpu_layer_loop.py), built on first use;
-        None where some piece has no C++ path here (it is DecoderLayer's own: a family that changes
-        the layer runs the Python loop)."""
+        None where some piece has no C++ path here (a layer class without its own LOOP_FORM among them)."""
         if "_loop" not in self.__dict__:
             cpu = torch.device(self.norm.weight.device).type == "cpu"
-            self.__dict__["_loop"] = CpuLayerLoop.build(self) if cpu and self.layer_class is DecoderLayer else None
+            self.__dict__["_loop"] = CpuLayerLoop.build(self) if cpu else None
         return self.__dict__["_loop"]
 
     def invalidate_layer_loop(self) -> None:

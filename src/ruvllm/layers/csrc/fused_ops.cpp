@@ -1,5 +1,5 @@
 // The elementwise work between a decoder layer's matmuls, fused for the CPU: RMSNorm with the
-// residual add, the q/k/v split with RoPE, SiLU-and-mul. In eager PyTorch these are ~25 small ops a
+// residual add, the q/k/v split with (q/k norm and) RoPE, SiLU-and-mul. In eager PyTorch these are ~25 small ops a
 // layer (F.rms_norm alone is six: pow, mean, add, rsqrt, mul, mul), and at one decoding sequence
 // their dispatch costs more than their arithmetic (docs/performance.md). One call each here.
 //
@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <tuple>
+#include <vector>
 
 namespace ruvllm {
 namespace {
@@ -41,6 +43,16 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t D)
     out[i] = static_cast<T>(a * static_cast<float>(cos[i]) - b * static_cast<float>(sin[i]));
     out[i + h] = static_cast<T>(b * static_cast<float>(cos[i + h]) + a * static_cast<float>(sin[i + h]));
   }
+}
+
+// One head of q or k: RMS-normed over its D values into `tmp` (rounded to the dtype, as a separate
+// norm's output is), then rotated into out. Not inlined: qkv_rope and qkv_rope_cache run one compiled
+// body, so the Python loop (qkv_rope) and the C++ layer loop (qkv_rope_cache) get the same bits.
+template <typename T>
+__attribute__((noinline)) void norm_rope_head(const T* x, const T* w, float eps, T* tmp, const T* cos,
+                                              const T* sin, T* out, int64_t D) {
+  rms_norm_row(x, w, tmp, D, eps);
+  rope_head(tmp, cos, sin, out, D);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
@@ -91,6 +103,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 namespace {
 
+// q and k's per-head RMSNorm weights (Qwen3, Gemma 3): both or neither, [D] in qkv's dtype.
+void check_qk_norms(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm,
+                    const std::optional<at::Tensor>& k_norm, int64_t head_dim) {
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
+  for (const auto* w : {&q_norm, &k_norm})
+    if (w->has_value())
+      TORCH_CHECK((*w)->dim() == 1 && (*w)->size(0) == head_dim && (*w)->is_contiguous() &&
+                      (*w)->scalar_type() == qkv.scalar_type(),
+                  "q_norm, k_norm: contiguous [head_dim] in qkv's dtype");
+}
+
 void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim) {
   const int64_t T = qkv.size(0), D = head_dim, width = (num_heads + 2 * num_kv_heads) * D;
@@ -103,19 +126,26 @@ void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 }
 
 // Row t of qkv: q's heads rotated into q_out, k's rotated into k_row(t), v copied into v_row(t).
+// With q/k norm weights (qw, kw; else null) each head is RMS-normed before its rotation.
 template <typename scalar_t, typename KRow, typename VRow>
 void qkv_rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t D, scalar_t* qp, KRow k_row, VRow v_row) {
+                   int64_t num_kv_heads, int64_t D, scalar_t* qp, KRow k_row, VRow v_row, const scalar_t* qw = nullptr,
+                   const scalar_t* kw = nullptr, float eps = 0.f) {
   const int64_t T = qkv.size(0), row = qkv.stride(0);
   const scalar_t* xp = qkv.const_data_ptr<scalar_t>();
   const scalar_t *cp = cos.const_data_ptr<scalar_t>(), *sp = sin.const_data_ptr<scalar_t>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<scalar_t> tmp(qw ? D : 0);  // a normed head before its rotation
+    auto head = [&](const scalar_t* x, const scalar_t* w, const scalar_t* c, const scalar_t* s, scalar_t* out) {
+      if (w) norm_rope_head(x, w, eps, tmp.data(), c, s, out, D);
+      else rope_head(x, c, s, out, D);
+    };
     for (int64_t t = t0; t < t1; ++t) {
       const scalar_t* src = xp + t * row;
-      for (int64_t h = 0; h < num_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, qp + (t * num_heads + h) * D, D);
+      for (int64_t h = 0; h < num_heads; ++h) head(src + h * D, qw, cp + t * D, sp + t * D, qp + (t * num_heads + h) * D);
       src += num_heads * D;
       scalar_t* kd = k_row(t);
-      for (int64_t h = 0; h < num_kv_heads; ++h) rope_head(src + h * D, cp + t * D, sp + t * D, kd + h * D, D);
+      for (int64_t h = 0; h < num_kv_heads; ++h) head(src + h * D, kw, cp + t * D, sp + t * D, kd + h * D);
       src += num_kv_heads * D;
       scalar_t* vd = v_row(t);
       for (int64_t i = 0; i < num_kv_heads * D; ++i) vd[i] = src[i];
@@ -126,11 +156,15 @@ void qkv_rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 }  // namespace
 
 // qkv [T, (Hq + 2 Hkv) D] (the fused projection's output) -> q [T, Hq, D] and k [T, Hkv, D] rotated,
-// v [T, Hkv, D] copied, all contiguous. cos, sin: [T, 1, D] or [T, D], the step's rows.
+// v [T, Hkv, D] copied, all contiguous. cos, sin: [T, 1, D] or [T, D], the step's rows. q_norm,
+// k_norm ([D], both or neither): each q and k head RMS-normed (eps) before its rotation.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t num_heads,
-                                                        int64_t num_kv_heads, int64_t head_dim) {
+                                                        int64_t num_kv_heads, int64_t head_dim,
+                                                        const std::optional<at::Tensor>& q_norm,
+                                                        const std::optional<at::Tensor>& k_norm, double eps) {
   check_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim);
+  check_qk_norms(qkv, q_norm, k_norm, head_dim);
   const int64_t T = qkv.size(0), D = head_dim, kv = num_kv_heads * D;
   at::Tensor q = at::empty({T, num_heads, D}, qkv.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor k = at::empty({T, num_kv_heads, D}, q.options());
@@ -138,7 +172,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope", [&] {
     scalar_t *kp = k.mutable_data_ptr<scalar_t>(), *vp = v.mutable_data_ptr<scalar_t>();
     qkv_rope_rows<scalar_t>(qkv, cos, sin, num_heads, num_kv_heads, D, q.mutable_data_ptr<scalar_t>(),
-                            [&](int64_t t) { return kp + t * kv; }, [&](int64_t t) { return vp + t * kv; });
+                            [&](int64_t t) { return kp + t * kv; }, [&](int64_t t) { return vp + t * kv; },
+                            q_norm ? q_norm->const_data_ptr<scalar_t>() : nullptr,
+                            k_norm ? k_norm->const_data_ptr<scalar_t>() : nullptr, static_cast<float>(eps));
   });
   return {q, k, v};
 }
@@ -147,8 +183,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, c
 // slot (slot_mapping [T]) instead of into new tensors: the values index_copy_ would store. Returns q.
 at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping) {
+                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps) {
   check_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim);
+  check_qk_norms(qkv, q_norm, k_norm, head_dim);
   const int64_t T = qkv.size(0), D = head_dim, kv = num_kv_heads * D;
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->dim() == 3 && c->size(1) == num_kv_heads && c->size(2) == D && c->is_contiguous() &&
@@ -164,7 +202,9 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qkv_rope_cache", [&] {
     scalar_t *kp = k_cache.mutable_data_ptr<scalar_t>(), *vp = v_cache.mutable_data_ptr<scalar_t>();
     qkv_rope_rows<scalar_t>(qkv, cos, sin, num_heads, num_kv_heads, D, q.mutable_data_ptr<scalar_t>(),
-                            [&](int64_t t) { return kp + slots[t] * kv; }, [&](int64_t t) { return vp + slots[t] * kv; });
+                            [&](int64_t t) { return kp + slots[t] * kv; }, [&](int64_t t) { return vp + slots[t] * kv; },
+                            q_norm ? q_norm->const_data_ptr<scalar_t>() : nullptr,
+                            k_norm ? k_norm->const_data_ptr<scalar_t>() : nullptr, static_cast<float>(eps));
   });
   return q;
 }
