@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import ollama
 import openai
@@ -20,6 +20,9 @@ from ruvllm import LLM
 from tests.reasoning_fixtures import QWEN3_TEMPLATE, QWEN3_THINKING_TEMPLATE, thinking_llm, thinking_tokenizer
 from tests.server import test_http_errors
 from tests.server.conftest import MODEL, RunningServer, start_server
+
+if TYPE_CHECKING:
+    import anthropic
 
 openai_schemas = test_http_errors.schemas  # a fixture: OpenAI's published OpenAPI schemas (skips without them)
 HI = [{"role": "user", "content": "hi"}]
@@ -45,6 +48,14 @@ def opened(llm: LLM) -> Iterator[RunningServer]:
 
 def _openai(srv: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+
+def _claude(srv: RunningServer) -> anthropic.Anthropic:
+    # Imported here, not at the top: importing the SDK costs ~2.4 s of CPU, and every pytest worker
+    # imports every test module to collect it.
+    import anthropic
+
+    return anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
 
 
 def _chat_stream(srv: RunningServer, **kw) -> tuple[str, str]:
@@ -80,7 +91,7 @@ def test_thinking_switches_reach_the_template(qwen3: RunningServer) -> None:
     assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == base + closed
     assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == base
     assert prompt_tokens(reasoning_effort="none") == base + closed
-    claude = anthropic.Anthropic(base_url=qwen3.url, api_key="x", max_retries=0)
+    claude = _claude(qwen3)
     count = claude.messages.count_tokens(model=MODEL, messages=HI).input_tokens
     assert claude.messages.count_tokens(model=MODEL, messages=HI,
                                         thinking={"type": "disabled"}).input_tokens == count + closed
@@ -127,7 +138,7 @@ def test_output_inside_opened_reasoning_is_reasoning_everywhere(opened: RunningS
     for event in events:
         openai_schemas("ResponseStreamEvent").validate(event)
 
-    claude = anthropic.Anthropic(base_url=opened.url, api_key="x", max_retries=0)
+    claude = _claude(opened)
     message = claude.messages.create(model=MODEL, messages=HI, max_tokens=8, extra_body=GREEDY)
     assert [b.type for b in message.content] == ["thinking"] and message.content[0].thinking == thought
     with claude.messages.stream(model=MODEL, messages=HI, max_tokens=8, extra_body=GREEDY) as stream:
@@ -147,7 +158,7 @@ def test_prefill_that_opens_reasoning(qwen3: RunningServer) -> None:
     """On Qwen3-8B's template the model opens its own reasoning; a prefill may open it for it (Anthropic
     and Ollama continue a last assistant message): the continuation is reasoning."""
     msgs = [*HI, {"role": "assistant", "content": "<think>\n"}]
-    claude = anthropic.Anthropic(base_url=qwen3.url, api_key="x", max_retries=0)
+    claude = _claude(qwen3)
     message = claude.messages.create(model=MODEL, messages=msgs, max_tokens=6, extra_body=GREEDY)
     assert [b.type for b in message.content] == ["thinking"] and message.content[0].signature == ""
     reply = ollama.Client(host=qwen3.url, timeout=60).chat(model=MODEL, messages=msgs, think=True,
@@ -164,7 +175,7 @@ def test_constraint_starts_after_the_reasoning(opened: RunningServer) -> None:
         **kw).choices[0].message
     assert msg.model_extra["reasoning_content"] == "" and msg.content in ("yes", "no")
     # without the end tag the whole output is reasoning, which no JSON schema held
-    claude = anthropic.Anthropic(base_url=opened.url, api_key="x", max_retries=0)
+    claude = _claude(opened)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     message = claude.messages.create(model=MODEL, messages=HI, max_tokens=8,
                                      extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",
