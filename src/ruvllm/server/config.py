@@ -53,8 +53,8 @@ class ServerConfig(Checked):
     # Longer than the idle expiry of the clients' connection pools (httpx, so openai and anthropic: 5 s;
     # aiohttp: 15 s; Go: 90 s): the client then always drops an idle connection first. uvicorn's 5 s equalled
     # httpx's, and a request sent on a connection the server was closing at that moment failed with a
-    # reset before any byte of its answer (a 64-client soak on a loaded host lost requests in 4 of 31 runs;
-    # with a 30 s timeout, in none of 46: docs/decisions.md).
+    # reset before any byte of its answer (the 64-client soak on a loaded host, alternated: requests lost in
+    # 5 of 60 runs at 5 s, in none of 60 at 100 s: docs/decisions.md).
     http_keep_alive_s: int = setting(100, "Seconds an idle HTTP connection is kept open for its next request.",
                                        flag="--timeout-keep-alive", minimum=1)
     # The stored responses of POST /v1/responses (server/response_store.py): in memory, oldest dropped first
