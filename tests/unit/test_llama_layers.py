@@ -115,11 +115,17 @@ TINY_GEMMA = dataclasses.replace(
     tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma():  # noqa: ANN201
-    """The tiny Gemma 3, its norms drawn around 1 (random_weights makes them all 1: a q norm used
-    for k, or a post-norm skipped, would not show); prompt chunks of at most 24 tokens beside decodes."""
-    llm = tiny_llm("cpu", cfg=TINY_GEMMA, scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
+# Qwen3: the Llama layer with q/k norms (which the C++ loop takes since they run in qkv_rope).
+TINY_QWEN3 = dataclasses.replace(TINY_GQA, architecture="qwen3", num_layers=3, qk_norm=True)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+def tiny_qk_llm(request: pytest.FixtureRequest):  # noqa: ANN201
+    """The tiny Gemma 3 (or Qwen3), its norms drawn around 1 (random_weights makes them all 1: a q
+    norm used for k, or a post-norm skipped, would not show); prompt chunks of at most 24 tokens
+    beside decodes."""
+    cfg = TINY_GEMMA if request.param == "gemma3" else TINY_QWEN3
+    llm = tiny_llm("cpu", cfg=cfg, scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8))
     model = _model(llm)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -130,13 +136,15 @@ def tiny_gemma():  # noqa: ANN201
     return llm
 
 
-def test_gemma3_through_the_cpp_loop_is_the_python_loop(tiny_gemma, monkeypatch) -> None:  # noqa: ANN001
-    """Every step's final hidden states, bitwise: prompts of 5 to 40 tokens (past the window),
+def test_gemma3_and_qwen3_through_the_cpp_loop_are_the_python_loop(tiny_qk_llm, monkeypatch) -> None:  # noqa: ANN001
+    """Every step's final hidden states, bitwise: prompts of 5 to 40 tokens (past Gemma's window),
     chunked beside decodes, then decoded together."""
-    llm, model = tiny_gemma, _model(tiny_gemma)
+    llm, model = tiny_qk_llm, _model(tiny_qk_llm)
     loop = model._layer_loop()
-    assert loop is not None and loop.form.gelu_tanh and loop.form.post_norms
-    assert len({m for m in model.kv_group}) == 3 and model.local_rope is not model.rope
+    assert loop is not None and model.cfg.qk_norm
+    if model.cfg.architecture == "gemma3":
+        assert loop.form.gelu_tanh and loop.form.post_norms
+        assert len(set(model.kv_group)) == 3 and model.local_rope is not model.rope
     hidden: list[torch.Tensor] = []
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a: hidden.append(forward(*a).clone()) or hidden[-1])
