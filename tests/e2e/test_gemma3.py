@@ -67,13 +67,27 @@ def hf_model(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.M
 
 @pytest.fixture(scope="module")
 def reference(hf_model: torch.nn.Module, prompt: list[int]) -> dict[str, torch.Tensor | list[int]]:
-    """transformers' greedy continuation of the prompt and the logits that chose each token
-    (its prompt pass, then its decode steps over its own sliding-window cache)."""
+    """transformers' greedy continuation of the prompt and the logits that chose each token (its
+    prompt pass, then its decode steps over its own sliding-window cache), and the prompt pass's
+    last 64 rows of logits, which the learner's test compares with. The loop is what
+    `generate(min_new_tokens=DECODE_STEPS)` runs (greedy, EOS barred, raw logits kept), written out
+    because generate keeps only the prompt's last row: the learner's test made a second 700-token
+    pass of its own for the other 63."""
+    eos = hf_model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                             min_new_tokens=DECODE_STEPS, output_logits=True, return_dict_in_generate=True)
-    return {"continuation": out.sequences[0, len(prompt):].tolist(),
-            "logits": torch.cat(out.logits).float()}
+        out = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=64)
+        tail, cache = out.logits[0].float(), out.past_key_values
+        logits, continuation = [tail[-1]], []
+        while True:
+            barred = logits[-1].clone()
+            barred[eos] = float("-inf")  # min_new_tokens: no EOS before the last step
+            continuation.append(int(barred.argmax()))
+            if len(continuation) == DECODE_STEPS:
+                break
+            out = hf_model(torch.tensor([[continuation[-1]]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+    return {"continuation": continuation, "logits": torch.stack(logits), "prompt_tail": tail}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +121,7 @@ def float_model(gguf: Path) -> torch.nn.Module:
     return load_float_model(resolve_model(str(gguf)), 2048)[0]
 
 
-def test_learned_layers_match_transformers(float_model: torch.nn.Module, hf_model: torch.nn.Module,
-                                           long_prompt: list[int]) -> None:
+def test_learned_layers_match_transformers(float_model: torch.nn.Module, prompt: list[int], reference: dict) -> None:
     """The learner on Gemma 3: the 16 layers below as inference, the last two (a sliding and a global
     one) in autograd, over 700 tokens (past the window): transformers' logits, whole-context and with
     the frozen context; a gradient step moves the micro-LoRA."""
@@ -116,9 +129,9 @@ def test_learned_layers_match_transformers(float_model: torch.nn.Module, hf_mode
     from ruvllm.learning.instant import InstantLearner
     from ruvllm.learning.tail import LearnedLayers, hidden_before
 
-    model, ids = float_model, long_prompt[:700]
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([ids]), logits_to_keep=64).logits[0]
+    model, ids = float_model, prompt
+    assert len(ids) == 700
+    expected = reference["prompt_tail"]  # transformers' last 64 rows of logits over these 700 tokens
     layers = LearnedLayers(model, 2)
     assert [i in model.cfg.sliding_layers for i in layers.layers] == [True, False]
     out = layers.forward(hidden_before(model, ids, layers.first), torch.arange(700), None)
