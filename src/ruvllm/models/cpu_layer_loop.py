@@ -123,19 +123,25 @@ class CpuLayerLoop:
         return (x.dtype == torch.float32 and attention_kernel is self.ops.paged_attention
                 and all(m.tier is None for m in meta.by_group or [meta]) and all(len(c) == 2 for c in kv_caches))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata,
-                 model: LlamaForCausalLM, lora: LoraBatch | None = None) -> torch.Tensor:
-        """`lora`: the step's adapters (their deltas need our LoRA kernel: `lora.kernel` set)."""
+    @staticmethod
+    def rope_rows(model: LlamaForCausalLM, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """cos and sin rows of the step's positions ([T, 1, D]) in each RoPE table: the global one,
+        then the sliding layers' own where the model has one (Gemma 3)."""
+        tables = [model.rope] if model.local_rope is model.rope else [model.rope, model.local_rope]
+        rows = [t.for_positions(positions) for t in tables]
+        return [c for c, _ in rows], [s for _, s in rows]
+
+    def __call__(self, x: torch.Tensor, cos: list[torch.Tensor], sin: list[torch.Tensor], kv_caches: list[tuple],
+                 meta: AttentionMetadata, model: LlamaForCausalLM, lora: LoraBatch | None = None) -> torch.Tensor:
+        """cos, sin: rope_rows'. `lora`: the step's adapters (their deltas need our LoRA kernel:
+        `lora.kernel` set)."""
         cfg = model.cfg
         tensors, bounds = lora.slots.flat() if lora is not None else ([], [])
         metas = meta.by_group or [meta]
-        # RoPE tables: the global one, and the sliding layers' own where the model has one (Gemma 3)
-        ropes = [model.rope] if model.local_rope is model.rope else [model.rope, model.local_rope]
-        cos, sin = zip(*(r.for_positions(positions) for r in ropes))
-        layer_rope = [0 if w is None or len(ropes) == 1 else 1 for w in model.windows]
+        layer_rope = [0 if w is None or len(cos) == 1 else 1 for w in model.windows]
         return self.ops.llama_layers(
             x.contiguous(), self.weights, self.kinds, self.groups, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-            self.final_norm, list(cos), list(sin), layer_rope, [m.slot_mapping for m in metas],
+            self.final_norm, cos, sin, layer_rope, [m.slot_mapping for m in metas],
             [m.block_tables for m in metas], [m.row_seq for m in metas], [m.row_ctx for m in metas],
             [m.window for m in metas], model.kv_group, meta.block_size, cfg.attention_scale, cfg.rms_norm_eps,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.form.gelu_tanh, tensors, bounds,

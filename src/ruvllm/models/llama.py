@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         # A step with adapters takes the C++ loop only where their deltas run on our kernel too.
         loop = self._layer_loop() if lora is None or lora.in_layer_loop else None
         if loop is not None and loop.applies(x, kv_caches, meta, getattr(attn, "kernel", None)):
-            return loop(x, positions, kv_caches, meta, self, lora)  # the same kernels
+            return loop(x, *loop.rope_rows(self, positions), kv_caches, meta, self, lora)  # the same kernels
         metas, scale = meta.by_group or [meta], self.cfg.attention_scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
