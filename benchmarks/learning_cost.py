@@ -1,11 +1,24 @@
-"""What learning from feedback costs serving: 32 streams' aggregate throughput through `ruvllm serve
---learn` (the embedded default model) with no feedback, and with feedback arriving at --rate events a
-second (each an instant update and a new adapter version for its tenant), alternating for --rounds
-rounds. The streams are the default tenant's (no adapter); the feedback is another tenant's, on one
-of its completions, with a correction; that tenant first asks four everyday questions, so the
-background loop has a Fisher to consolidate with.
+"""What learning from feedback costs serving, and how much feedback it keeps up with: 32 streams'
+aggregate throughput through `ruvllm serve --learn` (the embedded default model) with no feedback,
+and with feedback offered at --rate events a second (each an instant update and a new adapter
+version for its tenant), alternating round by round; once per --learn-batch value (issue 37 item
+3: 1 is one step an event, more coalesces a backlog), the batch arms alternating too (A B B A ...,
+a server each: one model-sized process at a time).
 
-    .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 [--nice 0]
+The streams are the default tenant's (no adapter). The feedback is --learners other tenants', on one
+completion each, with a correction, offered open-loop: each event is posted at its time whatever the
+others' answers (a closed loop that waits for each answer never lets a backlog form), the tenants in
+turn. Each first asks four everyday questions (the background loop's Fisher and the KL term's text),
+and one event is learned before the rounds (its first-event costs: preparing the pair and the KL
+term's text, paid once).
+"Absorbed" counts the events answered 200 while the streams ran, over the streams' time; "refused"
+the 429s (learning behind: more than 32 waiting). The machine's load average is printed beside it.
+
+    .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 --batches 1,4 [--nice 0]
+
+With --absorb N, the learner alone (no server, no serving; this process, PyTorch at --threads): a
+backlog of N events of the --learners tenants, learned by `Learner.feedback_many` at each
+--learn-batch value in turn, --repeats times: events a second each way, medians.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -28,20 +42,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from witness_load import start_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-LEARNER = {"Authorization": "Bearer key-learner"}
 EVERYDAY = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
             "Summarise a love story in three sentences.", "Give me a tip for cooking rice."]
+CORRECTION = "The capital of Zorblax is Quenta."
 
 
-def start(tmp: str, keys: Path, nice: int) -> tuple[object, str]:
-    return start_server(Path(tmp) / "w.sqlite3", "--learn", "--api-keys", str(keys), "--feedback-rate", "100",
-                        "--learned-dir", f"{tmp}/learned", "--learn-nice", str(nice))
+def start(tmp: str, keys: Path, nice: int, batch: int) -> tuple[object, str]:
+    return start_server(Path(tmp) / f"w{batch}.sqlite3", "--learn", "--api-keys", str(keys), "--feedback-rate",
+                        "100", "--learned-dir", f"{tmp}/learned{batch}", "--learn-nice", str(nice),
+                        "--learn-batch", str(batch))
+
+
+def learner_key(i: int) -> dict[str, str]:
+    return {"Authorization": f"Bearer key-learner{i}"}
 
 
 async def streams(url: str, n: int, gen_len: int) -> tuple[int, float]:
     """n concurrent completions of gen_len tokens each: (tokens, seconds)."""
     headers = {"Authorization": "Bearer key-default"}
-    async with httpx.AsyncClient(timeout=300, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=900, headers=headers) as client:
         async def one(i: int) -> int:
             r = await client.post(url + "/v1/completions", json={
                 "model": MODEL, "prompt": f"Chapter {i}. It was a fine morning, and", "max_tokens": gen_len,
@@ -52,75 +71,203 @@ async def streams(url: str, n: int, gen_len: int) -> tuple[int, float]:
         return sum(tokens), time.perf_counter() - t
 
 
-async def learner_setup(url: str) -> str:
-    """The feedback tenant's completions before the rounds: four everyday questions (its traffic,
-    what the background loop's Fisher is made of) and the one its feedback corrects (its id)."""
-    async with httpx.AsyncClient(timeout=300, headers=LEARNER) as client:
+async def learner_setup(url: str, i: int) -> str:
+    """A feedback tenant's completions before the rounds: four everyday questions (its traffic,
+    what the background loop's Fisher and the KL term are made of) and the one its feedback corrects."""
+    async with httpx.AsyncClient(timeout=900, headers=learner_key(i)) as client:
         for q in EVERYDAY:
             await client.post(url + "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 32, "temperature": 0})
         r = await client.post(url + "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of Zorblax?"}],
             "max_tokens": 16, "temperature": 0})
-        return r.json()["id"]
+        rid = r.json()["id"]
+        # one event learned before the rounds: its pair prepared, the KL term's text ready (both kept),
+        # so that no round pays a tenant's first-event costs
+        r = await client.post(url + "/v1/feedback", json={"id": rid, "score": 1, "correction": CORRECTION})
+        r.raise_for_status()
+        return rid
 
 
-async def feedback_loop(url: str, rid: str, rate: float, stop: asyncio.Event, latencies: list[float]) -> None:
-    async with httpx.AsyncClient(timeout=300, headers=LEARNER) as client:
-        while not stop.is_set():
+@dataclass
+class Feedback:
+    offered: int = 0
+    absorbed: int = 0  # answered 200 while the streams ran
+    late: int = 0  # answered 200 after
+    refused: int = 0  # 429: learning behind
+    step_ms: list[float] = field(default_factory=list)
+    publish_ms: list[float] = field(default_factory=list)  # the version written and loaded into the engine
+    latency_ms: list[float] = field(default_factory=list)
+    per_step: list[int] = field(default_factory=list)
+
+
+async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio.Event, fb: Feedback) -> None:
+    """Post an event every 1/rate s, the tenants in turn, none waiting for another's answer."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        async def one(i: int) -> None:
             t = time.perf_counter()
-            r = await client.post(url + "/v1/feedback", json={"id": rid, "score": 1,
-                                                              "correction": "The capital of Zorblax is Quenta."})
+            r = await client.post(url + "/v1/feedback", headers=learner_key(i),
+                                  json={"id": rids[i], "score": 1, "correction": CORRECTION})
             if r.status_code == 200:
-                latencies.append(r.json()["update_ms"])
-            await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
+                body = r.json()
+                if stop.is_set():
+                    fb.late += 1
+                else:
+                    fb.absorbed += 1
+                fb.step_ms.append(body["update_ms"])
+                fb.publish_ms.append(body["publish_ms"])
+                fb.per_step.append(body.get("step_events", 1))
+                fb.latency_ms.append((time.perf_counter() - t) * 1000)
+            elif r.status_code == 429:
+                fb.refused += 1
+            else:
+                raise RuntimeError(f"feedback answered {r.status_code}: {r.text}")
+        tasks = []
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one(fb.offered % len(rids))))
+            fb.offered += 1
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, t0 + fb.offered / rate - time.perf_counter()))
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.gather(*tasks)  # (the backlog drains before the next round starts)
 
 
-async def run(url: str, n: int, gen_len: int, rate: float | None, rid: str = "") -> tuple[float, list[float]]:
+async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[str]) -> tuple[float, float, Feedback]:
+    """A round: (tokens a second, the streams' seconds, the feedback's counts)."""
     stop = asyncio.Event()
-    latencies: list[float] = []
-    fb = asyncio.create_task(feedback_loop(url, rid, rate, stop, latencies)) if rate else None
+    fb = Feedback()
+    task = asyncio.create_task(feedback_offered(url, rids, rate, stop, fb)) if rate else None
     tokens, secs = await streams(url, n, gen_len)
     stop.set()
-    if fb is not None:
-        await fb
-    return tokens / secs, latencies
+    if task is not None:
+        await task
+    return tokens / secs, secs, fb
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def events_a_step(per_event: list[int]) -> float:
+    """Events over steps, from each event's count of the events in its step (a step of n: n events of 1/n)."""
+    return len(per_event) / sum(1 / n for n in per_event) if per_event else float("nan")
+
+
+def absorb(args: argparse.Namespace, batches: list[int]) -> None:
+    """The learner's own rate: a backlog learned at each batch size, alternating; nothing else runs."""
+    import dataclasses
+
+    from ruvllm import LLM, SamplingParams
+    from ruvllm.learning.config import LearningConfig
+    from ruvllm.learning.learner import FeedbackEvent
+
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        learner = llm.enable_learning(LearningConfig(root=tmp, threads=args.threads))
+        base = learner.config
+        rids = []
+        for i in range(args.learners):
+            tenant = f"learner{i}"
+            llm.chat([[{"role": "user", "content": q}] for q in EVERYDAY], SamplingParams(temperature=0, max_tokens=32),
+                     tenant=tenant)
+            asked = llm.chat([[{"role": "user", "content": "What is the capital of Zorblax?"}]],
+                             SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
+            llm.feedback(asked.request_id, 1.0, CORRECTION, tenant=tenant)  # first-event costs paid here
+            rids.append((asked.request_id, tenant))
+        events = [FeedbackEvent(*rids[i % len(rids)], 1.0, CORRECTION) for i in range(args.absorb)]
+        rates: dict[int, list[float]] = {b: [] for b in batches}
+        load = []
+        for rep in range(args.repeats):
+            for batch in batches if rep % 2 == 0 else batches[::-1]:
+                learner.config = dataclasses.replace(base, update_batch=batch)
+                load.append(os.getloadavg()[0])
+                t = time.perf_counter()
+                for _, result in learner.feedback_many(events):
+                    if isinstance(result, Exception):
+                        raise result
+                rates[batch].append(len(events) / (time.perf_counter() - t))
+                learner.consolidate()  # as the server's background loop would between backlogs
+                print(f"batch {batch}: {rates[batch][-1]:.2f} events/s, load {os.getloadavg()[0]:.1f}", flush=True)
+    table = Table(title=f"The learner alone: a backlog of {args.absorb} events of {args.learners} tenants "
+                        f"(default model, KL term on), {args.threads} thread(s), {args.repeats} passes alternating; "
+                        f"load average {min(load):.1f}-{max(load):.1f}")
+    for col in ("learn batch", "events/s (each pass)", "events/s (median)", "vs batch 1"):
+        table.add_column(col, justify="right")
+    one = statistics.median(rates[batches[0]])
+    for batch in batches:
+        m = statistics.median(rates[batch])
+        table.add_row(str(batch), " / ".join(f"{x:.2f}" for x in rates[batch]), f"{m:.2f}", f"{m / one:.2f}x")
+    Console().print(table)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--rate", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=5.0, help="feedback events offered a second, all tenants")
+    ap.add_argument("--learners", type=int, default=2, help="tenants giving feedback")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of each kind (plain, with feedback) per server")
+    ap.add_argument("--batches", default="1,4", help="--learn-batch values, one server each")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the batch values (alternating order)")
     ap.add_argument("--nice", type=int, default=10, help="ruvllm serve --learn-nice")
+    ap.add_argument("--absorb", type=int, default=0, help="the learner alone: a backlog of this many events")
+    ap.add_argument("--threads", type=int, default=1, help="(--absorb) the learner's PyTorch threads")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.absorb:
+        absorb(args, batches)
+        return
+    results: dict[int, dict] = {b: {"plain": [], "learning": [], "fb": [], "secs": [], "load": []} for b in batches}
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
-        keys.write_text("key-default default\nkey-learner learner\n")
-        proc, url = start(tmp, keys, args.nice)
-        try:
-            asyncio.run(run(url, 4, 8, None))  # warm-up
-            rid = asyncio.run(learner_setup(url))
-            plain, learning, lat = [], [], []
-            for r in range(args.rounds):
-                order = [None, args.rate] if r % 2 == 0 else [args.rate, None]
-                for rate in order:
-                    tps, latencies = asyncio.run(run(url, args.streams, args.gen_len, rate, rid))
-                    (learning if rate else plain).append(tps)
-                    lat += latencies
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=60)
+        keys.write_text("key-default default\n" + "".join(f"key-learner{i} learner{i}\n"
+                                                         for i in range(args.learners)))
+        for rep in range(args.repeats):
+            for batch in batches if rep % 2 == 0 else batches[::-1]:
+                proc, url = start(tmp, keys, args.nice, batch)
+                try:
+                    asyncio.run(run(url, 4, 8, None, []))  # warm-up
+                    rids = [asyncio.run(learner_setup(url, i)) for i in range(args.learners)]
+                    r = results[batch]
+                    for k in range(args.rounds):
+                        for rate in ([None, args.rate] if k % 2 == 0 else [args.rate, None]):
+                            r["load"].append(os.getloadavg()[0])
+                            tps, secs, fb = asyncio.run(run(url, args.streams, args.gen_len, rate, rids))
+                            if rate:
+                                r["learning"].append(tps)
+                                r["fb"].append(fb)
+                                r["secs"].append(secs)
+                            else:
+                                r["plain"].append(tps)
+                            print(f"batch {batch} {'feedback' if rate else 'plain'}: {tps:.1f} tok/s"
+                                  + (f", {fb.absorbed}/{fb.offered} absorbed in {secs:.0f} s ({fb.refused} refused)"
+                                     if rate else "") + f", load {os.getloadavg()[0]:.1f}", flush=True)
+                finally:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    proc.wait(timeout=120)
     table = Table(title=f"Serving while learning: default model, {args.streams} streams x {args.gen_len} tokens, "
-                        f"feedback at {args.rate:g}/s, {args.rounds} rounds, "
-                        f"learning at nice {args.nice}")
-    for col in ("no feedback, tok/s", "with feedback, tok/s", "ratio (median)", "updates", "update p50 / p99 (ms)"):
+                        f"feedback offered at {args.rate:g}/s by {args.learners} tenants, learning at nice "
+                        f"{args.nice}; {args.rounds} rounds a kind x {args.repeats} servers a batch")
+    for col in ("learn batch", "no feedback, tok/s", "with feedback, tok/s", "kept (medians)", "events/s offered",
+                "events/s absorbed", "refused (429)", "events a step", "step / publish p50 (ms)",
+                "answer p50 / p99 (ms)",
+                "load avg"):
         table.add_column(col, justify="right")
-    lat.sort()
-    table.add_row(" / ".join(f"{x:.1f}" for x in plain), " / ".join(f"{x:.1f}" for x in learning),
-                  f"{statistics.median(learning) / statistics.median(plain):.2f}x", str(len(lat)),
-                  f"{lat[len(lat) // 2]:.1f} / {lat[min(len(lat) - 1, int(0.99 * len(lat)))]:.1f}" if lat else "-")
+    for batch in batches:
+        r = results[batch]
+        fbs: list[Feedback] = r["fb"]
+        lat = sorted(x for f in fbs for x in f.latency_ms)
+        table.add_row(
+            str(batch), " / ".join(f"{x:.1f}" for x in r["plain"]), " / ".join(f"{x:.1f}" for x in r["learning"]),
+            f"{p50(r['learning']) / p50(r['plain']):.2f}x",
+            f"{sum(f.offered for f in fbs) / sum(r['secs']):.2f}",
+            f"{sum(f.absorbed for f in fbs) / sum(r['secs']):.2f}",
+            str(sum(f.refused for f in fbs)), f"{events_a_step([x for f in fbs for x in f.per_step]):.2f}",
+            f"{p50([x for f in fbs for x in f.step_ms]):.0f} / {p50([x for f in fbs for x in f.publish_ms]):.0f}",
+            f"{p50(lat):.0f} / {lat[min(len(lat) - 1, int(0.99 * len(lat)))]:.0f}" if lat else "-",
+            f"{min(r['load']):.1f}-{max(r['load']):.1f}")
     Console().print(table)
 
 
