@@ -12,7 +12,9 @@ turn. Each first asks four everyday questions (the background loop's Fisher and 
 and one event is learned before the rounds (its first-event costs: preparing the pair and the KL
 term's text, paid once).
 "Absorbed" counts the events answered 200 while the streams ran, over the streams' time; "refused"
-the 429s (learning behind: more than 32 waiting). The machine's load average is printed beside it.
+the 429s (learning behind: more than 32 waiting); "after" those answered once the streams had ended
+(the backlog draining on a machine no longer serving). The step, publish and answer times are the
+absorbed events'. The machine's load average is printed beside it.
 
     .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 --batches 1,4 [--nice 0]
 
@@ -110,10 +112,10 @@ async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio
                                   json={"id": rids[i], "score": 1, "correction": CORRECTION})
             if r.status_code == 200:
                 body = r.json()
-                if stop.is_set():
+                if stop.is_set():  # the backlog drained once serving stopped: not what learning under load does
                     fb.late += 1
-                else:
-                    fb.absorbed += 1
+                    return
+                fb.absorbed += 1
                 fb.step_ms.append(body["update_ms"])
                 fb.publish_ms.append(body["publish_ms"])
                 fb.per_step.append(body.get("step_events", 1))
@@ -251,7 +253,7 @@ def main() -> None:
                         f"feedback offered at {args.rate:g}/s by {args.learners} tenants, learning at nice "
                         f"{args.nice}; {args.rounds} rounds a kind x {args.repeats} servers a batch")
     for col in ("learn batch", "no feedback, tok/s", "with feedback, tok/s", "kept (medians)", "events/s offered",
-                "events/s absorbed", "refused (429)", "events a step", "step / publish p50 (ms)",
+                "events/s absorbed", "refused (429) / after", "events a step", "step / publish p50 (ms)",
                 "answer p50 / p99 (ms)",
                 "load avg"):
         table.add_column(col, justify="right")
@@ -264,7 +266,8 @@ def main() -> None:
             f"{p50(r['learning']) / p50(r['plain']):.2f}x",
             f"{sum(f.offered for f in fbs) / sum(r['secs']):.2f}",
             f"{sum(f.absorbed for f in fbs) / sum(r['secs']):.2f}",
-            str(sum(f.refused for f in fbs)), f"{events_a_step([x for f in fbs for x in f.per_step]):.2f}",
+            f"{sum(f.refused for f in fbs)} / {sum(f.late for f in fbs)}",
+            f"{events_a_step([x for f in fbs for x in f.per_step]):.2f}",
             f"{p50([x for f in fbs for x in f.step_ms]):.0f} / {p50([x for f in fbs for x in f.publish_ms]):.0f}",
             f"{p50(lat):.0f} / {lat[min(len(lat) - 1, int(0.99 * len(lat)))]:.0f}" if lat else "-",
             f"{min(r['load']):.1f}-{max(r['load']):.1f}")

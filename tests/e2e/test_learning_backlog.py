@@ -70,7 +70,7 @@ def test_a_backlog_is_learned_in_fewer_steps_each_event_answered(lora_llm: LLM, 
         waiting = running.app.state.ruvllm.feedback
 
         # The learner busy (its lock held here) while all eight are posted, one after another: the
-        # first is taken at once (its step waits for the lock), the rest wait as a backlog.
+        # first is taken at once (its step waits for the lock), the other seven wait as a backlog.
         answers: list[httpx.Response | None] = [None] * len(EVENTS)
 
         def post(i: int, tenant: str, which: int, score: float, correction: str | None) -> None:
@@ -84,6 +84,8 @@ def test_a_backlog_is_learned_in_fewer_steps_each_event_answered(lora_llm: LLM, 
                 threads.append(threading.Thread(target=post, args=(i, *event)))
                 threads[-1].start()
                 _until(lambda: waiting.waiting == i + 1, "a feedback event never reached the update thread")
+                if i == 0:  # the first taken alone: its step waits for the lock, the rest queue behind it
+                    _until(lambda: waiting.updates.queued == 0, "the update thread never took the first event")
         for thread in threads:
             thread.join(timeout=120)
         bodies = []
@@ -103,7 +105,8 @@ def test_a_backlog_is_learned_in_fewer_steps_each_event_answered(lora_llm: LLM, 
             n = sum(t == tenant for t, *_ in EVENTS)
             assert len(by_version) < n and max(len(e) for e in by_version.values()) <= 3  # coalesced, bounded
             assert learner._tenants[tenant].steps == len(by_version) == len(learner.policy.versions(tenant))
-        assert len(steps["acme"][next(iter(steps["acme"]))]) == 1  # the first, taken alone: `step`
+        assert [len(e) for e in steps["acme"].values()] == [1, 3, 1]  # the first alone (`step`), then 3 and 1
+        assert [len(e) for e in steps["globex"].values()] == [3]
         # the background loop's counts go by events, as when each event was a step
         assert learner._pending == {"acme": 5, "globex": 3}
 

@@ -30,6 +30,12 @@ class Backlog(Generic[E, R]):
         self._thread = threading.Thread(target=self._run, name="ruvllm-learning", daemon=True)
         self._thread.start()
 
+    @property
+    def queued(self) -> int:
+        """Events waiting for the thread to take them (those it is learning not counted)."""
+        with self._cond:
+            return len(self._waiting)
+
     def submit(self, event: E) -> Future[R]:
         future: Future[R] = Future()
         with self._cond:
