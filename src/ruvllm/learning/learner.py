@@ -14,9 +14,9 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -301,7 +301,8 @@ class Learner:
                 yield i, exc
                 continue
             queues.setdefault(checked.scope, []).append((i, checked))
-        size = self.config.update_batch
+        # (with more steps an event until its own target is reached, which has no batched form: one at a time)
+        size = self.config.update_batch if self.config.instant.steps_per_event == 1 else 1
         while queues:
             for scope in list(queues):
                 chunk, queues[scope] = queues[scope][:size], queues[scope][size:]
@@ -356,13 +357,9 @@ class Learner:
 
     def _learn(self, chunk: list[_Checked]) -> list[FeedbackResult]:
         """One update of a scope over its events (all of one scope, in order): one `step` for a lone
-        event (with `steps_per_event` > 1 too, each event its own steps: see below), else one
-        `step_events` over them all; one version published. The background loop's counts go by
-        events, as they did when every event was a step: its pull per event and its Fisher's refresh
-        do not depend on how the events were coalesced."""
-        if len(chunk) > 1 and self.config.instant.steps_per_event > 1:
-            # more steps an event until its own target is reached has no batched form: one at a time
-            return [result for event in chunk for result in self._learn([event])]
+        event, else one `step_events` over them all; one version published. The background loop's
+        counts go by events, as they did when every event was a step: its pull per event and its
+        Fisher's refresh do not depend on how the events were coalesced."""
         scope, tenant = chunk[0].scope, chunk[0].tenant
         with self._lock:
             preps = []
