@@ -81,9 +81,12 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 
 
 async def run_load(url: str, model: str, texts: list[str], concurrency: int, gen_len: int) -> dict:
+    # The warm-up on a connection of its own: reused by the first measured request, it met llama-server's
+    # close of that connection after its stream (httpx: "Server disconnected without sending a response").
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600)) as client:
+        await one_request(client, url, model, WARM_UP, 4)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
-        await one_request(client, url, model, WARM_UP, 4)
         start = time.perf_counter()
         results = await asyncio.gather(*(one_request(client, url, model, texts[i], gen_len)
                                          for i in range(concurrency)))
