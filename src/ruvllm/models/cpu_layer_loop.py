@@ -77,6 +77,7 @@ class CpuLayerLoop:
     groups: list[int]
     final_norm: torch.Tensor
     form: LoopForm
+    layer_rope: list[int]  # each layer's RoPE table in rope_rows' lists: 1 for a sliding layer's own, else 0
     ops: Any  # the kernels' operator namespace
 
     @staticmethod
@@ -115,7 +116,9 @@ class CpuLayerLoop:
             weights.extend([norms[name] for name in post] if post else [None, None])
             kinds.extend(e[0] for e in entries)
             groups.extend(e[1] for e in entries)
-        return CpuLayerLoop(weights, kinds, groups, model.norm.weight.detach(), form, ops)
+        own_local = model.local_rope is not model.rope
+        layer_rope = [int(own_local and w is not None) for w in model.windows]
+        return CpuLayerLoop(weights, kinds, groups, model.norm.weight.detach(), form, layer_rope, ops)
 
     def applies(self, x: torch.Tensor, kv_caches: list[tuple], meta: AttentionMetadata, attention_kernel: Any) -> bool:
         """Whether this step can take it: fp32 rows, our paged-attention kernel over a cache without
@@ -138,10 +141,9 @@ class CpuLayerLoop:
         cfg = model.cfg
         tensors, bounds = lora.slots.flat() if lora is not None else ([], [])
         metas = meta.by_group or [meta]
-        layer_rope = [0 if w is None or len(cos) == 1 else 1 for w in model.windows]
         return self.ops.llama_layers(
             x.contiguous(), self.weights, self.kinds, self.groups, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-            self.final_norm, cos, sin, layer_rope, [m.slot_mapping for m in metas],
+            self.final_norm, cos, sin, self.layer_rope, [m.slot_mapping for m in metas],
             [m.block_tables for m in metas], [m.row_seq for m in metas], [m.row_ctx for m in metas],
             [m.window for m in metas], model.kv_group, meta.block_size, cfg.attention_scale, cfg.rms_norm_eps,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.form.gelu_tanh, tensors, bounds,
