@@ -14,6 +14,16 @@ form, and the one-off preparation (layers below; the hard negatives' pass).
 
 --memory runs each form in a fresh process of its own (so one's pages are not the other's) and
 reports its resident set after the model is loaded and one step taken.
+
+--update: the whole update as `ruvllm serve --learn` makes it (the default method: the KL term toward
+the base on the tenant's everyday completions, the background pass after each event), through
+`Learner.feedback` on the offline engine: one tenant per arm, arms alternating event by event. Arms:
+each context form with the KL term in the step (the learner before issue 37 item 1's cut: the term
+computed ahead is thrown away) and with it computed ahead by the background pass (`Learner._ahead`,
+the default now). Reports the step, the publish (PEFT folder written, loaded into the engine) and
+the pass's time (pull, publish, the term ahead: off the feedback's path).
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --steps 16
 """
 
 from __future__ import annotations
@@ -80,6 +90,59 @@ def _batched(src, prompt: list[int], target: list[int], args: argparse.Namespace
         print(f"| {name} | {statistics.median(v[2:]):.1f} ms an event |")
 
 
+def _update(args: argparse.Namespace) -> None:
+    """The whole update through the Learner, arms alternating event by event (see the docstring)."""
+    import dataclasses
+    import tempfile
+
+    from ruvllm import LLM, SamplingParams
+    from ruvllm.learning.config import LearningConfig
+
+    everyday = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
+                "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=32)
+    arms = [(context, ahead) for context in args.contexts.split(",") for ahead in (False, True)]
+    with tempfile.TemporaryDirectory() as tmp:
+        learner = llm.enable_learning(LearningConfig(root=tmp, threads=args.threads))
+        base = learner.config
+        asked = {}
+        for context, ahead in arms:
+            tenant = f"{context}-{'ahead' if ahead else 'inline'}"
+            llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
+                     tenant=tenant)
+            asked[(context, ahead)] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
+                                                       SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
+        step: dict = {arm: [] for arm in arms}
+        publish: dict = {arm: [] for arm in arms}
+        passes: dict = {arm: [] for arm in arms}
+        loads = []
+        for i in range(args.steps):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                context, ahead = arm
+                tenant, out = asked[arm]
+                instant = dataclasses.replace(base.instant, context=context)
+                learner.config = dataclasses.replace(base, instant=instant)
+                learner.instant.config = instant
+                result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
+                step[arm].append(result.step_ms)
+                publish[arm].append(result.publish_ms)
+                t = time.perf_counter()
+                learner.consolidate()  # as the server's background loop does after each update
+                passes[arm].append((time.perf_counter() - t) * 1000)
+                if not ahead:  # the learner before: the term always in the step
+                    learner._tenants[tenant].ahead = None
+            loads.append(os.getloadavg()[0])
+    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, {args.steps} events an arm "
+          f"(first 2 dropped), KL term on (weight {base.instant.kl_weight:g}, {base.instant.kl_samples} completions)")
+    print("| context / the KL term | update step p50 | p90 | publish p50 | background pass p50 (off the path) |")
+    print("|---|---|---|---|---|")
+    for arm in arms:
+        t = step[arm][2:]
+        print(f"| {arm[0]} / {'computed ahead' if arm[1] else 'in the step'} | {statistics.median(t):.1f} ms | "
+              f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
+              f"{statistics.median(passes[arm][2:]):.1f} ms |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24)
@@ -89,8 +152,11 @@ def main() -> None:
     ap.add_argument("--memory-child", choices=("float32", "packed"), help=argparse.SUPPRESS)
     ap.add_argument("--profile", metavar="FORM/CONTEXT", help="torch.profiler's table of one arm's steps")
     ap.add_argument("--batch", type=int, default=0, help="N events: one step each against one batched step")
+    ap.add_argument("--update", action="store_true", help="the whole update through the Learner (KL term on)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.update:
+        return _update(args)
     if args.memory_child:
         return _memory_child(args.memory_child)
     if args.memory:

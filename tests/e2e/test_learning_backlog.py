@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ruvllm import LLM
-from ruvllm.learning.anchor import kl_to_base, make_anchor
+from ruvllm.learning.anchor import kl_mean, make_anchor
 from ruvllm.learning.config import InstantConfig, LearningConfig
 from ruvllm.learning.instant import InstantLearner
 from ruvllm.learning.learner import Learner, _seed
@@ -128,8 +128,7 @@ def test_a_backlog_is_learned_in_fewer_steps_each_event_answered(lora_llm: LLM, 
                        for c in learner.store.recent(tenant, instant.kl_samples)]
 
             def kl(lora: MicroLora) -> torch.Tensor:
-                return instant.kl_weight * sum(kl_to_base(learner.layers, lora, a, 0, torch.Generator())
-                                               for a in anchors) / len(anchors)
+                return instant.kl_weight * kl_mean(learner.layers, lora, anchors, 0, torch.Generator())
             for events in by_version.values():
                 preps = []
                 for i in events:

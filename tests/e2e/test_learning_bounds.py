@@ -99,3 +99,51 @@ def test_the_kl_term_anchors_on_everyday_text_only(base: Path, tmp_path: Path) -
     asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0]
     llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
     assert list(learner._anchors) == [(tuple(everyday.prompt_token_ids), tuple(everyday.outputs[0].token_ids))]
+
+
+def test_the_kl_term_is_computed_ahead_for_the_next_step(base: Path, tmp_path: Path) -> None:
+    """After an update the background pass computes the KL term's gradients at the weights it left
+    (issue 37 item 1: off the feedback's path); the next event's step adds them instead of running
+    the term, and lands where the step with the term in it lands. Changed weights are never fitted."""
+    import copy
+
+    from ruvllm.learning.anchor import kl_to_base
+    from ruvllm.learning.instant import TenantState
+
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=4, max_lora_rank=4, num_blocks=64,
+              quantization="none")
+    cfg = InstantConfig(layers=1, lr=5e-2, candidates=0, kl_weight=1.0, kl_samples=2, ewc_lambda=1e6)
+    learner = llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
+    llm.generate([[11, 12, 13, 14], [21, 22, 23]], GREEDY, tenant="acme")
+    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0]
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")  # the first: the term in the step
+    assert "acme" in learner.consolidate()  # pulled, published, and the term computed for the next step
+    state = learner._tenants["acme"]
+    anchors = tuple(learner._anchors_of("acme"))
+    assert state.ahead is not None and state.ahead.fits(state.lora, anchors) and len(anchors) == 2
+
+    # by hand: the same state, the term in the step
+    lora = state.lora.copy()
+    opt = torch.optim.Adam(lora.parameters(), lr=cfg.lr, fused=True)
+    opt.load_state_dict(copy.deepcopy(state.opt.state_dict()))
+    by_hand = TenantState(lora, opt, state.anchor)
+    target = llm.tokenizer.encode("t7 t7", add_special_tokens=False) + [learner.eos]
+    prep = learner.instant.prepare(list(asked.prompt_token_ids), target)
+    learner.instant.step(by_hand, prep, 1.0, lambda w: cfg.kl_weight * sum(
+        kl_to_base(learner.layers, w, a, 0, torch.Generator()) for a in anchors) / len(anchors))
+
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    assert state.ahead is None  # taken by the step
+    for a, b in zip(state.lora.parameters(), by_hand.lora.parameters()):
+        assert (a - b).abs().max() < 1e-5 * max(1.0, float(b.abs().max()))
+    learner.consolidate()
+    with torch.no_grad():
+        state.lora.parameters()[1].add_(1e-3)  # weights changed after the term was computed
+    assert state.ahead is not None and not state.ahead.fits(state.lora, anchors)
+    # a step of the scope already coming (a backlog): the pass leaves the term to it, not computed twice
+    state.ahead = None
+    learner._stepping["acme"] = 1
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    learner.consolidate()
+    assert state.ahead is None
+    del learner._stepping["acme"]

@@ -1,6 +1,7 @@
-"""Several feedback events in one step (issue 37 item 3), on the tiny model: full-context events of
-different lengths, batched through the learned layers with padding, give the gradient of the mean
-of their losses computed one by one; frozen-context events join the same loss."""
+"""Several feedback events in one step (issue 37 item 3), on the tiny model: events of different
+lengths, batched through the learned layers (each attending to its own rows and, frozen, its own
+prompt's K/V), give the gradient of the mean of their losses computed one by one, whatever the mix
+of context forms."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def test_one_event_batched_is_the_events_own_loss(layers: LearnedLayers) -> None
     with torch.no_grad():
         expected = float(F.cross_entropy(learner._rows(prep, state.lora) @ layers.head.t(), torch.tensor(target)))
     assert learner.step_events(state, [(prep, 1.0)]).loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_full_and_frozen_events_batched_together(layers: LearnedLayers) -> None:
+    """One batch holding both forms (a learner whose context changed between two events)."""
+    learners = {c: InstantLearner(layers, InstantConfig(layers=2, candidates=0, context=c)) for c in ("full", "frozen")}
+    learner = learners["full"]
+    state = learner.new_tenant(seed=7)
+    with torch.no_grad():
+        for _, b in state.lora.weights.values():
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel() + 1)) * 0.1)
+    preps = [learners[c].prepare(prompt, target) for c, (prompt, target, _) in zip(("frozen", "full", "frozen"), EVENTS)]
+    expected = _one_by_one(learner, state, preps)
+    learner.step_events(state, [(p, s) for p, (_, _, s) in zip(preps, EVENTS)])
+    for p, g in zip(state.lora.parameters(), expected):
+        assert (p.grad - g).norm() <= 1e-4 * g.norm()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ruvllm.learning.anchor import kl_to_base, make_anchor
+from ruvllm.learning.anchor import kl_mean, kl_to_base, make_anchor
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.instant import InstantLearner
 from ruvllm.learning.tail import LearnedLayers
@@ -84,3 +84,37 @@ def test_the_term_keeps_everyday_text_nearer_the_base(layers: LearnedLayers) -> 
             kl[weight] = float(kl_to_base(layers, state.lora, anchor, 0, gen))
         assert timing.loss < 2.0  # the target is learned either way
     assert kl[5.0] < 0.5 * kl[0.0]
+
+
+def test_the_term_computed_ahead_gives_the_same_step(layers: LearnedLayers) -> None:
+    """The KL term's gradients computed ahead at the step's starting weights (learner.py's `_ahead`,
+    off the feedback's path) and added to the feedback's: the same step as with the term in it."""
+    learner = InstantLearner(layers, InstantConfig(layers=1, candidates=0, lr=5e-2))
+    prep = learner.prepare(PROMPT, TARGET)
+    anchor = make_anchor(layers, learner.prepare(*EVERYDAY, "full"), 8)
+    gen = torch.Generator().manual_seed(0)
+    inline, ahead = _moved(learner), _moved(learner)
+    for _ in range(3):
+        learner.step(inline, prep, 1.0, lambda lora: 2.0 * kl_to_base(layers, lora, anchor, 0, gen))
+        copy = ahead.lora.copy()
+        grads = torch.autograd.grad(2.0 * kl_to_base(layers, copy, anchor, 0, gen), copy.parameters())
+        learner.step(ahead, prep, 1.0, None, list(grads))
+    for a, b in zip(inline.lora.parameters(), ahead.lora.parameters()):
+        assert (a - b).abs().max() < 1e-6 * max(1.0, float(a.abs().max()))
+    assert any(float(b.abs().max()) > 1e-3 for b in ahead.lora.parameters()[1::2])  # it did learn
+
+
+def test_the_mean_over_completions_batched_is_the_mean_one_by_one(layers: LearnedLayers) -> None:
+    """kl_mean runs the completions' rows through the learned layers in one batch: the same term."""
+    learner = InstantLearner(layers, InstantConfig(layers=1, candidates=0))
+    anchors = [make_anchor(layers, learner.prepare(p, o, "full"), 8)
+               for p, o in (EVERYDAY, ([3, 4, 5], [60, 61, 62, 63, 64, 65, 66]))]
+    state = _moved(learner)
+    gen = torch.Generator().manual_seed(0)
+    one_by_one = sum(kl_to_base(layers, state.lora, a, 0, gen) for a in anchors) / 2
+    batched = kl_mean(layers, state.lora, anchors, 0, gen)
+    assert float(one_by_one) > 1e-3 and abs(float(batched) - float(one_by_one)) < 1e-5 * float(one_by_one)
+    g1 = torch.autograd.grad(one_by_one, state.lora.parameters())
+    g2 = torch.autograd.grad(batched, state.lora.parameters())
+    for a, b in zip(g1, g2):
+        assert (a - b).norm() <= 1e-4 * a.norm()

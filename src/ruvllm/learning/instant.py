@@ -55,6 +55,21 @@ class StepTiming:
 
 
 @dataclass
+class AheadTerm:
+    """A term of the step computed ahead, off the feedback's path (learner.py: the KL toward the
+    base, after the scope's last change): its gradients at the weights `at`, from `sources` (the
+    anchors it was made of). Valid for a step that starts from exactly these weights."""
+
+    at: list[torch.Tensor]
+    sources: tuple
+    grads: list[torch.Tensor]
+
+    def fits(self, lora: MicroLora, sources: tuple) -> bool:
+        return len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources)) \
+            and all(torch.equal(w, p) for w, p in zip(self.at, lora.parameters()))
+
+
+@dataclass
 class TenantState:
     lora: MicroLora
     opt: torch.optim.Optimizer
@@ -62,6 +77,7 @@ class TenantState:
     fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
     since_fisher: int = 0  # feedback events since the Fisher was last refreshed
+    ahead: AheadTerm | None = None  # the KL term's gradients computed after the last change (learner.py)
 
 
 class InstantLearner:
@@ -117,13 +133,17 @@ class InstantLearner:
         return self.layers.forward(prep.h, torch.arange(n_prompt + n), lora, keep_from=n_prompt - 1)[:-1]
 
     def step(self, state: TenantState, prep: Prepared, score: float,
-             extra: Callable[[MicroLora], torch.Tensor] | None = None) -> StepTiming:
+             extra: Callable[[MicroLora], torch.Tensor] | None = None,
+             ahead: list[torch.Tensor] | None = None) -> StepTiming:
         """Adam steps of the tenant's micro-LoRA toward (score > 0) or away from the target, on the
         feedback's loss (EWC++ is `consolidate`'s pull, off the feedback's path) plus `extra`'s term
         of the micro-LoRA if given (learning/anchor.py's KL toward the base; not in the loss
         reported): one, or up to `steps_per_event` while a target token's loss (toward it) is still
-        over `target_nll`."""
+        over `target_nll`. `ahead`: the gradients of a further term at the state's weights as they
+        are now, computed ahead (AheadTerm), added to the gradient; with one step an event only
+        (a second step would need the term at new weights)."""
         c = self.config
+        assert ahead is None or c.steps_per_event == 1, "a term computed ahead holds for one step"
         labels = torch.tensor(prep.target)
         fb = opt = 0.0
         first = last = None
@@ -147,6 +167,7 @@ class InstantLearner:
                 loss = loss + extra(state.lora)
             state.opt.zero_grad()
             loss.backward()
+            _add_grads(state.lora, ahead)
             t1 = time.perf_counter()
             state.opt.step()
             state.steps += 1
@@ -157,41 +178,44 @@ class InstantLearner:
         return StepTiming(fb, opt, first, taken, last)
 
     def step_events(self, state: TenantState, events: list[tuple[Prepared, float]],
-                    extra: Callable[[MicroLora], torch.Tensor] | None = None) -> StepTiming:
+                    extra: Callable[[MicroLora], torch.Tensor] | None = None,
+                    ahead: list[torch.Tensor] | None = None) -> StepTiming:
         """One Adam step of the tenant's micro-LoRA over several feedback events at once (a backlog
         coalesced, issue 37 item 3): the loss is the mean of the events' losses, plus `extra`'s term
         once (the KL term toward the base is the same for every event of a tenant, so the mean of
         the events' `step` losses has it once: computed once here, where one step each computes it
-        per event). Full-context events run through the learned layers as one batch, each sequence
-        padded at its end to the longest (causal attention never reads the padding), so each weight
-        is read once for all of them; frozen-context events run one by one into the same loss.
-        Returns the mean first loss (without `extra`'s term) and each event's own in `losses`."""
+        per event). Every event's rows run through the learned layers as one batch
+        (LearnedLayers.forward_many: no padding), so each weight is read once for all of them, each
+        event attending to its own rows: a full-context event's whole sequence, a frozen-context
+        one's target rows after its prompt's kept K/V.
+        `ahead`: as `step`'s. Returns the mean first loss (without `extra`'s term) and each event's own
+        in `losses`."""
         t0 = time.perf_counter()
-        full = [(p, s) for p, s in events if not p.frozen]
-        rows: list[tuple[torch.Tensor, Prepared, float]] = []
-        if full:
-            longest = max(len(p.h) for p, _ in full)
-            h = torch.cat([F.pad(p.h, (0, 0, 0, longest - len(p.h))) for p, _ in full])
-            out = self.layers.forward(h, torch.arange(longest).repeat(len(full)), state.lora, sequences=len(full))
-            for i, (p, s) in enumerate(full):
-                start = i * longest + p.prompt_len - 1
-                rows.append((out[start:start + len(p.target)], p, s))
-        rows += [(self._rows(p, state.lora), p, s) for p, s in events if p.frozen]
+        # every event's rows through the learned layers in one batch (LearnedLayers.forward_many),
+        # each attending to its own context: a full-context event its whole sequence, a frozen one
+        # its target rows after its prompt's kept K/V
+        hs, positions, contexts = [], [], []
+        for p, _ in events:
+            hs.append(p.h)
+            if p.frozen:
+                positions.append(torch.arange(p.prompt_len - 1, p.prompt_len - 1 + len(p.target)))
+            else:
+                positions.append(torch.arange(p.prompt_len + len(p.target)))
+            contexts.append(p.context if p.frozen else None)
+        outs = self.layers.forward_many(hs, positions, state.lora, contexts)
         losses = []
-        for r, p, s in rows:
-            logits, index = self._logits(r, torch.tensor(p.target), p.negatives)
+        for out, (p, s) in zip(outs, events):
+            rows = out if p.frozen else out[p.prompt_len - 1:p.prompt_len - 1 + len(p.target)]
+            logits, index = self._logits(rows, torch.tensor(p.target), p.negatives)
             losses.append(feedback_loss(logits, index, s))
-        # (rows were gathered full-context first: each event's loss goes back to its place in `events`)
-        order = sorted(range(len(events)), key=lambda i: events[i][0].frozen)  # (a stable sort)
-        own = [0.0] * len(events)
-        for i, value in zip(order, losses):
-            own[i] = float(value.detach())
+        own = [float(value.detach()) for value in losses]
         loss = torch.stack(losses).mean()
         reported = float(loss.detach())
         if extra is not None:
             loss = loss + extra(state.lora)
         state.opt.zero_grad()
         loss.backward()
+        _add_grads(state.lora, ahead)
         t1 = time.perf_counter()
         state.opt.step()
         state.steps += 1
@@ -259,6 +283,15 @@ class InstantLearner:
         bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
         # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
         return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
+
+
+def _add_grads(lora: MicroLora, grads: list[torch.Tensor] | None) -> None:
+    """Add a term's gradients (computed ahead, at these weights) to those the backward left."""
+    if grads is None:
+        return
+    with torch.no_grad():
+        for p, g in zip(lora.parameters(), grads):
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
 
 def feedback_loss(logits: torch.Tensor, index: torch.Tensor, score: float) -> torch.Tensor:

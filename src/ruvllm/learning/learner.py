@@ -24,8 +24,8 @@ import torch
 from ruvllm.errors import AdapterCapacityError, AdapterError
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
-from ruvllm.learning.anchor import BaseAnchor, kl_to_base, make_anchor
-from ruvllm.learning.instant import InstantLearner, Prepared, TenantState, feedback_loss
+from ruvllm.learning.anchor import BaseAnchor, kl_mean, make_anchor
+from ruvllm.learning.instant import AheadTerm, InstantLearner, Prepared, TenantState, feedback_loss
 from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
@@ -113,6 +113,16 @@ class Learner:
         self._anchors: OrderedDict[tuple, BaseAnchor] = OrderedDict()  # the KL term's, bounded alike
         self._pending: dict[str, int] = {}  # instant updates since each tenant's last consolidation
         self._kl_gen = torch.Generator().manual_seed(self.config.instant.seed + 1)  # the KL term's drawn tokens
+        # (and those of the term computed ahead, on the background thread: a generator of its own)
+        self._ahead_gen = torch.Generator().manual_seed(self.config.instant.seed + 2)
+        # Who is about the KL term computed ahead (_ahead), under a lock of its own (never held while
+        # computing): the scopes whose term is being computed, set when done, and the steps of each
+        # scope waiting or running. A step waits for a term in progress rather than compute it again;
+        # a term is not begun for a scope whose step is already coming (a backlog), which would find
+        # the weights changed and throw it away: no CPU is spent twice.
+        self._ahead_lock = threading.Lock()
+        self._ahead_busy: dict[str, threading.Event] = {}
+        self._stepping: dict[str, int] = {}
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
@@ -361,6 +371,20 @@ class Learner:
         counts go by events, as they did when every event was a step: its pull per event and its
         Fisher's refresh do not depend on how the events were coalesced."""
         scope, tenant = chunk[0].scope, chunk[0].tenant
+        with self._ahead_lock:
+            self._stepping[scope] = self._stepping.get(scope, 0) + 1
+            busy = self._ahead_busy.get(scope)
+        try:
+            if busy is not None:
+                busy.wait()  # its term, at the weights this step starts from, is nearly done
+            return self._learn_locked(chunk, scope, tenant)
+        finally:
+            with self._ahead_lock:
+                self._stepping[scope] -= 1
+                if not self._stepping[scope]:
+                    del self._stepping[scope]
+
+    def _learn_locked(self, chunk: list[_Checked], scope: str, tenant: str) -> list[FeedbackResult]:
         with self._lock:
             preps = []
             t = time.perf_counter()
@@ -376,13 +400,20 @@ class Learner:
             forms = [self._forms(e.prompt_ids, e.target) if e.score > 0 else [] for e in chunk]
             prepare_ms = (time.perf_counter() - t) * 1000
             state = self._state(scope)
+            # The KL term's gradients computed ahead at exactly these weights (after the scope's last
+            # change: _ahead), else computed here in the step as before: the same gradient either way.
+            ready, state.ahead = state.ahead, None
+            ahead = ready.grads if ready is not None and anchors and ready.fits(state.lora, tuple(anchors)) \
+                and self.config.instant.steps_per_event == 1 else None
+            kl = [] if ahead is not None else anchors
             if len(chunk) == 1:
                 timing = self.instant.step(state, preps[0], chunk[0].score,
-                                           self._extra(anchors, [(forms[0], chunk[0].score)]))
+                                           self._extra(kl, [(forms[0], chunk[0].score)]), ahead)
                 losses = [timing.loss]
             else:
                 timing = self.instant.step_events(state, [(p, e.score) for p, e in zip(preps, chunk)],
-                                                  self._extra(anchors, [(f, e.score) for f, e in zip(forms, chunk)]))
+                                                  self._extra(kl, [(f, e.score) for f, e in zip(forms, chunk)]),
+                                                  ahead)
                 losses = timing.losses or []
             for event, prep in zip(chunk, preps):
                 if prep.embedding is not None:
@@ -416,7 +447,9 @@ class Learner:
         c = self.config.instant
         if c.ewc_lambda <= 0:
             with self._lock:
-                self._pending = {}
+                pending, self._pending = self._pending, {}
+            for scope in pending:
+                self._ahead(scope)
             return {}
         with self._lock:
             pending, self._pending = self._pending, {}
@@ -453,7 +486,45 @@ class Learner:
                 kept = self.instant.consolidate(state, events)
                 published[tenant] = self._publish(tenant, state.lora, "background", {
                     "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
+        for tenant, *_ in jobs:
+            self._ahead(tenant)
         return published
+
+    def _ahead(self, scope: str) -> None:
+        """Compute the KL term's gradients for the scope's next step now, off the feedback's path (the
+        background loop's thread, after its pull): the term depends only on the micro-LoRA's weights
+        and the tenant's everyday completions, so the next step, if it starts from these weights on
+        these completions (AheadTerm.fits), adds them instead of running the term itself, and an
+        update waits for its own event's forward and backward alone (docs/learning.md, issue 37
+        item 1). Like the Fisher's draw, it runs on a copy without the learner's lock; a step taken
+        meanwhile finds the weights changed and computes the term itself."""
+        c = self.config.instant
+        if c.kl_weight <= 0 or c.steps_per_event != 1:
+            return
+        with self._ahead_lock:
+            if self._stepping.get(scope):
+                return  # a step of the scope is coming (a backlog): it computes the term itself
+            done = self._ahead_busy[scope] = threading.Event()
+        try:
+            with self._lock:
+                state = self._tenants.get(scope)
+                if state is None:
+                    return
+                anchors = self._anchors_of(scope)
+                if not anchors:
+                    return
+                copy = state.lora.copy()
+            at = [p.detach().clone() for p in copy.parameters()]
+            term = c.kl_weight * kl_mean(self.layers, copy, anchors, c.candidates, self._ahead_gen)
+            grads = torch.autograd.grad(term, copy.parameters(), allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(copy.parameters(), grads)]
+            with self._lock:
+                if self._tenants.get(scope) is state:
+                    state.ahead = AheadTerm(at, tuple(anchors), grads)
+        finally:
+            with self._ahead_lock:
+                del self._ahead_busy[scope]
+            done.set()
 
     def _everyday(self, scope: str, n: int) -> list[Completion]:
         """The scope's own n most recent completions, none it gave feedback on (what it taught is not
@@ -522,8 +593,7 @@ class Learner:
         def term(lora: MicroLora):
             total = 0.0
             if anchors:
-                total = c.kl_weight * sum(kl_to_base(self.layers, lora, a, c.candidates, self._kl_gen)
-                                          for a in anchors) / len(anchors)
+                total = c.kl_weight * kl_mean(self.layers, lora, anchors, c.candidates, self._kl_gen)
             for forms, score in events:
                 for prep in forms:
                     logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),

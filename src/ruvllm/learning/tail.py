@@ -24,7 +24,7 @@ from ruvllm.learning.packed_linear import packed_linear
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
-from ruvllm.models.llama import LlamaForCausalLM
+from ruvllm.models.llama import LayerRun, LlamaForCausalLM, causal_attention
 from ruvllm.quant.linear import QuantLinear
 
 
@@ -100,6 +100,13 @@ class MicroLora:
         a, b = pair
         return ((x @ a.t()) * self.scaling) @ b.t()  # (scaled at rank r: a [T, r] product, not [T, n])
 
+    def copy(self) -> MicroLora:
+        """A detached copy of the weights, with gradients of its own (a term computed off the
+        feedback's path on it never touches the tenant's)."""
+        return MicroLora(self.rank, self.alpha, {
+            key: (a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_())
+            for key, (a, b) in self.weights.items()})
+
     def load_peft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the weights of a version written by peft_tensors (learning continues from them)."""
         with torch.no_grad():
@@ -141,25 +148,7 @@ class LearnedLayers:
         the rows before than their K/V (learned through). `sequences`: h holds that many sequences of
         equal length end to end (shorter ones padded at their end), each attending to its own rows."""
         cfg = self.cfg
-
-        def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up). A piece
-            without one is left as it is: one learned piece is added where it lies (no split and
-            concatenation of the whole output, ~4% of a step)."""
-            targets = FUSED[fused]
-            widths = [projection_shape(cfg, t)[1] for t in targets]
-            deltas = [lora.delta(layer, t, x) for t in targets]
-            learned = [i for i, d in enumerate(deltas) if d is not None]
-            if not learned:
-                return y
-            if len(learned) == 1:
-                i = learned[0]
-                before = sum(widths[:i])
-                return y + F.pad(deltas[i], (before, y.shape[-1] - before - widths[i]))
-            parts = y.split(widths, dim=-1)
-            return torch.cat([_add(p, d) for p, d in zip(parts, deltas)], dim=-1)
-
-        model, delta = self.model, None if lora is None else add
+        model, delta = self.model, self._delta(lora)
         run = model.dense_run(torch_ops(), lora=delta, linear=_linear,
                               context=None if context is None else dict(zip(self.layers, context)),
                               keep_kv=keep_kv, sequences=sequences)
@@ -178,6 +167,50 @@ class LearnedLayers:
         x, residual = layer(x[keep_from:], None if residual is None else residual[keep_from:],
                             rope.for_positions(positions[keep_from:]), tail_run)
         return model.final_norm(x, residual, ops)
+
+    def forward_many(self, hs: list[torch.Tensor], positions: list[torch.Tensor], lora: MicroLora | None,
+                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None]) -> list[torch.Tensor]:
+        """`forward` of several sequences at once, each with its own context (None: none) and
+        positions: their rows go through every projection as one batch (each weight read once for
+        all, one kernel call instead of one a sequence), each attends to its own context and earlier
+        rows alone. Returns each sequence's final-normed rows. (What a backlog's frozen-context
+        events and the KL term's completions need: issue 37 items 1 and 3.)"""
+        model, sizes = self.model, [len(h) for h in hs]
+        scale = self.cfg.attention_scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer = i - self.first
+            return torch.cat([causal_attention(qs, ks, vs, scale, model.windows[i], 1,
+                                               None if ctx is None else ctx[layer])
+                              for qs, ks, vs, ctx in zip(q.split(sizes), k.split(sizes), v.split(sizes), contexts)])
+
+        run = LayerRun(torch_ops(), attend, self._delta(lora), _linear)
+        out = model.final_norm(*model.run_layers(torch.cat(hs), torch.cat(positions), run, self.first), run.ops)
+        return list(out.split(sizes))
+
+    def _delta(self, lora: MicroLora | None):  # noqa: ANN202
+        """The LayerRun's `lora` hook adding the micro-LoRA's deltas (None without one)."""
+        if lora is None:
+            return None
+        cfg = self.cfg
+
+        def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up). A piece
+            without one is left as it is: one learned piece is added where it lies (no split and
+            concatenation of the whole output, ~4% of a step)."""
+            targets = FUSED[fused]
+            widths = [projection_shape(cfg, t)[1] for t in targets]
+            deltas = [lora.delta(layer, t, x) for t in targets]
+            learned = [i for i, d in enumerate(deltas) if d is not None]
+            if not learned:
+                return y
+            if len(learned) == 1:
+                i = learned[0]
+                before = sum(widths[:i])
+                return y + F.pad(deltas[i], (before, y.shape[-1] - before - widths[i]))
+            parts = y.split(widths, dim=-1)
+            return torch.cat([_add(p, d) for p, d in zip(parts, deltas)], dim=-1)
+        return add
 
 
 def _head(model: LlamaForCausalLM) -> torch.Tensor:
