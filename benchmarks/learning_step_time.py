@@ -24,6 +24,13 @@ the default now). Reports the step, the publish (PEFT folder written, loaded int
 the pass's time (pull, publish, the term ahead: off the feedback's path).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --steps 16
+
+--phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
+form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
+softmax), the KL term's forward (two everyday completions, one by one as before and batched with
+their shared rows once: `anchor.kl_mean`), the backward of both, Adam.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --phases --threads 1 --steps 16
 """
 
 from __future__ import annotations
@@ -143,6 +150,63 @@ def _update(args: argparse.Namespace) -> None:
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
 
 
+def _phases(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Per-phase timers of a step with the KL term in it (see the docstring)."""
+    import torch.nn.functional as F
+
+    from ruvllm.learning.anchor import kl_mean, kl_to_base, make_anchor, shared_rows
+
+    tok = load_tokenizer(src)
+    everyday = [("Write two sentences about the sea.", "The sea stretches endlessly under the sky, its waves rolling "
+                 "in a steady rhythm against the shore. Its deep blue waters hold countless creatures and secrets."),
+                ("Give me a tip for cooking rice.", "Rinse the rice in cold water until the water runs clear, then use "
+                 "about one and a half cups of water for every cup of rice and let it rest after cooking.")]
+    layers = LearnedLayers(load_learning_model(src)[0], InstantConfig().layers)
+    arms = {}
+    for context in args.contexts.split(","):
+        for kl in ("one by one", "batched"):
+            learner = InstantLearner(layers, InstantConfig(context=context))
+            arms[(context, kl)] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
+    c = InstantConfig()
+    anchors = []
+    for q, a in everyday:
+        chat = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        prep = arms[next(iter(arms))][0].prepare(tok.encode(chat, add_special_tokens=False),
+                                                 tok.encode(a, add_special_tokens=False), "full")
+        anchors.append(make_anchor(layers, prep, c.kl_top))
+    gen = torch.Generator().manual_seed(1)
+    phases = ("feedback forward", "KL forward", "backward", "Adam", "step")
+    times: dict = {arm: {p: [] for p in phases} for arm in arms}
+    for i in range(args.steps):
+        for arm in arms if i % 2 == 0 else list(arms)[::-1]:
+            learner, prep, state = arms[arm]
+            t0 = time.perf_counter()
+            logits, index = learner._logits(learner._rows(prep, state.lora), torch.tensor(prep.target), prep.negatives)
+            loss = F.cross_entropy(logits, index)
+            t1 = time.perf_counter()
+            if arm[1] == "batched":
+                kl = kl_mean(layers, state.lora, anchors, c.candidates, gen)
+            else:
+                kl = sum(kl_to_base(layers, state.lora, a, c.candidates, gen) for a in anchors) / len(anchors)
+            loss = loss + c.kl_weight * kl
+            t2 = time.perf_counter()
+            state.opt.zero_grad()
+            loss.backward()
+            t3 = time.perf_counter()
+            state.opt.step()
+            t4 = time.perf_counter()
+            for p, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                times[arm][p].append(v * 1000)
+    rows = [a.prep.prompt_len + len(a.prep.target) for a in anchors]
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}, {args.threads} threads, {args.steps} steps "
+          f"an arm (first 2 dropped); feedback: prompt {len(prompt)} + target {len(target)} rows; KL: {rows} rows, "
+          f"{shared_rows([a.prep.h for a in anchors])} shared at their start")
+    print("| context / KL completions | " + " | ".join(phases) + " |")
+    print("|---" * (len(phases) + 1) + "|")
+    for arm, by in times.items():
+        print(f"| {arm[0]} / {arm[1]} | " + " | ".join(f"{statistics.median(by[p][2:]):.1f} ms" for p in phases) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24)
@@ -153,6 +217,7 @@ def main() -> None:
     ap.add_argument("--profile", metavar="FORM/CONTEXT", help="torch.profiler's table of one arm's steps")
     ap.add_argument("--batch", type=int, default=0, help="N events: one step each against one batched step")
     ap.add_argument("--update", action="store_true", help="the whole update through the Learner (KL term on)")
+    ap.add_argument("--phases", action="store_true", help="per-phase timers of a step with the KL term in it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.update:
@@ -168,6 +233,8 @@ def main() -> None:
     prompt, target = _pair(src)
     if args.batch:
         return _batched(src, prompt, target, args)
+    if args.phases:
+        return _phases(src, prompt, target, args)
     models = {"float32": load_learning_model(src, packed=False)[0], "packed": load_learning_model(src)[0]}
     arms: dict[str, InstantLearner] = {}
     for context in args.contexts.split(","):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ruvllm.learning.anchor import kl_mean, kl_to_base, make_anchor
+from ruvllm.learning.anchor import kl_mean, kl_to_base, make_anchor, shared_rows
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.instant import InstantLearner
 from ruvllm.learning.tail import LearnedLayers
@@ -105,16 +105,19 @@ def test_the_term_computed_ahead_gives_the_same_step(layers: LearnedLayers) -> N
 
 
 def test_the_mean_over_completions_batched_is_the_mean_one_by_one(layers: LearnedLayers) -> None:
-    """kl_mean runs the completions' rows through the learned layers in one batch: the same term."""
+    """kl_mean runs the completions' rows through the learned layers in one batch, the rows they
+    begin with alike (a system prompt) once: the same term and gradient as one by one."""
     learner = InstantLearner(layers, InstantConfig(layers=1, candidates=0))
-    anchors = [make_anchor(layers, learner.prepare(p, o, "full"), 8)
-               for p, o in (EVERYDAY, ([3, 4, 5], [60, 61, 62, 63, 64, 65, 66]))]
     state = _moved(learner)
     gen = torch.Generator().manual_seed(0)
-    one_by_one = sum(kl_to_base(layers, state.lora, a, 0, gen) for a in anchors) / 2
-    batched = kl_mean(layers, state.lora, anchors, 0, gen)
-    assert float(one_by_one) > 1e-3 and abs(float(batched) - float(one_by_one)) < 1e-5 * float(one_by_one)
-    g1 = torch.autograd.grad(one_by_one, state.lora.parameters())
-    g2 = torch.autograd.grad(batched, state.lora.parameters())
-    for a, b in zip(g1, g2):
-        assert (a - b).norm() <= 1e-4 * a.norm()
+    for others in (([3, 4, 5], [60, 61, 62, 63, 64, 65, 66]), ([11, 12, 13, 99], [60, 61, 62]), EVERYDAY):
+        anchors = [make_anchor(layers, learner.prepare(p, o, "full"), 8) for p, o in (EVERYDAY, others)]
+        shared = shared_rows([a.prep.h for a in anchors])
+        assert shared == {5: 0, 99: 3, 15: 10}[others[0][-1]]  # none; three; all but the last row
+        one_by_one = sum(kl_to_base(layers, state.lora, a, 0, gen) for a in anchors) / 2
+        batched = kl_mean(layers, state.lora, anchors, 0, gen)
+        assert float(one_by_one) > 1e-3 and abs(float(batched) - float(one_by_one)) < 1e-5 * float(one_by_one)
+        g1 = torch.autograd.grad(one_by_one, state.lora.parameters())
+        g2 = torch.autograd.grad(batched, state.lora.parameters())
+        for a, b in zip(g1, g2):
+            assert (a - b).norm() <= 1e-4 * a.norm()

@@ -169,20 +169,25 @@ class LearnedLayers:
         return model.final_norm(x, residual, ops)
 
     def forward_many(self, hs: list[torch.Tensor], positions: list[torch.Tensor], lora: MicroLora | None,
-                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None]) -> list[torch.Tensor]:
+                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None],
+                     shared_prefix: bool = False) -> list[torch.Tensor]:
         """`forward` of several sequences at once, each with its own context (None: none) and
         positions: their rows go through every projection as one batch (each weight read once for
         all, one kernel call instead of one a sequence), each attends to its own context and earlier
-        rows alone. Returns each sequence's final-normed rows. (What a backlog's frozen-context
-        events and the KL term's completions need: issue 37 items 1 and 3.)"""
+        rows alone. With `shared_prefix`, the first sequence is a prefix every other one continues
+        (their contexts None): at each layer they attend to its rows' K/V, as computed in this pass
+        (learned through), before their own. Returns each sequence's final-normed rows. (What a
+        backlog's frozen-context events and the KL term's completions need: issue 37 items 1 and 3.)"""
         model, sizes = self.model, [len(h) for h in hs]
         scale = self.cfg.attention_scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            layer = i - self.first
-            return torch.cat([causal_attention(qs, ks, vs, scale, model.windows[i], 1,
-                                               None if ctx is None else ctx[layer])
-                              for qs, ks, vs, ctx in zip(q.split(sizes), k.split(sizes), v.split(sizes), contexts)])
+            layer, outs = i - self.first, []
+            parts = list(zip(q.split(sizes), k.split(sizes), v.split(sizes), contexts))
+            for j, (qs, ks, vs, ctx) in enumerate(parts):
+                before = (parts[0][1], parts[0][2]) if shared_prefix and j else None if ctx is None else ctx[layer]
+                outs.append(causal_attention(qs, ks, vs, scale, model.windows[i], 1, before))
+            return torch.cat(outs)
 
         run = LayerRun(torch_ops(), attend, self._delta(lora), _linear)
         out = model.final_norm(*model.run_layers(torch.cat(hs), torch.cat(positions), run, self.first), run.ops)
