@@ -20,7 +20,8 @@ absorbed events'. The machine's load average is printed beside it.
 
 With --absorb N, the learner alone (no server, no serving; this process, PyTorch at --threads): a
 backlog of N events of the --learners tenants, learned by `Learner.feedback_many` at each
---learn-batch value in turn, --repeats times: events a second each way, medians.
+--learn-batch value in turn, --repeats times: events a second each way, medians. --contexts full,frozen
+alternates the instant step's context form too (each form a pass of its own).
 """
 
 from __future__ import annotations
@@ -179,28 +180,32 @@ def absorb(args: argparse.Namespace, batches: list[int]) -> None:
             llm.feedback(asked.request_id, 1.0, CORRECTION, tenant=tenant)  # first-event costs paid here
             rids.append((asked.request_id, tenant))
         events = [FeedbackEvent(*rids[i % len(rids)], 1.0, CORRECTION) for i in range(args.absorb)]
-        rates: dict[int, list[float]] = {b: [] for b in batches}
+        arms = [(context, batch) for context in (args.contexts or base.instant.context).split(",") for batch in batches]
+        rates: dict[tuple[str, int], list[float]] = {arm: [] for arm in arms}
         load = []
         for rep in range(args.repeats):
-            for batch in batches if rep % 2 == 0 else batches[::-1]:
-                learner.config = dataclasses.replace(base, update_batch=batch)
+            for context, batch in arms if rep % 2 == 0 else arms[::-1]:
+                instant = dataclasses.replace(base.instant, context=context)
+                learner.config = dataclasses.replace(base, update_batch=batch, instant=instant)
+                learner.instant.config = instant
                 load.append(os.getloadavg()[0])
                 t = time.perf_counter()
                 for _, result in learner.feedback_many(events):
                     if isinstance(result, Exception):
                         raise result
-                rates[batch].append(len(events) / (time.perf_counter() - t))
+                rates[(context, batch)].append(len(events) / (time.perf_counter() - t))
                 learner.consolidate()  # as the server's background loop would between backlogs
-                print(f"batch {batch}: {rates[batch][-1]:.2f} events/s, load {os.getloadavg()[0]:.1f}", flush=True)
+                print(f"{context} context, batch {batch}: {rates[(context, batch)][-1]:.2f} events/s, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
     table = Table(title=f"The learner alone: a backlog of {args.absorb} events of {args.learners} tenants "
                         f"(default model, KL term on), {args.threads} thread(s), {args.repeats} passes alternating; "
                         f"load average {min(load):.1f}-{max(load):.1f}")
-    for col in ("learn batch", "events/s (each pass)", "events/s (median)", "vs batch 1"):
+    for col in ("context", "learn batch", "events/s (each pass)", "events/s (median)", "vs the first"):
         table.add_column(col, justify="right")
-    one = statistics.median(rates[batches[0]])
-    for batch in batches:
-        m = statistics.median(rates[batch])
-        table.add_row(str(batch), " / ".join(f"{x:.2f}" for x in rates[batch]), f"{m:.2f}", f"{m / one:.2f}x")
+    one = statistics.median(rates[arms[0]])
+    for arm in arms:
+        m = statistics.median(rates[arm])
+        table.add_row(arm[0], str(arm[1]), " / ".join(f"{x:.2f}" for x in rates[arm]), f"{m:.2f}", f"{m / one:.2f}x")
     Console().print(table)
 
 
@@ -216,6 +221,8 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=10, help="ruvllm serve --learn-nice")
     ap.add_argument("--absorb", type=int, default=0, help="the learner alone: a backlog of this many events")
     ap.add_argument("--threads", type=int, default=1, help="(--absorb) the learner's PyTorch threads")
+    ap.add_argument("--contexts", default=None, help="(--absorb) the instant step's context forms to alternate "
+                                                      "(full,frozen; default: the configured one)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.absorb:
