@@ -12,7 +12,7 @@ import uvicorn
 
 from ruvllm.engine.async_engine import AsyncEngine
 from ruvllm.errors import EngineDeadError
-from ruvllm.server.http11 import MAX_HEADER_BYTES, RuvllmH11Protocol
+from ruvllm.server.http11 import RuvllmHttpToolsProtocol
 from ruvllm.server.model_pool import ModelPool
 
 
@@ -21,8 +21,7 @@ def uvicorn_config(app: Any, host: str, port: int, drain_s: float) -> uvicorn.Co
     are the app's ServerConfig's."""
     cfg = app.state.server_cfg
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(drain_s) + 5,
-                          timeout_keep_alive=cfg.http_keep_alive_s, http=RuvllmH11Protocol,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                          timeout_keep_alive=cfg.http_keep_alive_s, http=RuvllmHttpToolsProtocol)
 
 
 class GracefulServer(uvicorn.Server):
