@@ -95,6 +95,15 @@ class AsyncEngine:
         """The core on a thread of this process (tests, notebooks, models built in memory)."""
         return cls(ThreadCoreClient(core), tokenizer)
 
+    async def read_outputs_here(self) -> None:
+        """Call on the event loop that serves this engine for the rest of its life (a server's): a
+        core process's outputs are then read on this loop instead of on a thread of their own
+        (ProcessCoreClient.read_on), so a step's outputs reach the streams with no hand-over between
+        threads. Other clients (a core on a thread, data-parallel replicas) go on as they are. After
+        it, blocking calls (stats, load_lora...) must come from other threads."""
+        if isinstance(self._client, ProcessCoreClient):
+            await self._client.read_on()
+
     # --- caller side -----------------------------------------------------------------------------
     async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority = Priority.NORMAL,
@@ -318,15 +327,20 @@ def _embedding(out: CoreOutput, token_ids: list[int]) -> EmbeddingOutput | Reque
 
 def deliver_all(items: list[tuple[Stream, Any]]) -> None:
     """A step's items handed over with one wake-up per event loop (not one per stream: at 32 streams
-    that is 32 writes to the loop's wake-up pipe and as many of its turns, per step); each queue gets
-    its items in order."""
-    if len(items) == 1:
+    that is 32 writes to the loop's wake-up pipe and as many of its turns, per step), and none for
+    the loop this runs on (outputs read on the loop: ProcessCoreClient.read_on); each queue gets its
+    items in order."""
+    here = asyncio._get_running_loop()  # (public: the non-raising form of get_running_loop)
+    if len(items) == 1 and items[0][0].loop is not here:
         deliver(*items[0])
         return
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
     for loop, batch in by_loop.items():
+        if loop is here:
+            _put_all(batch)
+            continue
         try:
             loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:

@@ -10,6 +10,7 @@ an interpreter (and its lock) of its own, apart from the HTTP server's event loo
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -272,8 +273,12 @@ class ProcessCoreClient(_OneCore):
     The front binds two sockets in a private directory: PUSH for commands, PULL for the child's
     messages. A thread of the front receives and hands outputs on; when no message comes it checks
     that the child lives, so a core that dies (killed, out of memory) fails every open request at
-    once rather than leaving it to wait. Shutdown asks the child to leave, then terminates it,
-    then kills it, and always joins it: no zombie is left behind."""
+    once rather than leaving it to wait. A server moves the receiving onto its event loop
+    (`read_on`): the PULL socket's descriptor is watched by the loop, so a step's outputs reach the
+    streams without a thread's wake-up, its hand-over of the interpreter's lock and a second wake-up
+    of the loop (at one stream, that CPU a token is taken from the cores the engine computes on).
+    Shutdown asks the child to leave, then terminates it, then kills it, and always joins it: no
+    zombie is left behind."""
 
     def __init__(self, config: EngineConfig, cpus: set[int] | None = None) -> None:
         """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
@@ -295,6 +300,10 @@ class ProcessCoreClient(_OneCore):
         self._dead = False
         self._loaded = False  # set by wait_ready: until then the child reads no command
         self._thread: threading.Thread | None = None
+        self._handover = threading.Event()  # set: the receiving thread leaves (read_on)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads, after read_on
+        self._loop_thread: int | None = None
+        self._liveness: asyncio.TimerHandle | None = None
         # A fresh interpreter (spawn semantics: no forked threads, locks or CUDA state), started as
         # `python -m` rather than through multiprocessing, which would re-import the caller's
         # __main__ in the child: scripts without a __main__ guard and notebooks work as they are.
@@ -346,6 +355,57 @@ class ProcessCoreClient(_OneCore):
         self._thread = threading.Thread(target=self._receive, name="ruvllm-core-output", daemon=True)
         self._thread.start()
 
+    async def read_on(self) -> None:
+        """Receive the core's messages on the running event loop from now on, not on the receiving
+        thread: callbacks then run on the loop. For a loop that outlives the client's use (a
+        server's): blocking `call`s must then come from other threads."""
+        loop = asyncio.get_running_loop()
+        if self._thread is None or self._loop is not None or self._handover.is_set():
+            raise RuntimeError("read_on: the client is not started, or already reads on a loop")
+        self._handover.set()
+        # The socket is one thread's at a time: the thread's receive ends within a liveness poll.
+        await asyncio.to_thread(self._thread.join)
+        if self._dead or self._stopping.is_set():
+            return  # the thread saw the end already
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        loop.add_reader(self._out.getsockopt(zmq.FD), self._drain)
+        self._liveness = loop.call_later(_LIVENESS_POLL_S, self._check_alive)
+        self._drain()  # the descriptor signals edges: what came before it was watched is read now
+
+    def _drain(self) -> None:
+        """Every message the socket holds (the descriptor signals a change, not each message: read
+        until none is left, as ZeroMQ's EVENTS says)."""
+        try:
+            while self._loop is not None and self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                msg = self._decoder.decode(self._out.recv(zmq.NOBLOCK))
+                self._on_message(msg)
+        except Exception as exc:  # a message we cannot read means the two sides disagree: stop
+            log.exception("reading the engine core's messages failed")
+            self._die(EngineDeadError(f"the engine core's messages could not be read: {exc}"))
+
+    def _check_alive(self) -> None:
+        """Every liveness poll on the loop: a child that is gone fails everything (after its last
+        messages, which may say why)."""
+        if self._loop is None:
+            return
+        if self.process.poll() is None:
+            self._liveness = self._loop.call_later(_LIVENESS_POLL_S, self._check_alive)
+            return
+        self._drain()
+        if self._loop is not None and not self._stopping.is_set():
+            self._die(EngineDeadError(
+                f"the engine core process exited unexpectedly (exit code {self.process.returncode})"))
+
+    def _stop_reading(self) -> None:
+        """On the loop's thread: the loop lets go of the socket (before it is closed)."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._liveness is not None:
+            self._liveness.cancel()
+        if not loop.is_closed():
+            loop.remove_reader(self._out.getsockopt(zmq.FD))
+
     def _send(self, msg: Any) -> None:
         data = self._encoder.encode(msg)
         with self._send_lock:
@@ -367,12 +427,19 @@ class ProcessCoreClient(_OneCore):
     def is_alive(self) -> bool:
         return not self._dead and not self._stopping.is_set() and self.process.poll() is None
 
+    def call(self, call: CoreCall, timeout: float = 60.0) -> CallResult:
+        if self._loop is not None and threading.get_ident() == self._loop_thread:
+            # Its answer is read by this very thread, which would be waiting: never.
+            raise RuntimeError("a blocking engine call on the event loop that reads the engine's outputs; "
+                               "run it on a worker thread (asyncio.to_thread)")
+        return super().call(call, timeout)
+
     def _receive(self) -> None:
         # A receive that waits at most the liveness poll: one call per message (a poll before each
         # receive would be a second one, per token of every stream).
         self._out.setsockopt(zmq.RCVTIMEO, int(_LIVENESS_POLL_S * 1000))
         try:
-            while True:
+            while not self._handover.is_set():
                 try:
                     data = self._out.recv()
                 except zmq.Again:
@@ -397,9 +464,15 @@ class ProcessCoreClient(_OneCore):
     def _die(self, error: EngineDeadError) -> None:
         with self._send_lock:
             self._dead = True
+        on_loop = self._loop is not None
+        if on_loop:
+            self._stop_reading()
         self._fail_calls(error)
         self._on_failure(error)
-        self._reap()
+        if on_loop:  # joining the child can take seconds: not on the loop that serves the rest
+            threading.Thread(target=self._reap, name="ruvllm-core-reap", daemon=True).start()
+        else:
+            self._reap()
 
     def shutdown(self) -> None:
         if self._stopping.is_set():
@@ -413,11 +486,35 @@ class ProcessCoreClient(_OneCore):
         self._reap()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self._release_loop()
         self._fail_calls(EngineShutdownError("the engine is shut down"))
         self._in.close(0)
         self._out.close(0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _release_loop(self) -> None:
+        """The reading loop lets go of the socket before it is closed: here if this is its thread,
+        else on it (waited for; a loop that no longer runs holds nothing that will read)."""
+        loop = self._loop
+        if loop is None:
+            return
+        if threading.get_ident() == self._loop_thread or loop.is_closed() or not loop.is_running():
+            self._stop_reading()
+            return
+        done = threading.Event()
+
+        def release() -> None:
+            self._stop_reading()
+            done.set()
+
+        try:
+            loop.call_soon_threadsafe(release)
+        except RuntimeError:  # closed meanwhile
+            self._loop = None
+            return
+        if not done.wait(5.0):
+            self._loop = None  # a loop that stopped meanwhile reads nothing more
 
     def _reap(self) -> None:
         # A child still loading reads no command until it is ready: terminate it at once.

@@ -54,7 +54,11 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, owns_engine: bool = False
         if service.witness is not None:
             service.witness.close()  # what is queued is committed first
 
-    app = _assemble(ModelPool.of_one(cfg.served_model_name, engine, st), cfg, metrics, _nothing, stop)
+    async def start() -> None:
+        if owns_engine:  # it lives and ends with this app: its outputs are read on the app's loop
+            await engine.read_outputs_here()
+
+    app = _assemble(ModelPool.of_one(cfg.served_model_name, engine, st), cfg, metrics, start, stop)
     app.state.ruvllm = st
     return app
 
@@ -124,10 +128,6 @@ def _model_witness_path(path: str, name: str) -> str:
     p = Path(path)
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
     return str(p.with_name(f"{p.stem}.{safe}{p.suffix}"))
-
-
-async def _nothing() -> None:
-    pass
 
 
 def _assemble(pool: ModelPool, cfg: ServerConfig, metrics: ServerMetrics, start: Callable[[], Awaitable[None]],

@@ -315,6 +315,7 @@ class ModelPool:
                 raise APIError(503, "the server is shutting down", None, "shutting_down")
             try:
                 e.state = self._make_state(e.name, engine)
+                await engine.read_outputs_here()  # the pool's engines live on this loop until unloaded
             except BaseException:
                 await asyncio.to_thread(engine.shutdown)
                 e.status = UNLOADED
