@@ -55,8 +55,6 @@ def register(app: typer.Typer) -> None:
         from ruvllm.engine.async_engine import AsyncEngine
         from ruvllm.device import check_device_name
         from ruvllm.loader.model_cache import resolve_cli_model
-        from ruvllm.server.app import create_app
-        from ruvllm.server.process import serve as serve_app
 
         state: CliState = ctx.obj
         console = state.console(stderr=True)
@@ -91,6 +89,11 @@ def register(app: typer.Typer) -> None:
             serve_many(console, engine, cfg, model_specs, models_file, cache_dir)
             return
         path = resolve_cli_model(model, cache_dir)
+        # The server's modules (torch and transformers among their imports: ~4 s of CPU) only once the flags,
+        # the port and the model are known good: a mistake in any of them is one line in a fraction of a second.
+        from ruvllm.server.app import create_app
+        from ruvllm.server.process import serve as serve_app
+
         overrides: dict = {"enable_lora": True} if adapters or learn else {}
         if learn:  # every learning tenant keeps two small versions loaded; they need no rank-64 slots
             if engine.get("max_cpu_loras") is None:

@@ -11,10 +11,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ruvllm.config import ModelConfig
 from ruvllm.errors import ModelNotFoundError, NotAModelError
@@ -22,8 +21,10 @@ from ruvllm.loader import gguf_file, hf_folder
 from ruvllm.loader.checks import check_model, check_tokenizer
 from ruvllm.loader.default_model import default_model_path
 from ruvllm.loader.gguf_header import GGUF_MAGIC
-from ruvllm.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from ruvllm.quant.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "ModelSource",
@@ -98,6 +99,10 @@ def iter_weights(src: ModelSource, dtype: torch.dtype,
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    # transformers' tokenizer machinery (~1.5 s of CPU to import) only when a tokenizer is built: an engine
+    # core builds one only for its first grammar, and its process starts without it.
+    from ruvllm.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
     check_tokenizer(src)  # missing or cut tokenizer files: one line, not transformers' multi-line errors
     if src.format == "gguf":
         return load_gguf_tokenizer(src.path)
