@@ -8,12 +8,13 @@ time each of the front process's threads used (`/proc/<pid>/task/*/stat`, user +
 (the `tiny` random-weight GGUF of benchmarks/random_gguf.py, one engine thread), so the front is the
 limit and a busy machine changes the CPU a token little (the rate, much).
 
-Arms: `this tree` (the checkout this script is in) and, with `--before COMMIT`, that commit's `src/`
-(`git archive`, first on the servers' PYTHONPATH: its front and its core process). Both servers are
+Arms: `this tree` (the checkout this script is in) and, for each `--before COMMIT`, that commit's
+`src/` (`git archive`, first on the servers' PYTHONPATH: its front and its core process). Every server is
 up for the whole run; each round measures every arm once, the first of a round rotating. The
 1-minute load average is printed with the table.
 
     .venv/bin/python benchmarks/front_cpu.py --before HEAD --rounds 4
+    .venv/bin/python benchmarks/front_cpu.py --before 8729ce0 --before af63c1f --rounds 4 --streams 12
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: `benchmarks.` imports
 
 from benchmarks.random_gguf import random_gguf  # noqa: E402
 from benchmarks.serve_load import _free_port, _wait_up  # noqa: E402
-from benchmarks.server_vs_offline import core_pid, cpu_seconds  # noqa: E402
+from benchmarks.server_vs_offline import core_pid  # noqa: E402
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of a process, keyed `name#k`: its name and its rank
@@ -102,16 +103,19 @@ def stream(url: str, tokens: int) -> int:
 def measure(proc: subprocess.Popen, url: str, streams: int, tokens: int) -> dict[str, float]:
     """Front CPU ms a token by thread, the core's, the client's, and the rate (tok/s over the streams)."""
     core = core_pid(proc.pid)
-    front0, core0, own0 = thread_cpu(proc.pid), sum(cpu_seconds(core).values()), time.process_time()
+    front0, core0, own0 = thread_cpu(proc.pid), thread_cpu(core), time.process_time()
     t0 = time.perf_counter()
     n = sum(stream(url, tokens) for _ in range(streams))
     wall = time.perf_counter() - t0
-    front1, core1, own1 = thread_cpu(proc.pid), sum(cpu_seconds(core).values()), time.process_time()
+    front1, core1, own1 = thread_cpu(proc.pid), thread_cpu(core), time.process_time()
     per = 1000 / n
     out = {f"front: {t}": (v - front0.get(t, 0.0)) * per for t, v in front1.items() if t != "(system)"}
     out["front"] = sum(out.values())
     out["front (system)"] = (front1["(system)"] - front0["(system)"]) * per
-    out["core process"] = (core1 - core0) * per
+    out["core process"] = sum(v - core0.get(t, 0.0) for t, v in core1.items() if t != "(system)") * per
+    for t, v in core1.items():  # its ZeroMQ I/O thread: the work a step's message costs beside the step
+        if t.startswith("ZMQbg/IO"):
+            out[f"core: {t}"] = (v - core0.get(t, 0.0)) * per
     out["client"] = (own1 - own0) * per
     out["tok/s"] = n / wall
     return out
@@ -119,7 +123,8 @@ def measure(proc: subprocess.Popen, url: str, streams: int, tokens: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default=None, help="also measure this commit's src/ (git archive)")
+    ap.add_argument("--before", action="append", default=[],
+                    help="also measure this commit's src/ (git archive; repeat for several)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--streams", type=int, default=8, help="sequential streams a measurement")
     ap.add_argument("--tokens", type=int, default=128)
@@ -129,8 +134,8 @@ def main() -> None:
     model = random_gguf("tiny")
     arms: dict[str, Path | None] = {"this tree": None}
     tmp = tempfile.TemporaryDirectory(prefix="front-cpu-")
-    if args.before:
-        arms[f"before ({args.before})"] = archive_src(args.before, Path(tmp.name))
+    for i, commit in enumerate(args.before):
+        arms[f"before ({commit})"] = archive_src(commit, Path(tmp.name) / str(i))
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for name, src in arms.items():
@@ -157,7 +162,8 @@ def main() -> None:
     threads = sorted({k for g in got.values() for m in g for k in m if k.startswith("front: ")},
                      key=lambda k: -statistics.median(m.get(k, 0.0) for m in got[names[0]]))
     threads = [t for t in threads if any(m.get(t, 0.0) > 0.005 for g in got.values() for m in g)]
-    cols = ["tok/s", "front", "front (system)", *threads, "core process", "client"]
+    core_io = sorted({k for g in got.values() for m in g for k in m if k.startswith("core: ")})
+    cols = ["tok/s", "front", "front (system)", *threads, "core process", *core_io, "client"]
     print("| arm | " + " | ".join(c if c == "tok/s" else f"{c} ms/token" for c in cols) + " |")
     print("|---|" + "---|" * len(cols))
     for name in names:

@@ -256,6 +256,8 @@ _ERROR_TYPES.update(ValueError=ValueError, FileNotFoundError=FileNotFoundError)
 # How often the receiving thread looks at the child when no message comes: the bound on how late a
 # dead core is noticed (the issue asks for every open request to hear of it within 2 s).
 _LIVENESS_POLL_S = 0.2
+# pyzmq's constants are enums: as plain ints, an option read and a test cost no enum calls (twice a token)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def rebuild_error(failed: CoreFailed, other: type[Exception] = EngineDeadError) -> Exception:
@@ -376,8 +378,8 @@ class ProcessCoreClient(_OneCore):
         """Every message the socket holds (the descriptor signals a change, not each message: read
         until none is left, as ZeroMQ's EVENTS says)."""
         try:
-            while self._loop is not None and self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                msg = self._decoder.decode(self._out.recv(zmq.NOBLOCK))
+            while self._loop is not None and self._out.getsockopt(_EVENTS) & _POLLIN:
+                msg = self._decoder.decode(self._out.recv(_NOBLOCK))
                 self._on_message(msg)
         except Exception as exc:  # a message we cannot read means the two sides disagree: stop
             log.exception("reading the engine core's messages failed")
