@@ -18,9 +18,9 @@ reports its resident set after the model is loaded and one step taken.
 --update: the whole update as `ruvllm serve --learn` makes it (the default method: the KL term toward
 the base on the tenant's everyday completions, the background pass after each event), through
 `Learner.feedback` on the offline engine: one tenant per arm, arms alternating event by event. Arms:
-each context form with the KL term in the step (the learner before issue 37 item 1's cut: the term
-computed ahead is thrown away) and with it computed ahead by the background pass (`Learner._ahead`,
-the default now). Reports the step, the publish (PEFT folder written, loaded into the engine) and
+each context form with the KL term in the step, its completions one by one (the learner before
+this cut: nothing computed ahead) and as the learner is now (the term computed ahead by the
+background pass, `Learner._ahead`, its completions batched with their shared rows once). Reports the step, the publish (PEFT folder written, loaded into the engine) and
 the pass's time (pull, publish, the term ahead: off the feedback's path).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --steps 16
@@ -102,8 +102,13 @@ def _update(args: argparse.Namespace) -> None:
     import dataclasses
     import tempfile
 
+    import ruvllm.learning.learner as learner_module
     from ruvllm import LLM, SamplingParams
+    from ruvllm.learning.anchor import kl_mean, kl_to_base
     from ruvllm.learning.config import LearningConfig
+
+    def one_by_one(layers, lora, anchors, drawn, gen):  # noqa: ANN001, ANN202
+        return sum(kl_to_base(layers, lora, a, drawn, gen) for a in anchors) / len(anchors)
 
     everyday = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
                 "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
@@ -130,14 +135,18 @@ def _update(args: argparse.Namespace) -> None:
                 instant = dataclasses.replace(base.instant, context=context)
                 learner.config = dataclasses.replace(base, instant=instant)
                 learner.instant.config = instant
+                # the learner before: the completions' KL one by one, no rows shared
+                learner_module.kl_mean = kl_mean if ahead else one_by_one
                 result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
+                learner_module.kl_mean = kl_mean
                 step[arm].append(result.step_ms)
                 publish[arm].append(result.publish_ms)
+                if not ahead:  # the learner before: the term always in the step, never computed ahead
+                    learner._ahead = lambda scope: None
                 t = time.perf_counter()
                 learner.consolidate()  # as the server's background loop does after each update
                 passes[arm].append((time.perf_counter() - t) * 1000)
-                if not ahead:  # the learner before: the term always in the step
-                    learner._tenants[tenant].ahead = None
+                learner.__dict__.pop("_ahead", None)
             loads.append(os.getloadavg()[0])
     print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, {args.steps} events an arm "
           f"(first 2 dropped), KL term on (weight {base.instant.kl_weight:g}, {base.instant.kl_samples} completions)")
@@ -145,7 +154,8 @@ def _update(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     for arm in arms:
         t = step[arm][2:]
-        print(f"| {arm[0]} / {'computed ahead' if arm[1] else 'in the step'} | {statistics.median(t):.1f} ms | "
+        what = "now: computed ahead, batched" if arm[1] else "before: in the step, one by one"
+        print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
 

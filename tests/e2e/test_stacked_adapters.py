@@ -357,7 +357,8 @@ def test_stacking_through_the_server(base: Path, adapters: dict[str, Path], tmp_
 
     (tmp_path / "keys").write_text("key-a acme\nkey-b globex\n")
     llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=8, quantization="none")
-    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, candidates=0), root=str(tmp_path / "learned"))
+    learning = LearningConfig(instant=InstantConfig(layers=1, lr=5e-2, context="full", candidates=0),
+                              root=str(tmp_path / "learned"))
     for server in start_server(llm, api_keys=read_api_keys(tmp_path / "keys"), learning=learning,
                                feedback_burst=20, witness_log=str(tmp_path / "w.sqlite3")):
         server.engine.load_lora("b", str(adapters["b"]))
