@@ -180,6 +180,10 @@ def absorb(args: argparse.Namespace, batches: list[int]) -> None:
             llm.feedback(asked.request_id, 1.0, CORRECTION, tenant=tenant)  # first-event costs paid here
             rids.append((asked.request_id, tenant))
         events = [FeedbackEvent(*rids[i % len(rids)], 1.0, CORRECTION) for i in range(args.absorb)]
+        # A standing backlog's steps find no KL term computed ahead (the background pass leaves it to
+        # the coming step: Learner._ahead); so that each pass measures that, the pass between the
+        # backlogs computes none either.
+        learner._ahead = lambda scope: None
         arms = [(context, batch) for context in (args.contexts or base.instant.context).split(",") for batch in batches]
         rates: dict[tuple[str, int], list[float]] = {arm: [] for arm in arms}
         load = []
