@@ -8,7 +8,10 @@
   same way on the client: from the first token's SSE chunk to the last one's. Everything between the
   core's step and the client's socket is in it: the core's message, the front's detokenizer and
   output processor, the SSE chunk and the HTTP write;
-- `--url URL` adds an already running server (another commit's, say) as a third arm.
+- `--url URL` adds an already running server (another commit's, say) as a third arm;
+- `--before COMMIT` adds that commit's server as a third arm, started by this script from its `src/`
+  (`git archive`, first on the server's PYTHONPATH: its front and its core process), so a change's
+  ratio is taken against its predecessor's in the same rounds.
 
 Arms alternate within each round (the first of a round rotating), for `--rounds` rounds; the table
 gives medians and the server over offline within each round (median and range), so a noisy
@@ -17,6 +20,7 @@ with the table.
 
     .venv/bin/python benchmarks/server_vs_offline.py --rounds 7 --tokens 128
     .venv/bin/python benchmarks/server_vs_offline.py --model /path/to/smollm2-1.7b.gguf --tokens 64
+    .venv/bin/python benchmarks/server_vs_offline.py --rounds 7 --before 8729ce0
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `benchmarks.` imports
 
-from benchmarks.serve_load import start_ruvllm  # noqa: E402
+from benchmarks.serve_load import _free_port, _wait_up, start_ruvllm  # noqa: E402
 from benchmarks.vs_llama_bench import decode_rate  # noqa: E402
 from benchmarks.vs_llama_realistic import LoadSampler, machine  # noqa: E402
 
@@ -82,6 +88,18 @@ def stream_rate(client: httpx.Client, url: str, tokens: int) -> float:
     return (tokens - 1) / (last - first)
 
 
+def start_from(src: Path, extra: list[str], model: str | None) -> tuple[subprocess.Popen, str]:
+    """`ruvllm serve` run from another tree's `src/` (served as SERVED), as start_ruvllm starts this one's."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", *([model] if model else []),
+                             "--port", str(port), "--max-concurrent", "1", "--served-model-name", SERVED, *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url, proc)
+    return proc, url
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the default model)")
@@ -89,6 +107,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--url", default=None, help="also measure this running server (served as `bench`)")
     ap.add_argument("--url-label", default="server at --url")
+    ap.add_argument("--before", default=None, metavar="COMMIT",
+                    help="also measure COMMIT's server (its src/ from git archive), started by this script")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads of both engines (default: every core; on a loaded host 1 keeps OpenMP's "
                          "waits from dominating both arms)")
@@ -99,7 +119,14 @@ def main() -> None:
 
     threads = ["--threads", str(args.threads)] if args.threads else []
     proc, url = start_ruvllm(1, [*threads, *args.serve_arg], args.model, SERVED)
+    tmp = tempfile.TemporaryDirectory(prefix="server-vs-offline-")
+    old: subprocess.Popen | None = None  # --before's server
     try:
+        if args.before:
+            from benchmarks.front_cpu import archive_src  # (it imports this module)
+
+            old, old_url = start_from(archive_src(args.before, Path(tmp.name)), [*threads, *args.serve_arg],
+                                            args.model)
         llm = LLM(args.model, num_threads=args.threads)
         llm.generate([[1] * 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
         client = httpx.Client(timeout=httpx.Timeout(3600))
@@ -107,33 +134,41 @@ def main() -> None:
                 "server (this tree)": lambda i: stream_rate(client, url, args.tokens)}
         if args.url:
             arms[args.url_label] = lambda i: stream_rate(client, args.url, args.tokens)
+        if old is not None:
+            arms[f"server ({args.before})"] = lambda i: stream_rate(client, old_url, args.tokens)
         for name, fn in arms.items():  # warm-up of each arm (first HTTP connection, first stream)
             fn(-1 - len(name))
         rates: dict[str, list[float]] = {name: [] for name in arms}
         names = list(arms)
-        server = names[1]
-        core = core_pid(proc.pid)
-        front_cpu: dict[str, float] = {}  # the server's front, by thread, over its measured streams
-        core_cpu = offline_cpu = 0.0
+        # The servers this script started, measured by CPU: their front (by thread) and their core process
+        pids = {names[1]: proc.pid, **({names[-1]: old.pid} if old is not None else {})}
+        cores = {name: core_pid(pid) for name, pid in pids.items()}
+        front_cpu: dict[str, dict[str, float]] = {name: {} for name in pids}
+        core_cpu = {name: 0.0 for name in pids}
+        offline_cpu = 0.0
         with LoadSampler() as load:
             for rnd in range(args.rounds):
                 k = rnd % len(names)
                 for name in names[k:] + names[:k]:
-                    if name == server:
-                        before, core_before = cpu_seconds(proc.pid), sum(cpu_seconds(core).values()) if core else 0.0
+                    if name in pids:
+                        core = cores[name]
+                        before = cpu_seconds(pids[name])
+                        core_before = sum(cpu_seconds(core).values()) if core else 0.0
                     own_before = time.process_time()
                     rates[name].append(arms[name](rnd))
                     if name == names[0]:
                         offline_cpu += time.process_time() - own_before
-                    if name == server:
-                        after = cpu_seconds(proc.pid)
-                        for t, v in after.items():
-                            front_cpu[t] = front_cpu.get(t, 0.0) + v - before.get(t, 0.0)
-                        core_cpu += (sum(cpu_seconds(core).values()) if core else 0.0) - core_before
+                    if name in pids:
+                        for t, v in cpu_seconds(pids[name]).items():
+                            front_cpu[name][t] = front_cpu[name].get(t, 0.0) + v - before.get(t, 0.0)
+                        core_cpu[name] += (sum(cpu_seconds(core).values()) if core else 0.0) - core_before
                 print(f"round {rnd + 1}: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items()), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for p in (proc, old):
+            if p is not None:
+                p.terminate()
+                p.wait(30)
+        tmp.cleanup()
 
     off = rates[names[0]]
     print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; model {args.model or 'default'}; "
@@ -147,9 +182,11 @@ def main() -> None:
         print(f"| {name} | {statistics.median(r):.1f} | {min(r):.1f}-{max(r):.1f} | "
               f"{statistics.median(ratio):.3f}x | {min(ratio):.3f}-{max(ratio):.3f} |")
     per_token = 1000 / (args.tokens * args.rounds)
-    threads = ", ".join(f"{t} {v * per_token:.2f}" for t, v in sorted(front_cpu.items(), key=lambda kv: -kv[1]) if v)
-    print(f"CPU per token: offline {offline_cpu * per_token:.2f} ms (this process); server: core process "
-          f"{core_cpu * per_token:.2f} ms, front {sum(front_cpu.values()) * per_token:.2f} ms ({threads})")
+    print(f"CPU per token: offline {offline_cpu * per_token:.2f} ms (this process)")
+    for name, front in front_cpu.items():
+        threads = ", ".join(f"{t} {v * per_token:.2f}" for t, v in sorted(front.items(), key=lambda kv: -kv[1]) if v)
+        print(f"CPU per token, {name}: core process {core_cpu[name] * per_token:.2f} ms, "
+              f"front {sum(front.values()) * per_token:.2f} ms ({threads})")
     print(f"(load average now {os.getloadavg()[0]:.1f})")
 
 
