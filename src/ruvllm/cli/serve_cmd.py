@@ -89,7 +89,12 @@ def register(app: typer.Typer) -> None:
             serve_many(console, engine, cfg, model_specs, models_file, cache_dir)
             return
         path = resolve_cli_model(model, cache_dir)
-        # The server's modules (torch and transformers among their imports: ~4 s of CPU) only once the flags,
+        # The model's files checked from their headers (milliseconds; the launch checks them again) before
+        # the server's modules and the core process: a broken model fails without paying for either.
+        from ruvllm.loader import load_model_config, resolve_model
+
+        load_model_config(resolve_model(path))
+        # The server's modules (transformers among their imports: seconds of CPU) only once the flags,
         # the port and the model are known good: a mistake in any of them is one line in a fraction of a second.
         from ruvllm.server.app import create_app
         from ruvllm.server.process import serve as serve_app
