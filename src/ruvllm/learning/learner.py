@@ -496,8 +496,10 @@ class Learner:
         and the tenant's everyday completions, so the next step, if it starts from these weights on
         these completions (AheadTerm.fits), adds them instead of running the term itself, and an
         update waits for its own event's forward and backward alone (docs/learning.md, issue 37
-        item 1). Like the Fisher's draw, it runs on a copy without the learner's lock; a step taken
-        meanwhile finds the weights changed and computes the term itself."""
+        item 1). Like the Fisher's draw, it runs on a copy without the learner's lock; a step of the
+        scope that arrives meanwhile waits for it (_learn), and none is begun for a scope whose step
+        is already waiting or running. A step that finds the weights changed since (a rollback, a
+        deep promotion) computes the term itself."""
         c = self.config.instant
         if c.kl_weight <= 0 or c.steps_per_event != 1:
             return

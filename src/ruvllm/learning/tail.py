@@ -139,20 +139,19 @@ class LearnedLayers:
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                keep_kv: list | None = None, keep_from: int = 0, sequences: int = 1) -> torch.Tensor:
+                keep_kv: list | None = None, keep_from: int = 0) -> torch.Tensor:
         """The final-normed hidden states [T, H] of rows entering the learned layers as h [T, H], at
         `positions`; `context`: each learned layer's K/V of earlier positions (not learned through).
         With `keep_kv` (a list), each layer's K/V of these rows is appended to it. The model's own
         layers, in plain torch ops and F.linear (which autograd differentiates). `keep_from`: only
         rows from it on are returned, [T - keep_from, H], and the last layer computes no more of
-        the rows before than their K/V (learned through). `sequences`: h holds that many sequences of
-        equal length end to end (shorter ones padded at their end), each attending to its own rows."""
+        the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
         model, delta = self.model, self._delta(lora)
         run = model.dense_run(torch_ops(), lora=delta, linear=_linear,
                               context=None if context is None else dict(zip(self.layers, context)),
-                              keep_kv=keep_kv, sequences=sequences)
-        if keep_from <= 0 or keep_kv is not None or context is not None or sequences > 1:
+                              keep_kv=keep_kv)
+        if keep_from <= 0 or keep_kv is not None or context is not None:
             return model.final_norm(*model.run_layers(h, positions, run, self.first), run.ops)
         # The full context's step reads only the target's rows: in the last layer the prompt's rows
         # need their K/V alone, not the attention output, o_proj and MLP (~15% of the step's matmuls).
