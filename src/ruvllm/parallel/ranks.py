@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -150,8 +151,11 @@ class TensorParallelRanks:
                 raise ValueError("tensor parallelism starts a process per rank, which must rebuild the weights: "
                                  "weights from code need a function that pickles (a module-level function "
                                  f"or a functools.partial of one), not {spec.weights!r} ({exc})") from exc
-            proc = subprocess.Popen([sys.executable, "-m", "ruvllm.parallel.rank_process", str(os.getpid())],
-                                    stdin=subprocess.PIPE, env=env)
+            # Linux's parent-death signal follows the thread that forks: only a main thread's start may ask
+            # for it (an engine built on a thread that then ends would take its ranks down with it).
+            started_by = ["main-thread"] if threading.current_thread() is threading.main_thread() else []
+            proc = subprocess.Popen([sys.executable, "-m", "ruvllm.parallel.rank_process", str(os.getpid()),
+                                     *started_by], stdin=subprocess.PIPE, env=env)
             self._procs.procs.append(proc)
             assert proc.stdin is not None
             proc.stdin.write(data)
