@@ -18,8 +18,9 @@ class InstantConfig(Checked):
     # "frozen" (issue 37 item 1, session 16): the prompt's K/V through the learned layers computed once
     # without the micro-LoRA, only the target's rows learned through: a quarter of the full context's
     # rows (12 against 52 on Zorblax's pair), ~1.7x faster, and on the 8 held-apart facts the same
-    # medians (question 20/20, paraphrase 18.5 against 18/20, other tenant 0/20, perplexity +0.94%
-    # against +0.96%; docs/learning.md). "full": every row under the micro-LoRA, as serving runs it.
+    # medians of hits as the full context run in the same session (question 20/20, paraphrase 18.5/20,
+    # other tenant 0/20), perplexity +0.94% against +0.82% (docs/learning.md). "full": every row
+    # under the micro-LoRA, as serving runs it.
     context: str = setting("frozen", "learning/instant.py (docs/learning.md).", choices=("full", "frozen"), cli=False)
     candidates: int = setting(2048, "Sampled softmax size; 0: the whole vocabulary.", minimum=0, cli=False)
     seed: int = setting(0, "Seeds the sampled softmax.", cli=False)
