@@ -330,7 +330,7 @@ def deliver_all(items: list[tuple[Stream, Any]]) -> None:
     that is 32 writes to the loop's wake-up pipe and as many of its turns, per step), and none for
     the loop this runs on (outputs read on the loop: ProcessCoreClient.read_on); each queue gets its
     items in order."""
-    here = asyncio._get_running_loop()  # (public: the non-raising form of get_running_loop)
+    here = asyncio._get_running_loop()  # asyncio's form of get_running_loop that gives None off a loop
     if len(items) == 1 and items[0][0].loop is not here:
         deliver(*items[0])
         return
