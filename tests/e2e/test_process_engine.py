@@ -136,33 +136,36 @@ def test_a_load_error_in_the_core_process_is_the_same_error_here(tmp_path) -> No
         AsyncEngine.launch(EngineConfig(model=str(bad)))
 
 
+async def kill_mid_streams(engine: AsyncEngine, pid: int, n: int, max_tokens: int) -> list[float]:
+    """`n` streams open, then the core's process `pid` killed: how long after the kill each stream that
+    ended in EngineDeadError heard of it (seconds)."""
+    started = asyncio.Event()
+    failed_at: list[float] = []
+
+    async def stream(i: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        try:
+            async for _ in engine.generate(f"Story {i}:", params):
+                started.set()
+        except EngineDeadError:
+            failed_at.append(time.monotonic())
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(n)]
+    await asyncio.wait_for(started.wait(), 60)
+    await asyncio.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    return [t - killed for t in failed_at]
+
+
 def test_zz_a_killed_core_fails_every_open_stream_within_two_seconds(process_engine: AsyncEngine) -> None:
     """Last in this file (pytest runs a file's tests in order): it kills the module's engine rather
     than loading another one."""
     engine = process_engine
     child = engine._client.process  # the core's process: what a crash or the OOM killer would take
     try:
-        async def main() -> list[float]:
-            started = asyncio.Event()
-            failed_at: list[float] = []
-
-            async def stream(i: int) -> None:
-                params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-                try:
-                    async for _ in engine.generate(f"Story {i}:", params):
-                        started.set()
-                except EngineDeadError:
-                    failed_at.append(time.monotonic())
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(16)]
-            await asyncio.wait_for(started.wait(), 60)
-            await asyncio.sleep(0.5)
-            os.kill(child.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
-            return [t - killed for t in failed_at]
-
-        delays = asyncio.run(main())
+        delays = asyncio.run(kill_mid_streams(engine, child.pid, 16, max_tokens=400))
         assert len(delays) == 16, "every open stream must get EngineDeadError"
         assert max(delays) < 2.0, delays
         assert not engine.is_alive and engine.failure is not None

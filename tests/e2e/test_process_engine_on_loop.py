@@ -6,8 +6,6 @@ and a shutdown from another thread while streams are open leaving no child behin
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
 import pytest
@@ -15,6 +13,7 @@ import pytest
 from ruvllm import AsyncEngine, EngineConfig, SamplingParams
 from ruvllm.errors import EngineDeadError, EngineShutdownError
 from ruvllm.outputs import OutputKind
+from tests.e2e.test_process_engine import kill_mid_streams
 
 PROMPTS = ["the cat sat", "a dog ran home", "one two three", "the end"]
 
@@ -52,26 +51,11 @@ def test_outputs_on_the_loop_equal_the_threads_and_a_killed_core_fails_every_str
                 engine.stats()  # its answer would be read by this loop, which would be waiting
             assert (await asyncio.to_thread(engine.stats)).idle
 
-            started = asyncio.Event()
-            failed_at: list[float] = []
-
-            async def stream(i: int) -> None:
-                try:
-                    async for _ in engine.generate(f"story {i}", SamplingParams(max_tokens=4000, ignore_eos=True)):
-                        started.set()
-                except EngineDeadError:
-                    failed_at.append(time.monotonic())
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(8)]
-            await asyncio.wait_for(started.wait(), 60)
-            await asyncio.sleep(0.3)
-            os.kill(child.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            delays = await kill_mid_streams(engine, child.pid, 8, max_tokens=4000)
             with pytest.raises(EngineDeadError):  # later requests fail at once
                 async for _ in engine.generate("x", SamplingParams(max_tokens=2)):
                     pass
-            return [t - killed for t in failed_at]
+            return delays
 
         delays = asyncio.run(main())
         assert len(delays) == 8 and max(delays) < 2.0, delays
