@@ -25,6 +25,14 @@ the pass's time (pull, publish, the term ahead: off the feedback's path).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --steps 16
 
+--cut (session 17): the frozen step on packed weights (no KL term: the update's own step) as it was
+before session 17 (the packed matmul and each micro-LoRA delta as separate autograd nodes, the
+sampled softmax's others drawn independently and their head rows gathered), with the fused
+projections (packed_linear.PackedLoraMatmul), and with the strided draw too (the default): arms
+alternating step by step.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 30
+
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
 form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
 softmax), the KL term's forward (two everyday completions, one by one as before and batched with
@@ -217,6 +225,64 @@ def _phases(src, prompt: list[int], target: list[int], args: argparse.Namespace)
         print(f"| {arm[0]} / {arm[1]} | " + " | ".join(f"{statistics.median(by[p][2:]):.1f} ms" for p in phases) + " |")
 
 
+def _session16_linear(layers: LearnedLayers, lora):  # noqa: ANN001, ANN202
+    """The learned layers' linear hook as it was before session 17 (for --cut's "before" arm): the
+    packed matmul as its own autograd node, then each learned piece's delta in five more (two
+    products, the scale, the pad to the fused width, the add)."""
+    import torch.nn.functional as F
+
+    from ruvllm.learning.packed_linear import packed_linear
+    from ruvllm.lora.peft_adapter import projection_shape
+    from ruvllm.lora.slots import FUSED
+
+    def linear(module, x):  # noqa: ANN001, ANN202
+        y = packed_linear(x, module._kernel_weight, module.bias)
+        where = layers._projections.get(id(module))
+        if lora is None or where is None:
+            return y
+        lo = 0
+        for t in FUSED[where[1]]:
+            width = projection_shape(layers.cfg, t)[1]
+            delta = lora.delta(where[0], t, x)
+            if delta is not None:
+                y = y + F.pad(delta, (lo, y.shape[-1] - lo - width))
+            lo += width
+        return y
+    return linear
+
+
+def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    """--cut: session 17's changes to the step, arm by arm (see the docstring)."""
+    import dataclasses
+
+    layers = LearnedLayers(load_learning_model(src)[0], InstantConfig().layers)
+    fused = layers._linear_for
+    arms = {"before (session 16)": (False, "uniform"), "fused projections": (True, "uniform"),
+            "fused + strided draw (default)": (True, "strided")}
+    runs = {}
+    for name, (_, draw) in arms.items():
+        config = dataclasses.replace(InstantConfig(), draw=draw)
+        learner = InstantLearner(layers, config)
+        runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    loads = []
+    for i in range(args.steps):
+        for name in arms if i % 2 == 0 else list(arms)[::-1]:
+            learner, prep, state = runs[name]
+            layers._linear_for = fused if arms[name][0] else (lambda lora: _session16_linear(layers, lora))
+            t = time.perf_counter()
+            learner.step(state, prep, 1.0)
+            times[name].append((time.perf_counter() - t) * 1000)
+        loads.append(os.getloadavg()[0])
+    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
+          f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {len(prompt)} + target "
+          f"{len(target)} tokens")
+    print("| the step | p50 | p90 |")
+    print("|---|---|---|")
+    for name, v in times.items():
+        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24)
@@ -228,6 +294,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0, help="N events: one step each against one batched step")
     ap.add_argument("--update", action="store_true", help="the whole update through the Learner (KL term on)")
     ap.add_argument("--phases", action="store_true", help="per-phase timers of a step with the KL term in it")
+    ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.update:
@@ -245,6 +312,8 @@ def main() -> None:
         return _batched(src, prompt, target, args)
     if args.phases:
         return _phases(src, prompt, target, args)
+    if args.cut:
+        return _cut(src, prompt, target, args)
     models = {"float32": load_learning_model(src, packed=False)[0], "packed": load_learning_model(src)[0]}
     arms: dict[str, InstantLearner] = {}
     for context in args.contexts.split(","):

@@ -29,12 +29,11 @@ class PackedMatmul(torch.autograd.Function):
     """y = x . W^T over a packed W (cpu_matmul.Packed), differentiable in x only."""
 
     @staticmethod
-    def forward(x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:  # type: ignore[override]
+        # (old-style, ctx first: with setup_context, apply binds the arguments through
+        # inspect.signature at every call, ~20 us each, a dozen calls a step)
+        ctx.w = w
         return cpu_matmul.matmul(x, w)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.w = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
@@ -46,3 +45,58 @@ class PackedMatmul(torch.autograd.Function):
 def packed_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = PackedMatmul.apply(x, w)
     return y if bias is None else y + bias
+
+
+class PackedLoraMatmul(torch.autograd.Function):
+    """y = x . W^T (+ bias) over a packed W, with micro-LoRA deltas scaling * (x A^T) B^T added into
+    column spans of y (a fused projection's learned pieces), as one autograd node (issue 37 item 1).
+
+    The same arithmetic as PackedMatmul followed by the deltas' five ops (two products, the scale,
+    the pad to the fused width, the add), but one node in the graph instead of a dozen, each
+    delta added in place into the fresh output, and the backward written out: the input gradient
+    through the packed weights plus each delta's, and A's and B's gradients from the saved rank-r
+    product. At a dozen rows the step's matmuls are small and autograd's per-node bookkeeping was
+    as large as the LoRA's arithmetic (docs/learning.md, "Session 17"). Old-style forward(ctx, ...):
+    a Function with setup_context has its arguments bound through inspect.signature at every call.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None, scaling: float,  # type: ignore[override]
+                spans: tuple[tuple[int, int], ...], *ab: torch.Tensor) -> torch.Tensor:
+        y = cpu_matmul.matmul(x, w)
+        if bias is not None:
+            y += bias
+        us = []
+        for (lo, hi), a, b in zip(spans, ab[0::2], ab[1::2]):
+            u = x @ a.t()  # [T, r]: the rank-r product, kept for B's gradient
+            y[:, lo:hi].addmm_(u, b.t(), alpha=scaling)
+            us.append(u)
+        ctx.save_for_backward(x, *ab, *us)
+        ctx.w, ctx.scaling, ctx.spans = w, scaling, spans
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, *rest = ctx.saved_tensors
+        n, s = len(ctx.spans), ctx.scaling
+        ab, us = rest[:2 * n], rest[2 * n:]
+        dy = dy.contiguous()
+        # (not asked for the first learned layer's q/k/v, whose input comes from the frozen layers)
+        dx = grad_input(dy, ctx.w) if ctx.needs_input_grad[0] else None
+        grads: list[torch.Tensor | None] = []
+        for i, (lo, hi) in enumerate(ctx.spans):
+            a, b, u = ab[2 * i], ab[2 * i + 1], us[i]
+            d = dy[:, lo:hi]
+            g = d @ b  # [T, r]: the delta's gradient at the rank-r product, unscaled
+            if dx is not None:
+                dx.addmm_(g, a, alpha=s)
+            grads.append(g.t() @ x * s if ctx.needs_input_grad[5 + 2 * i] else None)
+            grads.append(d.t() @ u * s if ctx.needs_input_grad[6 + 2 * i] else None)
+        return (dx, None, None, None, None, *grads)
+
+
+def packed_lora_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None, scaling: float,
+                       pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """PackedLoraMatmul of `pieces`: (first column, end column, A [r, K], B [hi - lo, r]) each."""
+    spans = tuple((lo, hi) for lo, hi, _, _ in pieces)
+    return PackedLoraMatmul.apply(x, w, bias, scaling, spans, *[t for _, _, a, b in pieces for t in (a, b)])

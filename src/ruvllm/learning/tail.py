@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.layers.ops import torch_ops
-from ruvllm.learning.packed_linear import packed_linear
+from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -136,6 +136,10 @@ class LearnedLayers:
         self.first = cfg.num_layers - n
         self.layers = list(range(self.first, cfg.num_layers))
         self.head = _head(model)
+        # each learned layer's projection modules -> (layer, fused projection name): the linear hook
+        # (_linear_for) finds a projection's micro-LoRA pieces by the module it is called with
+        self._projections = {id(module): (i, fused) for i in self.layers for fused in FUSED
+                             if (module := getattr(model.layers[i], f"{fused}_proj", None)) is not None}
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -147,8 +151,8 @@ class LearnedLayers:
         rows from it on are returned, [T - keep_from, H], and the last layer computes no more of
         the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
-        model, delta = self.model, self._delta(lora)
-        run = model.dense_run(torch_ops(), lora=delta, linear=_linear,
+        model, linear = self.model, self._linear_for(lora)
+        run = model.dense_run(torch_ops(), linear=linear,
                               context=None if context is None else dict(zip(self.layers, context)),
                               keep_kv=keep_kv)
         if keep_from <= 0 or keep_kv is not None or context is not None:
@@ -162,7 +166,7 @@ class LearnedLayers:
         before = ops.add_rms_norm(x[:keep_from], None if residual is None else residual[:keep_from],
                                   layer.input_layernorm.weight, cfg.rms_norm_eps)[0]
         _, k, v = layer.qkv(before, *rope.for_positions(positions[:keep_from]), run)
-        tail_run = model.dense_run(ops, lora=delta, linear=_linear, context={last: (k, v)})
+        tail_run = model.dense_run(ops, linear=linear, context={last: (k, v)})
         x, residual = layer(x[keep_from:], None if residual is None else residual[keep_from:],
                             rope.for_positions(positions[keep_from:]), tail_run)
         return model.final_norm(x, residual, ops)
@@ -188,33 +192,43 @@ class LearnedLayers:
                 outs.append(causal_attention(qs, ks, vs, scale, model.windows[i], 1, before))
             return torch.cat(outs)
 
-        run = LayerRun(torch_ops(), attend, self._delta(lora), _linear)
+        run = LayerRun(torch_ops(), attend, None, self._linear_for(lora))
         out = model.final_norm(*model.run_layers(torch.cat(hs), torch.cat(positions), run, self.first), run.ops)
         return list(out.split(sizes))
 
-    def _delta(self, lora: MicroLora | None):  # noqa: ANN202
-        """The LayerRun's `lora` hook adding the micro-LoRA's deltas (None without one)."""
-        if lora is None:
-            return None
-        cfg = self.cfg
+    def _linear_for(self, lora: MicroLora | None):  # noqa: ANN202
+        """The LayerRun's `linear` hook: a projection's output with the micro-LoRA's deltas on its
+        learned pieces (q, k, v of the fused qkv; gate, up). On packed weights one autograd node
+        does both (packed_linear.PackedLoraMatmul); on float weights F.linear, then each learned
+        piece's delta added where it lies (no split and concatenation of the whole output)."""
+        cfg, projections = self.cfg, self._projections
 
-        def add(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            """The micro-LoRA's deltas on the fused projection's pieces (q, k, v; gate, up). A piece
-            without one is left as it is: one learned piece is added where it lies (no split and
-            concatenation of the whole output, ~4% of a step)."""
-            targets = FUSED[fused]
-            widths = [projection_shape(cfg, t)[1] for t in targets]
-            deltas = [lora.delta(layer, t, x) for t in targets]
-            learned = [i for i, d in enumerate(deltas) if d is not None]
-            if not learned:
-                return y
-            if len(learned) == 1:
-                i = learned[0]
-                before = sum(widths[:i])
-                return y + F.pad(deltas[i], (before, y.shape[-1] - before - widths[i]))
-            parts = y.split(widths, dim=-1)
-            return torch.cat([_add(p, d) for p, d in zip(parts, deltas)], dim=-1)
-        return add
+        def pieces(module: torch.nn.Module) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+            where = projections.get(id(module)) if lora is not None else None
+            if where is None:
+                return []
+            out, lo = [], 0
+            for t in FUSED[where[1]]:
+                width = projection_shape(cfg, t)[1]
+                pair = lora.weights.get((where[0], t))
+                if pair is not None:
+                    out.append((lo, lo + width, *pair))
+                lo += width
+            return out
+
+        def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            learned = pieces(module)
+            packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
+            if packed is not None:  # the served codes, forward and backward (learning/packed_linear.py)
+                if learned:
+                    return packed_lora_linear(x, packed, module.bias, lora.scaling, learned)
+                return packed_linear(x, packed, module.bias)
+            y = F.linear(x, module.weight, module.bias)
+            for lo, hi, a, b in learned:
+                delta = ((x @ a.t()) * lora.scaling) @ b.t()  # (scaled at rank r: a [T, r] product)
+                y = y + F.pad(delta, (lo, y.shape[-1] - hi))
+            return y
+        return linear
 
 
 def _head(model: LlamaForCausalLM) -> torch.Tensor:
@@ -228,14 +242,3 @@ def _head(model: LlamaForCausalLM) -> torch.Tensor:
         with torch.no_grad():
             return head(torch.eye(head.in_features)).t().contiguous()
     return head.weight.detach().float()
-
-
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
-    if packed is not None:  # the served codes, forward and backward (learning/packed_linear.py)
-        return packed_linear(x, packed, module.bias)
-    return F.linear(x, module.weight, module.bias)
-
-
-def _add(t: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    return t if delta is None else t + delta
