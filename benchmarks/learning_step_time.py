@@ -28,8 +28,9 @@ the pass's time (pull, publish, the term ahead: off the feedback's path).
 --cut (session 17): the frozen step on packed weights (no KL term: the update's own step) as it was
 before session 17 (the packed matmul and each micro-LoRA delta as separate autograd nodes, the
 sampled softmax's others drawn independently and their head rows gathered), with the fused
-projections (packed_linear.PackedLoraMatmul), and with the strided draw too (the default): arms
-alternating step by step.
+projections (packed_linear.PackedLoraMatmul), with them and the strided draw (InstantConfig.draw), with
+them and the 8-bit backward (packed_linear.transposed_q8), and with those and the element-wise ops as
+one autograd node each (learning/fused_ops.py: the default): arms alternating step by step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 30
 
@@ -255,12 +256,21 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     """--cut: session 17's changes to the step, arm by arm (see the docstring)."""
     import dataclasses
 
-    layers = LearnedLayers(load_learning_model(src)[0], InstantConfig().layers)
-    fused = layers._linear_for
-    arms = {"before (session 16)": (False, "uniform"), "fused projections": (True, "uniform"),
-            "fused + strided draw (default)": (True, "strided")}
+    from ruvllm.layers.ops import torch_ops
+
+    model = load_learning_model(src)[0]
+    n = InstantConfig().layers
+    # (each arm its own LearnedLayers over the one model: the before arm's linear hook replaced)
+    ref = torch_ops()  # the torch reference's element-wise ops, as before session 17
+    before = LearnedLayers(model, n, "float32", ref)
+    before._linear_for = lambda lora: _session16_linear(before, lora)
+    arms = {"before (session 16)": (before, "uniform"),
+            "fused projections": (LearnedLayers(model, n, "float32", ref), "uniform"),
+            "fused projections, strided draw": (LearnedLayers(model, n, "float32", ref), "strided"),
+            "fused projections, 8-bit backward": (LearnedLayers(model, n, "int8", ref), "uniform"),
+            "+ element-wise ops one node each (the default)": (LearnedLayers(model, n), "uniform")}
     runs = {}
-    for name, (_, draw) in arms.items():
+    for name, (layers, draw) in arms.items():
         config = dataclasses.replace(InstantConfig(), draw=draw)
         learner = InstantLearner(layers, config)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
@@ -269,7 +279,6 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     for i in range(args.steps):
         for name in arms if i % 2 == 0 else list(arms)[::-1]:
             learner, prep, state = runs[name]
-            layers._linear_for = fused if arms[name][0] else (lambda lora: _session16_linear(layers, lora))
             t = time.perf_counter()
             learner.step(state, prep, 1.0)
             times[name].append((time.perf_counter() - t) * 1000)

@@ -58,6 +58,48 @@ def test_the_fused_projection_is_the_matmul_and_its_deltas(spans: list[tuple[int
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+@needs_kernels
+@pytest.mark.parametrize("form", ["int4/32", "int4/64", "int8 per channel"])
+def test_the_transposed_8bit_copy_gives_the_input_gradient(form: str) -> None:
+    """dequantize reads the packed codes as the kernels do (the float32 backward of identity rows is
+    W itself); the 8-bit backward over transposed_q8(W) is dY . W within its rounding (dY and the
+    copy to 8 bits a block: ~1% of the norm), and each of its rows is the same alone and batched."""
+    from ruvllm.learning.packed_linear import dequantize, grad_input, transposed_q8
+    from ruvllm.quant.rtn import quantize_int8
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 128, generator=g) * 0.05
+    qw = {"int4/32": lambda: quantize_int4(w, 32), "int4/64": lambda: quantize_int4(w, 64),
+          "int8 per channel": lambda: quantize_int8(w)}[form]()
+    packed = cpu_matmul.pack(qw)
+    assert torch.allclose(dequantize(packed), grad_input(torch.eye(96), packed), rtol=0, atol=1e-6)
+    assert torch.allclose(dequantize(packed), qw.dequantize(), rtol=0, atol=1e-3 * float(w.abs().max()))
+    wt = transposed_q8(packed)
+    dy = torch.randn(13, 96, generator=g)
+    exact = dy.double() @ dequantize(packed).double()
+    got = grad_input(dy, packed, wt)
+    assert float((got.double() - exact).norm() / exact.norm()) < 0.02
+    for t in (0, 6, 12):
+        assert torch.equal(grad_input(dy[t:t + 1], packed, wt)[0], got[t])
+
+
+@needs_kernels
+def test_autograd_runs_the_8bit_backward() -> None:
+    from ruvllm.learning.packed_linear import grad_input, transposed_q8
+
+    g = torch.Generator().manual_seed(12)
+    packed = cpu_matmul.pack(quantize_int4(torch.randn(64, 96, generator=g), 32))
+    wt = transposed_q8(packed)
+    dy = torch.randn(5, 64, generator=g)
+    x = torch.randn(5, 96, generator=g, requires_grad=True)
+    packed_linear(x, packed, None, wt).backward(dy)
+    assert torch.equal(x.grad, grad_input(dy, packed, wt))
+    a, b = torch.randn(2, 96, generator=g, requires_grad=True), torch.randn(64, 2, generator=g, requires_grad=True)
+    x.grad = None
+    packed_lora_linear(x, packed, None, 2.0, [(0, 64, a, b)], wt).backward(dy)
+    assert torch.allclose(x.grad, grad_input(dy, packed, wt) + 2.0 * (dy @ b) @ a, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def layers(tmp_path_factory: pytest.TempPathFactory) -> LearnedLayers:
     from ruvllm.loader.source import resolve_model
@@ -122,3 +164,71 @@ def test_the_strided_draw_estimates_the_full_softmax(layers: LearnedLayers) -> N
     before = [p.detach().clone() for p in state.lora.parameters()]
     timing = strided.step(state, sprep, 1.0)
     assert timing.loss > 0 and any(not torch.equal(p, q) for p, q in zip(state.lora.parameters(), before))
+
+
+@needs_kernels
+def test_each_learner_op_is_the_torch_reference_forward_and_backward() -> None:
+    """learning/fused_ops.py: our kernels forward and a written-out backward, against the torch
+    reference ops' autograd (layers/ops.py torch_ops), on random inputs at a dozen rows."""
+    from ruvllm.layers.ops import torch_ops
+    from ruvllm.layers.rotary import RotaryEmbedding
+    from ruvllm.learning.fused_ops import learner_ops
+
+    ref, ours = torch_ops(), learner_ops(kernels())
+    g = torch.Generator().manual_seed(21)
+    t, hidden, hq, hkv, d = 12, 96, 6, 2, 16
+    weight = torch.rand(hidden, generator=g) + 0.5
+    cos, sin = RotaryEmbedding(d, 64, 10000.0, None, torch.float32).for_positions(torch.arange(30, 30 + t))
+    cases = {
+        "add_rms_norm": ([t, hidden], [t, hidden], lambda ops, x, r: ops.add_rms_norm(x, r, weight, 1e-5)),
+        "rms_norm (no residual)": ([t, hidden], None, lambda ops, x, r: ops.add_rms_norm(x, None, weight, 1e-5)),
+        "silu_and_mul": ([t, 2 * hidden], None, lambda ops, x, r: (ops.silu_and_mul(x),)),
+        "qkv_rope": ([t, (hq + 2 * hkv) * d], None, lambda ops, x, r: ops.qkv_rope(x, cos, sin, hq, hkv, d)),
+    }
+    for name, (shape, rshape, run) in cases.items():
+        x = torch.randn(shape, generator=g)
+        r = None if rshape is None else torch.randn(rshape, generator=g)
+        results = []
+        for ops in (ours, ref):
+            xi = x.clone().requires_grad_()
+            ri = None if r is None else r.clone().requires_grad_()
+            outs = run(ops, xi, ri)
+            # every output takes a gradient (a weighted sum of all of them), as in the layer
+            loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs)
+            inputs = [xi] + ([] if ri is None else [ri])
+            results.append(([o.detach() for o in outs], torch.autograd.grad(loss, inputs)))
+        (outs_o, grads_o), (outs_r, grads_r) = results
+        for a, b in zip(outs_o, outs_r):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
+        for a, b in zip(grads_o, grads_r):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("context", ["full", "frozen"])
+def test_the_learned_layers_with_the_learner_ops_learn_as_with_the_reference(layers: LearnedLayers,
+                                                                            context: str) -> None:
+    """The learned layers (the tiny model's last, float weights) with learner_ops (the default where
+    the kernels build) against the torch reference ops: the rows and the micro-LoRA's gradients."""
+    from ruvllm.layers.ops import torch_ops
+
+    assert layers.ops.name.startswith("learner")
+    reference = LearnedLayers(layers.model, 1, ops=torch_ops())
+    prompt, target = [5, 80, 23, 311, 42, 17, 260, 9, 131, 77], [7, 8, 9, 10]
+    config = InstantConfig(layers=1, candidates=0, context=context)
+    results = []
+    for which in (layers, reference):
+        learner = InstantLearner(which, config)
+        state = learner.new_tenant(seed=5)
+        with torch.no_grad():  # B away from zero, so that A's gradients are not zero too
+            for _, b in state.lora.weights.values():
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05)
+        prep = learner.prepare(prompt, target)
+        rows = learner._rows(prep, state.lora)
+        loss = F.cross_entropy(rows @ which.head.t(), torch.tensor(target))
+        results.append((rows.detach(), torch.autograd.grad(loss, state.lora.parameters())))
+    (rows_o, grads_o), (rows_r, grads_r) = results
+    assert (rows_o - rows_r).abs().max() <= 1e-4 * rows_r.abs().max()
+    for a, b in zip(grads_o, grads_r):
+        assert b.norm() > 0
+        assert (a - b).norm() <= 1e-3 * b.norm()

@@ -22,6 +22,12 @@ class InstantConfig(Checked):
     # other tenant 0/20), perplexity +0.94% against +0.82% (docs/learning.md). "full": every row
     # under the micro-LoRA, as serving runs it.
     context: str = setting("frozen", "learning/instant.py (docs/learning.md).", choices=("full", "frozen"), cli=False)
+    # The input gradient through packed weights (issue 37 item 1, session 17): "int8", the engine's
+    # integer kernel over a transposed 8-bit copy of each learned projection (dY rounded to 8 bits
+    # per block, as the forward's activations are; ~15 MB more memory on the default model);
+    # "float32", the float kernel over the served codes (no copy). docs/learning.md has both's
+    # figures and the gradients' distance from a float32 reference.
+    backward: str = setting("int8", "The packed weights' backward.", choices=("int8", "float32"), cli=False)
     candidates: int = setting(2048, "Sampled softmax size; 0: the whole vocabulary.", minimum=0, cli=False)
     seed: int = setting(0, "Seeds the sampled softmax.", cli=False)
     # The sampled softmax's competitors (issue 37). Drawn uniformly alone, 2,048 of 49,152 rarely
@@ -35,12 +41,13 @@ class InstantConfig(Checked):
                                   cli=False)
     estimate_rest: bool = setting(True, "The drawn candidates stand for the rest of the vocabulary.", cli=False)
     # How the `candidates` others are drawn (with `estimate_rest`; issue 37 item 1, session 17).
-    # "strided": every (vocab // candidates)-th token of the output embedding from a random start,
-    # wrapping around: each token as likely to be drawn as with "uniform" (candidates / vocab), and
-    # the drawn rows are one or two strided views of the table, which the products read in place
-    # (no copy); "uniform": drawn independently, their rows gathered into a new tensor (~5 MB a step
-    # on the default model: 2-5 ms of the update). docs/learning.md ("Session 17") has both's figures.
-    draw: str = setting("strided", "How the sampled softmax's others are drawn.", choices=("strided", "uniform"),
+    # "uniform": independently, their rows gathered into a new tensor (~5 MB a step on the default
+    # model); "strided": every (vocab // candidates)-th token of the output embedding from a random
+    # start, wrapping around (each token as likely to be drawn, candidates / vocab), the rows one or
+    # two strided views of the table that the products read in place, no copy. Measured no faster
+    # (the products read the same scattered rows either way; docs/learning.md, "Session 17"), so
+    # what is learned stays as it was.
+    draw: str = setting("uniform", "How the sampled softmax's others are drawn.", choices=("uniform", "strided"),
                         cli=False)
     # More than one step per event, until the worst target token's loss falls under `target_nll`
     # (nats; 0: always `steps_per_event`): a fact that one step a correction does not carry through

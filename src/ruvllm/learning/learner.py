@@ -91,7 +91,8 @@ class Learner:
         self.witness = witness  # promotions and refusals are witnessed there too
         src = resolve_model(model_path)
         model, self.model_config = load_learning_model(src)  # packed weights stay packed (learning/tail.py)
-        self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers))
+        self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers),
+                                    self.config.instant.backward)
         self.instant = InstantLearner(self.layers, self.config.instant)
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
         self.root = Path(self.config.root or default_learned_dir()).expanduser()

@@ -16,34 +16,73 @@ import torch
 
 from ruvllm.cpu_build import kernels
 from ruvllm.quant import cpu_matmul
+from ruvllm.quant.cpu_matmul import BLOCK
 
 
-def grad_input(dy: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:
-    """dy [T, N] float32 . W [N, K] -> [T, K], W the packed weight."""
+def grad_input(dy: torch.Tensor, w: cpu_matmul.Packed, wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
+    """dy [T, N] float32 . W [N, K] -> [T, K], W the packed weight: with `wt` (transposed_q8(W)) the
+    engine's integer kernel over W's transposed 8-bit copy, else the float32 kernel over W's codes."""
+    if wt is not None:
+        return cpu_matmul.matmul(dy, wt)
     ext = kernels()
     assert ext is not None, "packed weights are only made where the kernels build"
     return ext.quant_matmul_grad_input(dy.float().contiguous(), w.codes, w.scales, w.zeros, w.group, w.int4)
+
+
+def dequantize(w: cpu_matmul.Packed) -> torch.Tensor:
+    """The float32 [N, K] matrix a packed weight stands for, as the kernels read it: int4 (q - 8) *
+    scale + zero, int8 q * scale, the scales and zeros in float16 (cpu_matmul.pack's layout undone)."""
+    n = w.codes.shape[0]
+    if w.int4:
+        c = w.codes.reshape(n, -1, BLOCK // 2)  # a block's 16 bytes: codes j (low) and 16 + j (high)
+        q = torch.stack([c & 0x0F, c >> 4], dim=2).reshape(n, -1).float() - 8.0
+    else:
+        q = w.codes.float()
+    k = q.shape[1]
+
+    def per_input(t: torch.Tensor) -> torch.Tensor:  # [N/4, K/group, 4] float16 bits -> [N, K]
+        t = t.view(torch.float16).transpose(1, 2).reshape(n, -1).float()
+        return t.repeat_interleave(w.group, dim=1) if w.group != k else t.expand(n, k)
+
+    out = q * per_input(w.scales)
+    return out + per_input(w.zeros) if w.zeros is not None else out
+
+
+def transposed_q8(w: cpu_matmul.Packed) -> cpu_matmul.Packed:
+    """W's transpose [K, N] in 8 bits per block of 32 outputs (Q8_0), for the input gradient's
+    integer kernel (issue 37 item 1, session 17: docs/learning.md). The backward's reduction runs
+    over W's outputs, along which the served codes have no common scale (their blocks run along the
+    inputs), so integer dots need a copy blocked the other way: one byte a weight (+ a float16 scale
+    a block), against the 4 or 8 bits served. Its rounding (within 1/254 of a block's largest
+    value) is far under the 4-bit codes' own; dY is rounded to 8 bits per block too, as the
+    forward's activations are: the same straight-through estimate."""
+    from ruvllm.quant.llamacpp import quantize_q8
+
+    return cpu_matmul.pack(quantize_q8(dequantize(w).t().contiguous()))
 
 
 class PackedMatmul(torch.autograd.Function):
     """y = x . W^T over a packed W (cpu_matmul.Packed), differentiable in x only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed,  # type: ignore[override]
+                wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
         # (old-style, ctx first: with setup_context, apply binds the arguments through
         # inspect.signature at every call, ~20 us each, a dozen calls a step)
-        ctx.w = w
+        ctx.w, ctx.wt = w, wt
         return cpu_matmul.matmul(x, w)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         # (autograd asks only where x needs it: not for the first learned layer's q/k/v, whose
         # input comes from the frozen layers below)
-        return (grad_input(dy, ctx.w) if ctx.needs_input_grad[0] else None), None
+        return (grad_input(dy, ctx.w, ctx.wt) if ctx.needs_input_grad[0] else None), None, None
 
 
-def packed_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = PackedMatmul.apply(x, w)
+def packed_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None = None,
+                  wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
+    """x . W^T (+ bias) over packed W; its backward through `wt` (transposed_q8(W)) when given."""
+    y = PackedMatmul.apply(x, w, wt)
     return y if bias is None else y + bias
 
 
@@ -61,8 +100,9 @@ class PackedLoraMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None, scaling: float,  # type: ignore[override]
-                spans: tuple[tuple[int, int], ...], *ab: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed, wt: cpu_matmul.Packed | None,  # type: ignore[override]
+                bias: torch.Tensor | None, scaling: float, spans: tuple[tuple[int, int], ...],
+                *ab: torch.Tensor) -> torch.Tensor:
         y = cpu_matmul.matmul(x, w)
         if bias is not None:
             y += bias
@@ -72,7 +112,7 @@ class PackedLoraMatmul(torch.autograd.Function):
             y[:, lo:hi].addmm_(u, b.t(), alpha=scaling)
             us.append(u)
         ctx.save_for_backward(x, *ab, *us)
-        ctx.w, ctx.scaling, ctx.spans = w, scaling, spans
+        ctx.w, ctx.wt, ctx.scaling, ctx.spans = w, wt, scaling, spans
         return y
 
     @staticmethod
@@ -82,7 +122,7 @@ class PackedLoraMatmul(torch.autograd.Function):
         ab, us = rest[:2 * n], rest[2 * n:]
         dy = dy.contiguous()
         # (not asked for the first learned layer's q/k/v, whose input comes from the frozen layers)
-        dx = grad_input(dy, ctx.w) if ctx.needs_input_grad[0] else None
+        dx = grad_input(dy, ctx.w, ctx.wt) if ctx.needs_input_grad[0] else None
         grads: list[torch.Tensor | None] = []
         for i, (lo, hi) in enumerate(ctx.spans):
             a, b, u = ab[2 * i], ab[2 * i + 1], us[i]
@@ -90,13 +130,15 @@ class PackedLoraMatmul(torch.autograd.Function):
             g = d @ b  # [T, r]: the delta's gradient at the rank-r product, unscaled
             if dx is not None:
                 dx.addmm_(g, a, alpha=s)
-            grads.append(g.t() @ x * s if ctx.needs_input_grad[5 + 2 * i] else None)
-            grads.append(d.t() @ u * s if ctx.needs_input_grad[6 + 2 * i] else None)
-        return (dx, None, None, None, None, *grads)
+            grads.append(g.t() @ x * s if ctx.needs_input_grad[6 + 2 * i] else None)
+            grads.append(d.t() @ u * s if ctx.needs_input_grad[7 + 2 * i] else None)
+        return (dx, None, None, None, None, None, *grads)
 
 
 def packed_lora_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None, scaling: float,
-                       pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """PackedLoraMatmul of `pieces`: (first column, end column, A [r, K], B [hi - lo, r]) each."""
+                       pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                       wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
+    """PackedLoraMatmul of `pieces`: (first column, end column, A [r, K], B [hi - lo, r]) each; the
+    input gradient through `wt` (transposed_q8(W)) when given."""
     spans = tuple((lo, hi) for lo, hi, _, _ in pieces)
-    return PackedLoraMatmul.apply(x, w, bias, scaling, spans, *[t for _, _, a, b in pieces for t in (a, b)])
+    return PackedLoraMatmul.apply(x, w, wt, bias, scaling, spans, *[t for _, _, a, b in pieces for t in (a, b)])

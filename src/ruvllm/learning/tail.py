@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ruvllm.config import ModelConfig, QuantConfig
-from ruvllm.layers.ops import torch_ops
-from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear
+from ruvllm.layers.ops import LayerOps, torch_ops
+from ruvllm.learning.fused_ops import learner_ops
+from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear, transposed_q8
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -129,8 +130,18 @@ class LearnedLayers:
     """The last `n` decoder layers, the final norm and the output embedding, run with autograd in
     float32 over hidden states entering the first of them (packed weights stay packed)."""
 
-    def __init__(self, model: LlamaForCausalLM, n: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, n: int, backward: str = "int8", ops: LayerOps | None = None) -> None:
+        """`backward` ("int8" or "float32"): how the input gradient runs through packed weights, the
+        engine's integer kernel over a transposed 8-bit copy of each learned projection made here
+        (packed_linear.transposed_q8: one byte a weight, ~15 MB on the default model), or the float32
+        kernel over the served codes (no copy). Float weights: F.linear's backward either way.
+        `ops`: the layers' element-wise ops; default our kernels as one autograd node each
+        (learning/fused_ops.py) where they build, else the torch reference (layers/ops.py)."""
+        from ruvllm.cpu_build import kernels
+
         cfg = model.cfg
+        ext = kernels() if ops is None else None
+        self.ops = ops or (torch_ops() if ext is None else learner_ops(ext))
         self.cfg = cfg
         self.model = model
         self.first = cfg.num_layers - n
@@ -140,6 +151,7 @@ class LearnedLayers:
         # (_linear_for) finds a projection's micro-LoRA pieces by the module it is called with
         self._projections = {id(module): (i, fused) for i in self.layers for fused in FUSED
                              if (module := getattr(model.layers[i], f"{fused}_proj", None)) is not None}
+        self._transposed = self._transpose_all() if backward == "int8" else {}
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -152,7 +164,7 @@ class LearnedLayers:
         the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
         model, linear = self.model, self._linear_for(lora)
-        run = model.dense_run(torch_ops(), linear=linear,
+        run = model.dense_run(self.ops, linear=linear,
                               context=None if context is None else dict(zip(self.layers, context)),
                               keep_kv=keep_kv)
         if keep_from <= 0 or keep_kv is not None or context is not None:
@@ -192,16 +204,32 @@ class LearnedLayers:
                 outs.append(causal_attention(qs, ks, vs, scale, model.windows[i], 1, before))
             return torch.cat(outs)
 
-        run = LayerRun(torch_ops(), attend, None, self._linear_for(lora))
+        run = LayerRun(self.ops, attend, None, self._linear_for(lora))
         out = model.final_norm(*model.run_layers(torch.cat(hs), torch.cat(positions), run, self.first), run.ops)
         return list(out.split(sizes))
+
+    def _transpose_all(self) -> dict[int, object]:
+        """Each learned packed projection's transposed 8-bit copy, by module id; none for the first
+        learned layer's q/k/v, whose input (from the frozen layers) never takes a gradient, nor for a
+        shape the 8-bit blocks do not tile (its backward keeps the float32 kernel)."""
+        out = {}
+        for module_id, (layer, fused) in self._projections.items():
+            module = getattr(self.model.layers[layer], f"{fused}_proj")
+            packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
+            if packed is None or (layer == self.first and fused == "qkv"):
+                continue
+            try:
+                out[module_id] = transposed_q8(packed)
+            except (AssertionError, RuntimeError, ValueError):
+                continue
+        return out
 
     def _linear_for(self, lora: MicroLora | None):  # noqa: ANN202
         """The LayerRun's `linear` hook: a projection's output with the micro-LoRA's deltas on its
         learned pieces (q, k, v of the fused qkv; gate, up). On packed weights one autograd node
         does both (packed_linear.PackedLoraMatmul); on float weights F.linear, then each learned
         piece's delta added where it lies (no split and concatenation of the whole output)."""
-        cfg, projections = self.cfg, self._projections
+        cfg, projections, transposed = self.cfg, self._projections, self._transposed
 
         def pieces(module: torch.nn.Module) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
             where = projections.get(id(module)) if lora is not None else None
@@ -220,9 +248,10 @@ class LearnedLayers:
             learned = pieces(module)
             packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
             if packed is not None:  # the served codes, forward and backward (learning/packed_linear.py)
+                wt = transposed.get(id(module))
                 if learned:
-                    return packed_lora_linear(x, packed, module.bias, lora.scaling, learned)
-                return packed_linear(x, packed, module.bias)
+                    return packed_lora_linear(x, packed, module.bias, lora.scaling, learned, wt)
+                return packed_linear(x, packed, module.bias, wt)
             y = F.linear(x, module.weight, module.bias)
             for lo, hi, a, b in learned:
                 delta = ((x @ a.t()) * lora.scaling) @ b.t()  # (scaled at rank r: a [T, r] product)

@@ -1,0 +1,143 @@
+"""The learned layers' element-wise ops as single autograd nodes (issue 37 item 1, session 17).
+
+The learner runs its last layers with autograd at a dozen rows, where each op's arithmetic is tiny
+and the step's time outside the matmul kernels went to the many small ops of the torch reference
+ops (layers/ops.py: the residual add and the norm's pieces, SiLU's chunk and product, RoPE's split,
+negation, concatenation and products for q and k) and to autograd's bookkeeping for each. Here each
+op is one node: its forward is our C++ kernel, the one serving runs (csrc/fused_ops.cpp through
+layers.ops.cpu_ops), and its backward is written out in a few torch ops over the saved inputs.
+The weights of the norms are frozen: no gradient is computed for them.
+
+`learner_ops(kernels)` is a LayerOps for LearnedLayers; tests/unit/test_learning_fused.py checks
+each op's output and input gradient against the torch reference's autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from ruvllm.layers.ops import LayerOps, _torch_rms_norm, _torch_rope, cpu_ops
+
+
+def _rms_backward(dh: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """d/ds of rms_norm(s) * weight over the last dim, given dh: r g - s r^3 mean(g s), g = dh w."""
+    r = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+    g = dh * weight
+    return r * g - s * (r.pow(3) * (g * s).mean(-1, keepdim=True))
+
+
+class _RmsNorm(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, ext: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return ext.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        return _rms_backward(dh, x, weight, ctx.eps), None, None, None
+
+
+class _AddRmsNorm(Function):
+    """(rms_norm(x + residual) * weight, x + residual): the residual stream's sum and its norm."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
+                ext: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        h, s = ext.add_rms_norm(x, residual, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return h, s
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor | None, ds: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        s, weight = ctx.saved_tensors
+        grad = None if dh is None else _rms_backward(dh, s, weight, ctx.eps)
+        if ds is not None:
+            grad = ds if grad is None else grad + ds
+        return grad, grad, None, None, None
+
+
+class _SiluAndMul(Function):
+    """silu(gate) * up over gate_up = [gate, up]."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor, ext: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate_up)
+        return ext.silu_and_mul(gate_up)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:  # type: ignore[override]
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        # d silu(g) / dg = sig (1 + g (1 - sig)) = sig + silu (1 - sig)
+        return torch.cat([dy * up * (sig + silu * (1 - sig)), dy * silu], dim=-1), None
+
+
+def _unrotate(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The input gradient of y = x cos + rot(x) sin, rot(x) = [-x2, x1] (the neox half split):
+    dy cos + rot^T(dy sin), rot^T(z) = [z2, -z1]."""
+    z = dy * sin
+    half = z.shape[-1] // 2
+    return dy * cos + torch.cat((z[..., half:], -z[..., :half]), dim=-1)
+
+
+class _QkvRope(Function):
+    """The fused projection's output split into q, k, v heads, RoPE on q and k."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int,  # type: ignore[override]
+                ext: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(cos, sin)
+        ctx.set_materialize_grads(False)
+        ctx.shape = (qkv.shape[0], hq, hkv, d)
+        return ext.qkv_rope(qkv, cos, sin, hq, hkv, d)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None,  # type: ignore[override]
+                 dv: torch.Tensor | None) -> tuple:
+        cos, sin = ctx.saved_tensors
+        t, hq, hkv, d = ctx.shape
+        parts = []
+        for grad, heads, rotated in ((dq, hq, True), (dk, hkv, True), (dv, hkv, False)):
+            if grad is None:
+                parts.append(cos.new_zeros(t, heads * d))
+            else:
+                parts.append((_unrotate(grad, cos, sin) if rotated else grad).reshape(t, heads * d))
+        return torch.cat(parts, dim=-1), None, None, None, None, None, None
+
+
+def learner_ops(ext: Any) -> LayerOps:
+    """LayerOps for the learned layers: our kernels forward (`ext`: cpu_build.kernels()), one autograd
+    node an op. Shapes the kernels do not take (a norm over heads' views) keep the torch reference."""
+    served = cpu_ops(ext)
+
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, weight, eps), x
+        return _AddRmsNorm.apply(x.contiguous(), residual.contiguous(), weight, eps, ext)
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():
+            return _torch_rms_norm(x, weight, eps)
+        return _RmsNorm.apply(x, weight, eps, ext)
+
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return _SiluAndMul.apply(gate_up.contiguous(), ext)
+
+    def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _QkvRope.apply(qkv.contiguous(), cos, sin, hq, hkv, d, ext)
+
+    # (q/k norms: the models that have them take the layer's separate rms_norm and rope; the served
+    # fused qk_norm_rope kernel has no backward here)
+    return LayerOps(add_rms_norm=add_rms_norm, rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope=_torch_rope,
+                    qkv_rope=qkv_rope, name=f"learner({served.name})")
