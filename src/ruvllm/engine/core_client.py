@@ -1,5 +1,5 @@
 """How the front reaches the engine core: the caller's own thread (`LLM`), a thread of this process,
-or a child process over ZeroMQ.
+or a child process (commands over ZeroMQ, its messages back as frames on a Unix socket).
 
 All three run the same loop (core_loop.py) over the same self-contained messages (messages.py) and
 give the front the same interface: add and abort never block, outputs and failures arrive through
@@ -33,6 +33,7 @@ import zmq
 from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
+from ruvllm.engine.core_channel import FrameReader, socket_pair
 from ruvllm.engine.core_loop import CoreLoop
 from ruvllm.errors import EngineDeadError, EngineShutdownError, RuvllmError
 from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreCall, CoreFailed, CoreInput,
@@ -256,8 +257,6 @@ _ERROR_TYPES.update(ValueError=ValueError, FileNotFoundError=FileNotFoundError)
 # How often the receiving thread looks at the child when no message comes: the bound on how late a
 # dead core is noticed (the issue asks for every open request to hear of it within 2 s).
 _LIVENESS_POLL_S = 0.2
-# pyzmq's constants are enums: as plain ints, an option read and a test cost no enum calls (twice a token)
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def rebuild_error(failed: CoreFailed, other: type[Exception] = EngineDeadError) -> Exception:
@@ -272,29 +271,31 @@ def rebuild_error(failed: CoreFailed, other: type[Exception] = EngineDeadError) 
 class ProcessCoreClient(_OneCore):
     """The core (worker, scheduler, KV cache) in a spawned child process.
 
-    The front binds two sockets in a private directory: PUSH for commands, PULL for the child's
-    messages. A thread of the front receives and hands outputs on; when no message comes it checks
-    that the child lives, so a core that dies (killed, out of memory) fails every open request at
-    once rather than leaving it to wait. A server moves the receiving onto its event loop
-    (`read_on`): the PULL socket's descriptor is watched by the loop, so a step's outputs reach the
-    streams without a thread's wake-up, its hand-over of the interpreter's lock and a second wake-up
-    of the loop (at one stream, that CPU a token is taken from the cores the engine computes on).
-    Shutdown asks the child to leave, then terminates it, then kills it, and always joins it: no
-    zombie is left behind."""
+    Commands go out on a ZeroMQ PUSH socket bound in a private directory (sent from any thread,
+    never waiting for the core). The child's messages come back as frames on one end of a Unix
+    socket pair whose other end the child inherits (core_channel.py): the core's loop writes them
+    itself, so no ZeroMQ I/O thread wakes on either side per step. A thread of the front receives
+    and hands outputs on; when no message comes it checks that the child lives, and the child's exit
+    is an end of file at once, so a core that dies (killed, out of memory) fails every open request
+    rather than leaving it to wait. A server moves the receiving onto its event loop (`read_on`):
+    the socket is watched by the loop, so a step's outputs reach the streams without a thread's
+    wake-up, its hand-over of the interpreter's lock and a second wake-up of the loop (at one
+    stream, that CPU a token is taken from the cores the engine computes on). Shutdown asks the
+    child to leave, then terminates it, then kills it, and always joins it: no zombie is left behind."""
 
     def __init__(self, config: EngineConfig, cpus: set[int] | None = None) -> None:
         """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
         its tokenizer meanwhile). `cpus`: the cores the child (and every thread it starts) may run on."""
         super().__init__()
         self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        in_addr = f"ipc://{self._dir}/in"
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(in_addr)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(out_addr)
+        self._out, child_end = socket_pair()
+        self._out.settimeout(_LIVENESS_POLL_S)  # the receiving thread's wait: then it looks at the child
+        self._reader = FrameReader(self._out)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._send_lock = threading.Lock()
@@ -305,7 +306,9 @@ class ProcessCoreClient(_OneCore):
         self._handover = threading.Event()  # set: the receiving thread leaves (read_on)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads, after read_on
         self._loop_thread: int | None = None
-        self._liveness: asyncio.TimerHandle | None = None
+        self._liveness: asyncio.Handle | None = None
+        self._watching = False  # the loop watches the socket (read_on, until its end of file)
+        self._backlog: list[bytes] = []  # frames that came with Ready, handed on by the receiving thread
         # A fresh interpreter (spawn semantics: no forked threads, locks or CUDA state), started as
         # `python -m` rather than through multiprocessing, which would re-import the caller's
         # __main__ in the child: scripts without a __main__ guard and notebooks work as they are.
@@ -314,9 +317,15 @@ class ProcessCoreClient(_OneCore):
         env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel())}
         if config.num_threads is not None:  # OpenMP pools the child's libraries start get the same count
             env["OMP_NUM_THREADS"] = str(config.num_threads)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, out_addr, str(os.getpid())],
-            stdin=subprocess.PIPE, env=env)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, str(child_end.fileno()),
+                 str(os.getpid())], stdin=subprocess.PIPE, env=env, pass_fds=(child_end.fileno(),))
+        except BaseException:
+            child_end.close()
+            self._close_sockets()
+            raise
+        child_end.close()  # the child's own now: its exit (however it comes) is our end of file
         try:
             if cpus:  # set before the child has started any thread (it is still importing): all inherit it
                 os.sched_setaffinity(self.process.pid, cpus)
@@ -341,16 +350,33 @@ class ProcessCoreClient(_OneCore):
     def _ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._out.poll(int(_LIVENESS_POLL_S * 1000)):
-                msg = self._decoder.decode(self._out.recv())
+            try:
+                frames = self._reader.read()  # waits up to a liveness poll (the socket's timeout)
+            except TimeoutError:
+                frames = []
+                if self.process.poll() is not None:  # what it wrote just before it went
+                    self._out.settimeout(0.0)
+                    frames = self._reader.read_ready()
+                    self._reader.eof = True
+                    self._out.settimeout(_LIVENESS_POLL_S)
+            for i, data in enumerate(frames):
+                msg = self._decoder.decode(data)
                 if isinstance(msg, Ready):
+                    self._backlog = frames[i + 1:]  # (the core sends nothing more before a command)
                     return msg
                 if isinstance(msg, CoreFailed):
                     raise rebuild_error(msg)
-            elif self.process.poll() is not None:
-                raise EngineDeadError(f"the engine core process exited with code {self.process.returncode} "
+            if self._reader.eof or self.process.poll() is not None:
+                raise EngineDeadError(f"the engine core process exited with code {self._exit_code()} "
                                       "while loading the model")
         raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
+
+    def _exit_code(self) -> int | str:
+        """The child's exit code, once its end of the socket has closed (its exit follows at once)."""
+        try:
+            return self.process.wait(_LIVENESS_POLL_S)
+        except subprocess.TimeoutExpired:
+            return "unknown: still exiting"
 
     def start(self, on_outputs: OnOutputs, on_failure: OnFailure, on_lost: OnLost | None = None) -> None:
         self._on_outputs, self._on_failure = on_outputs, on_failure
@@ -370,33 +396,68 @@ class ProcessCoreClient(_OneCore):
         if self._dead or self._stopping.is_set():
             return  # the thread saw the end already
         self._loop, self._loop_thread = loop, threading.get_ident()
-        loop.add_reader(self._out.getsockopt(zmq.FD), self._drain)
+        self._out.setblocking(False)
+        # The loop's selector reports a readable socket on every turn it stays readable (level-
+        # triggered): each wake-up takes one receive, and what came before the watch is seen at once.
+        loop.add_reader(self._out.fileno(), self._drain)
+        self._watching = True
         self._liveness = loop.call_later(_LIVENESS_POLL_S, self._check_alive)
-        self._drain()  # the descriptor signals edges: what came before it was watched is read now
 
     def _drain(self) -> None:
-        """Every message the socket holds (the descriptor signals a change, not each message: read
-        until none is left, as ZeroMQ's EVENTS says)."""
+        """The socket is readable: one receive's messages, handed on (more left: the loop calls
+        again). At its end of file the child has exited: the next liveness check says so at once."""
         try:
-            while self._loop is not None and self._out.getsockopt(_EVENTS) & _POLLIN:
-                msg = self._decoder.decode(self._out.recv(_NOBLOCK))
-                self._on_message(msg)
-        except Exception as exc:  # a message we cannot read means the two sides disagree: stop
-            log.exception("reading the engine core's messages failed")
-            self._die(EngineDeadError(f"the engine core's messages could not be read: {exc}"))
+            frames = self._reader.read()
+        except (BlockingIOError, InterruptedError):
+            return
+        except Exception as exc:
+            self._unreadable(exc)
+            return
+        self._dispatch(frames)
+        if self._reader.eof and self._loop is not None:
+            self._unwatch(self._loop)
+            self._liveness.cancel()  # type: ignore[union-attr]
+            self._liveness = self._loop.call_soon(self._check_alive)
+
+    def _dispatch(self, frames: list[bytes]) -> bool:
+        """Each frame's message handed on, on the loop, until the reading stops (a failure):
+        whether it goes on."""
+        try:
+            for data in frames:
+                if self._loop is None:
+                    return False
+                self._on_message(self._decoder.decode(data))
+        except Exception as exc:
+            self._unreadable(exc)
+            return False
+        return True
+
+    def _unreadable(self, exc: Exception) -> None:
+        """A message we cannot read means the two sides disagree: stop."""
+        log.exception("reading the engine core's messages failed")
+        self._die(EngineDeadError(f"the engine core's messages could not be read: {exc}"))
 
     def _check_alive(self) -> None:
-        """Every liveness poll on the loop: a child that is gone fails everything (after its last
-        messages, which may say why)."""
+        """Every liveness poll on the loop (and at once after the socket's end of file): a child that
+        is gone fails everything (after its last messages, which may say why)."""
         if self._loop is None:
             return
         if self.process.poll() is None:
             self._liveness = self._loop.call_later(_LIVENESS_POLL_S, self._check_alive)
             return
-        self._drain()
-        if self._loop is not None and not self._stopping.is_set():
+        try:
+            frames = self._reader.read_ready()
+        except Exception as exc:
+            self._unreadable(exc)
+            return
+        if self._dispatch(frames) and self._loop is not None and not self._stopping.is_set():
             self._die(EngineDeadError(
                 f"the engine core process exited unexpectedly (exit code {self.process.returncode})"))
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watching and not loop.is_closed():
+            loop.remove_reader(self._out.fileno())
+        self._watching = False
 
     def _stop_reading(self) -> None:
         """On the loop's thread: the loop lets go of the socket (before it is closed)."""
@@ -405,8 +466,7 @@ class ProcessCoreClient(_OneCore):
             return
         if self._liveness is not None:
             self._liveness.cancel()
-        if not loop.is_closed():
-            loop.remove_reader(self._out.getsockopt(zmq.FD))
+        self._unwatch(loop)
 
     def _send(self, msg: Any) -> None:
         data = self._encoder.encode(msg)
@@ -437,27 +497,40 @@ class ProcessCoreClient(_OneCore):
         return super().call(call, timeout)
 
     def _receive(self) -> None:
-        # A receive that waits at most the liveness poll: one call per message (a poll before each
-        # receive would be a second one, per token of every stream).
-        self._out.setsockopt(zmq.RCVTIMEO, int(_LIVENESS_POLL_S * 1000))
+        # A receive that waits at most the liveness poll (the socket's timeout): one call per
+        # message (a poll before each receive would be a second one, per token of every stream).
         try:
-            while not self._handover.is_set():
-                try:
-                    data = self._out.recv()
-                except zmq.Again:
-                    data = None
-                if data is not None:
+            frames, self._backlog = self._backlog, []
+            while True:
+                for data in frames:
                     msg = self._decoder.decode(data)
                     self._on_message(msg)
                     if isinstance(msg, CoreFailed):
                         return
-                elif self.process.poll() is not None:
-                    if self._stopping.is_set():
-                        return
-                    self._die(EngineDeadError(
-                        f"the engine core process exited unexpectedly (exit code {self.process.returncode})"))
+                frames = []
+                if self._handover.is_set():
                     return
-                elif self._stopping.is_set():
+                if not self._reader.eof:
+                    try:
+                        frames = self._reader.read()
+                        continue
+                    except TimeoutError:
+                        pass
+                else:  # the child's end closed: it has exited, or is exiting now
+                    self._exit_code()
+                # Nothing came within a liveness poll, or the end of file: is the child still there?
+                if self.process.poll() is not None:
+                    if not self._reader.eof:  # what it wrote just before it went may say why
+                        self._out.settimeout(0.0)
+                        for data in self._reader.read_ready():
+                            self._on_message(msg := self._decoder.decode(data))
+                            if isinstance(msg, CoreFailed):
+                                return
+                    if not self._stopping.is_set():
+                        self._die(EngineDeadError(f"the engine core process exited unexpectedly "
+                                                  f"(exit code {self.process.returncode})"))
+                    return
+                if self._stopping.is_set():
                     return
         except Exception as exc:  # a message we cannot read means the two sides disagree: stop
             log.exception("reading the engine core's messages failed")
@@ -490,8 +563,11 @@ class ProcessCoreClient(_OneCore):
             self._thread.join(timeout=5)
         self._release_loop()
         self._fail_calls(EngineShutdownError("the engine is shut down"))
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._in.close(0)
-        self._out.close(0)
+        self._out.close()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 

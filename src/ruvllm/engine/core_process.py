@@ -1,10 +1,13 @@
 """The engine core's own process: load the model, then loop over commands and steps.
 
-Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT PARENT_PID` with the
-pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It connects to the front's two sockets, says Ready with the EngineInfo (or
+Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT_FD PARENT_PID` with the
+pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It connects to
+the front's command socket (ZeroMQ, IN), writes its own messages as frames on the inherited socket
+OUT_FD (core_channel.py: no I/O thread wakes per step), says Ready with the EngineInfo (or
 CoreFailed with the load error), and then, until Shutdown: takes every queued command, runs one
 step if anything is unfinished, and sends that step's deltas with the stats after it. It leaves on
-its own when the front's process is gone, so a killed server leaves no orphan holding memory.
+its own when the front's process is gone (its socket's peer closed, or a new parent), so a killed
+server leaves no orphan holding memory.
 """
 
 from __future__ import annotations
@@ -12,20 +15,25 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 
 import msgspec
 import zmq
 
 from ruvllm.config import EngineConfig
+from ruvllm.engine.core_channel import FrameWriter
 from ruvllm.errors import EngineDeadError
 
 log = logging.getLogger("ruvllm.core")
 
 _IDLE_POLL_S = 0.5  # how often an idle core checks that its front still lives
+# How old the stats a plain decode step publishes may be (core_loop.py: new after every command and
+# every sequence's end): far below what /metrics or a person reading them could tell.
+_STATS_PERIOD_S = 0.05
 
 
-def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
+def run_core(config: EngineConfig, in_addr: str, out_fd: int, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group; the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
@@ -36,9 +44,9 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(in_addr)
-    results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.LINGER, 5000)  # the last message (a failure) must get out before exit
-    results.connect(out_addr)
+    out = socket.socket(fileno=out_fd)
+    out.set_inheritable(False)  # processes the core starts (tensor-parallel ranks) never hold it open
+    results = FrameWriter(out)  # a written frame is the kernel's: it outlives this process's exit
     encoder = msgspec.msgpack.Encoder()
     try:
         from ruvllm.core.engine_core import EngineCore
@@ -47,17 +55,14 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
         core = EngineCore(Worker.load(config), config)
     except Exception as exc:
         results.send(encoder.encode(CoreFailed(type(exc).__name__, str(exc))))
-        _close(ctx, commands, results)
+        _close(ctx, commands, out)
         sys.exit(1)
     results.send(encoder.encode(Ready(core.info, core.stats())))
 
     def send_from_thread(msg: object) -> None:
-        """A message from a thread other than the loop's (a socket is one thread's): its own socket."""
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 5000)
-        sock.connect(out_addr)
-        sock.send(msgspec.msgpack.Encoder().encode(msg))
-        sock.close()
+        """A message from a thread other than the loop's: its own encoder (the writer's lock keeps
+        the frames whole)."""
+        results.send(msgspec.msgpack.Encoder().encode(msg))
 
     decoder = msgspec.msgpack.Decoder(CoreInput)
 
@@ -68,32 +73,37 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int)
 
     from ruvllm.engine.core_loop import CoreLoop
 
-    loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread)
+    loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread, _STATS_PERIOD_S)
     failed = False
     try:
         while loop.run_once(receive, _IDLE_POLL_S):
             if os.getppid() != parent_pid:
                 log.warning("the front process is gone; the engine core leaves")
                 break
+    except (BrokenPipeError, ConnectionResetError):
+        log.warning("the front closed its end of the core's socket; the engine core leaves")
     except Exception as exc:
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
-        results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
+        try:
+            results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
+        except OSError:
+            pass  # the front is gone too: nobody to tell
         failed = True
     core.close()  # tensor-parallel ranks stop with the core
-    _close(ctx, commands, results)
+    _close(ctx, commands, out)
     if failed:
         sys.exit(1)
 
 
-def _close(ctx, *sockets) -> None:  # noqa: ANN001
-    for s in sockets:
-        s.close()
+def _close(ctx, commands, out: socket.socket) -> None:  # noqa: ANN001
+    commands.close()
     ctx.term()
+    out.close()
 
 
 if __name__ == "__main__":
     import pickle
 
     _config = pickle.loads(sys.stdin.buffer.read())
-    run_core(_config, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    run_core(_config, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,110 @@
+"""The core process's messages to the front: length-prefixed frames on one end of a Unix socket pair.
+
+Why not ZeroMQ, as the commands use: a ZeroMQ send hands the message to the sender's I/O thread and
+a receive takes it from the receiver's, so every step's outputs woke two threads beside the core's
+and the front's own, on a host whose cores the engine's compute threads fill (at one stream that CPU
+a token is what the server lags the offline rate by). On a plain socket the core's loop writes the
+bytes itself and the front's event loop (or its receiving thread) reads them itself: nobody else
+wakes. The pair is made by the front and one end is inherited by the child (no address to bind or
+connect), so the child's exit, however it comes, is an end of file here at once.
+
+A frame is a 4-byte little-endian length and that many bytes of one msgpack message. The writer
+is shared by the core's threads (a call answered beside the loop): a lock keeps frames whole. It
+blocks when the socket's buffer is full (the front has stopped reading): as ZeroMQ's PUSH does at
+its high-water mark, so a stuck front holds the core back instead of its memory growing without
+bound; the buffer is raised to the kernel's limit first (megabytes: thousands of steps).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+_HEADER = struct.Struct("<I")
+# One receive's size: a step's message at one stream is ~100 bytes, at hundreds ~tens of kB; a larger
+# message (prompt logprobs) is gathered over several receives.
+_CHUNK = 1 << 16
+# What the writer asks for as its socket buffer (the kernel caps it at net.core.wmem_max).
+_SEND_BUFFER = 4 << 20
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """(the front's end, the child's end). Neither is inherited by other children (the child's end
+    is passed to its process by `pass_fds`)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+class FrameWriter:
+    """Whole frames out, from any thread of the core's process."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        except OSError:
+            pass  # the default buffer only means the core waits for a stalled front sooner
+        sock.setblocking(True)
+
+    def send(self, data: bytes) -> None:
+        """One frame, written whole before any other thread's (blocks while the buffer is full).
+        BrokenPipeError / ConnectionResetError: the front is gone."""
+        with self._lock:
+            # One system call for header and body: no copy of the body, and no second wake-up of
+            # the reader for half a frame.
+            sent = self._sock.sendmsg((_HEADER.pack(len(data)), data))
+            if sent < len(data) + _HEADER.size:  # only when the buffer filled meanwhile
+                self._sock.sendall((_HEADER.pack(len(data)) + data)[sent:])
+
+
+class FrameReader:
+    """Whole frames in, read by one thread at a time: a blocking socket with a timeout (a thread that
+    also watches the child) or a non-blocking one watched by an event loop."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._partial = bytearray()  # a frame's start, until its end arrives
+        self._need = 0  # the bytes `_partial` must hold before a frame in it can be whole
+        self.eof = False
+
+    def read(self) -> list[bytes]:
+        """One receive's complete frames (none when only part of one came). Raises the socket's
+        timeout or BlockingIOError when nothing is there yet; sets `eof` (and returns nothing) when
+        the other end has closed."""
+        data = self._sock.recv(_CHUNK)
+        if not data:
+            self.eof = True
+            return []
+        if self._partial:
+            self._partial += data
+            if len(self._partial) < self._need:  # a large frame's middle: nothing to parse yet
+                return []
+            data = bytes(self._partial)
+            self._partial.clear()
+        frames = []
+        at, size = 0, len(data)
+        while size - at >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(data, at)
+            end = at + _HEADER.size + n
+            if end > size:
+                break
+            frames.append(data[at + _HEADER.size:end])
+            at = end
+        if at < size:
+            self._partial += data[at:]
+            self._need = (_HEADER.size + _HEADER.unpack_from(data, at)[0] if size - at >= _HEADER.size
+                          else _HEADER.size)
+        return frames
+
+    def read_ready(self) -> list[bytes]:
+        """Every complete frame the socket holds now, from a non-blocking socket: empty when none;
+        `eof` set when the other end has closed."""
+        frames: list[bytes] = []
+        while not self.eof:
+            try:
+                got = self.read()
+            except (BlockingIOError, InterruptedError):
+                break
+            frames += got
+        return frames
