@@ -1,0 +1,85 @@
+"""The core process's frames (engine/core_channel.py) over a real Unix socket pair: whole frames
+however the bytes are cut, frames from several threads never interleaved, and the end of file."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ruvllm.engine.core_channel import FrameReader, FrameWriter, socket_pair
+
+
+def _read_all(reader: FrameReader, count: int) -> list[bytes]:
+    got: list[bytes] = []
+    while len(got) < count and not reader.eof:
+        got += reader.read()
+    return got
+
+
+def test_frames_of_every_size_come_whole_and_in_order() -> None:
+    front, child = socket_pair()
+    front.settimeout(5.0)
+    # empty, tiny, a step's size, one larger than a receive, and one of several megabytes
+    frames = [b"", b"x", os.urandom(300), os.urandom((1 << 16) + 7), os.urandom(3 << 20), b"end"]
+    writer = FrameWriter(child)
+    sender = threading.Thread(target=lambda: [writer.send(f) for f in frames])
+    sender.start()
+    got = _read_all(FrameReader(front), len(frames))
+    sender.join()
+    assert got == frames
+
+
+def test_a_frame_cut_anywhere_is_held_until_its_end_comes() -> None:
+    front, child = socket_pair()
+    front.settimeout(5.0)
+    reader = FrameReader(front)
+    body = os.urandom(1000)
+    wire = len(body).to_bytes(4, "little") + body + (3).to_bytes(4, "little") + b"abc"
+    for cut in (2, 4, 5, 1003, 1004, 1006):  # inside the header, at its end, inside the body, between frames
+        child.sendall(wire[:cut])
+        first = reader.read()
+        child.sendall(wire[cut:])
+        rest = _read_all(reader, 2 - len(first))
+        assert first + rest == [body, b"abc"], cut
+
+
+def test_frames_from_several_threads_are_never_interleaved() -> None:
+    front, child = socket_pair()
+    front.settimeout(5.0)
+    writer = FrameWriter(child)
+    per_thread, threads = 200, 4
+    # each thread's frames large enough that a write may be cut by a full buffer
+    payloads = {t: [bytes([t]) * (5000 + i) for i in range(per_thread)] for t in range(threads)}
+    senders = [threading.Thread(target=lambda t=t: [writer.send(p) for p in payloads[t]]) for t in range(threads)]
+    for s in senders:
+        s.start()
+    got = _read_all(FrameReader(front), per_thread * threads)
+    for s in senders:
+        s.join()
+    for t in range(threads):
+        mine = [g for g in got if g[:1] == bytes([t])]
+        assert mine == payloads[t]  # whole, and in the order that thread sent them
+        assert all(set(g) == {t} for g in mine)
+
+
+def test_the_end_of_file_after_the_last_frames() -> None:
+    front, child = socket_pair()
+    writer = FrameWriter(child)
+    writer.send(b"last words")
+    child.close()
+    front.setblocking(False)
+    reader = FrameReader(front)
+    assert reader.read_ready() == [b"last words"]
+    assert reader.eof
+    assert reader.read_ready() == []
+
+
+def test_a_writer_whose_reader_is_gone_raises_instead_of_blocking() -> None:
+    front, child = socket_pair()
+    front.close()
+    writer = FrameWriter(child)
+    try:
+        writer.send(b"anyone?")
+    except (BrokenPipeError, ConnectionResetError):
+        return
+    raise AssertionError("a send to a closed peer succeeded")
