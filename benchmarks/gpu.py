@@ -2,14 +2,15 @@
 
 For each model, in one run:
   * batch-1 decode: tokens/s, and the share of the memory-bandwidth roofline it reaches
-    (weight + KV bytes read per step / step time / copy bandwidth measured in this run);
+    (weight + KV bytes read per step / step time / copy bandwidth measured in this run), with each
+    decode step launched ahead (async_scheduling, the default) and without, alternated;
   * time to first token of a 2,000-token prompt;
   * offline throughput: output tokens/s over N sequences with random input and output lengths
     in [100, 1024] (ignore_eos), and on the first M of them the same for transformers' `generate`
     (batches of sequences sorted by output length; a batch generates its longest output, and only
     the requested tokens are counted) beside ruvllm on exactly those M.
 
-    python benchmarks/gpu.py [--models 1b 8b] [--num-seqs 256] [--hf-seqs 64] [--json OUT]
+    python benchmarks/gpu.py [--models 1b 8b] [--num-seqs 256] [--hf-seqs 64] [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -173,13 +174,29 @@ def bench_model(key: str, args: argparse.Namespace, bandwidth: float) -> list[Ro
           f"weights {core.info.weight_bytes / 2**30:.2f} GiB", flush=True)
 
     decode_one(core, 128, 16, cfg.vocab_size)  # warm-up
-    per_token, ctx = decode_one(core, 512, 256, cfg.vocab_size)
+    # Batch-1 decode with each step's graph launched ahead (the default) and without, alternated
+    # round by round on the same engine (worker/cuda_graphs.py), medians.
+    graphs = core.executor.runner.graphs  # type: ignore[attr-defined]
+    arms = {"launched ahead": True, "one step at a time": False} if graphs is not None else {"eager": False}
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    ctx = 0.0
+    for _ in range(args.rounds):
+        for arm, ahead in arms.items():
+            if graphs is not None:
+                graphs.ahead = ahead
+            per_token, ctx = decode_one(core, 512, 256, cfg.vocab_size)
+            times[arm].append(per_token)
+    if graphs is not None:
+        graphs.ahead = True
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     bytes_per_step = core.info.weight_bytes + ctx * kv_per_token
-    share = bytes_per_step / per_token / bandwidth
-    rows.append(Row(name, "batch-1 decode tok/s", 1 / per_token,
-                    note=f"{per_token * 1e3:.2f} ms/token; {share:.0%} of roofline "
-                         f"({bytes_per_step / 2**30:.2f} GiB/step at {bandwidth / 1e12:.2f} TB/s)"))
+    for arm, ts in times.items():
+        per_token = sorted(ts)[len(ts) // 2]
+        share = bytes_per_step / per_token / bandwidth
+        rows.append(Row(name, f"batch-1 decode tok/s, {arm}", 1 / per_token,
+                        note=f"{per_token * 1e3:.3f} ms/token (median of {len(ts)}: "
+                             f"{', '.join(f'{t * 1e3:.3f}' for t in ts)}); {share:.0%} of roofline "
+                             f"({bytes_per_step / 2**30:.2f} GiB/step at {bandwidth / 1e12:.2f} TB/s)"))
     replay = graph_replay_seconds(core)
     if replay is not None:
         rows.append(Row(name, "batch-1 forward on the GPU (us)", replay * 1e6,
@@ -228,6 +245,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default="auto", help="weights: auto (dense bf16 on CUDA), int8, int4 (g128)")
     ap.add_argument("--decode-only", action="store_true", help="only the batch-1 decode rows")
+    ap.add_argument("--rounds", type=int, default=3, help="batch-1 decode rounds of each arm, alternated")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -365,6 +365,12 @@ class EngineConfig(Checked):
     # CUDA graphs for decode-only steps at bucketed batch sizes (CUDA only).
     cuda_graphs: bool = setting(True, "Replay decode steps as CUDA graphs (CUDA only).",
                                 flag="--cuda-graphs/--no-cuda-graphs")
+    # A decode step's graph launched before the previous step's tokens reach the host, its input ids
+    # copied on the device from the sampler's output (worker/cuda_graphs.py, "Launched ahead"): the
+    # host's work between steps (outputs, scheduling, the next inputs) overlaps the GPU's.
+    async_scheduling: bool = setting(True, "Launch each decode step's CUDA graph before the previous step's "
+                                           "tokens reach the host (CUDA graphs only).",
+                                     flag="--async-scheduling/--no-async-scheduling")
     # Embeddings (LLM.embed, /v1/embeddings): how the final hidden states (after the final norm) of
     # an input become one vector, before it is L2-normalized. "last": the last token's state, the
     # only one of a causal decoder that has seen the whole input (what decoder embedders such as

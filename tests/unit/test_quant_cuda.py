@@ -27,7 +27,7 @@ def test_cuda_quant_linear_matches_dequantized_matmul(kind: str, group_size: int
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     y = layer(x.cuda())
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert_matches_reference(y.cpu(), x, qw, bias)
+    assert_matches_reference(layer, y.cpu(), x, qw, bias)
 
 
 def test_int4_engine_on_cuda_matches_the_cpu_one() -> None:

@@ -108,10 +108,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.
                          f"(the hot KV cache is held in the compute dtype, here {str(dtype).removeprefix('torch.')}); "
                          f"set dtype to {str(named).removeprefix('torch.')} or use kv_cache_dtype 'auto'")
     if kv_cache_dtype in KV_BITS:
-        if device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs on CPU only so far (the {device.type} "
-                             "attention kernel reads no quantized KV blocks); on "
-                             f"{device.type} use auto, bf16 or fp16")
         if attention == "triton":
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs the CPU attention path (attention "
-                             "'auto' or 'torch'); the Triton kernel reads no quantized KV blocks")
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs attention 'auto' or 'torch' (our CPU "
+                             "kernel, or PyTorch's ops on any device); the Triton kernel reads no quantized KV blocks")

@@ -7,6 +7,7 @@ not depend on what else shares the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,8 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 
 def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Generator | None = None,
-           drafts: list[tuple[int, torch.Tensor] | None] | None = None
+           drafts: list[tuple[int, torch.Tensor] | None] | None = None,
+           to_host: Callable[[torch.Tensor], list[int]] | None = None
            ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """logits: [B, V] float32, one row per request. Returns the chosen tokens and optional logprobs.
 
@@ -126,7 +128,11 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
     draft drew from its distribution q [V]. Such a row keeps the token with probability
     min(1, p(token) / q(token)), p being the row's own distribution after every setting, and
     otherwise draws from the residual max(p - q, 0), renormalised (Leviathan et al. 2023;
-    Chen et al. 2023): its token is distributed as p whatever q is."""
+    Chen et al. 2023): its token is distributed as p whatever q is.
+
+    to_host: turns the chosen tokens (a device tensor) into a list; by default `tolist()`. The CUDA
+    graphs pass theirs, which launches the next step between the copy and the wait for it, so
+    every kernel that reads this step's logits is queued before that function is called."""
     want_lp = [r.params.logprobs for r in reqs]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
@@ -154,7 +160,7 @@ def sample(logits: torch.Tensor, reqs: list[SamplingState], generator: torch.Gen
                 if drafts[i] is not None:
                     chosen[i] = accept_or_resample(probs[j], *drafts[i], reqs[i].generator or generator)
 
-    tokens = chosen.tolist()
+    tokens = chosen.tolist() if to_host is None else to_host(chosen)
     logprobs: list[dict[int, Logprob] | None] = [None] * len(reqs)
     if raw_logprobs is not None:
         rows = [i for i, n in enumerate(want_lp) if n is not None]

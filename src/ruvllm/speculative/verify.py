@@ -15,6 +15,7 @@ Rows are batched across sequences at each depth; a step with no proposal is one 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,13 @@ class Proposal:
 
 
 def sample_rows(logits: torch.Tensor, counts: list[int], states: list[SamplingState],
-                proposals: list[Proposal | None], generator: torch.Generator | None
+                proposals: list[Proposal | None], generator: torch.Generator | None,
+                to_host: Callable[[torch.Tensor], list[int]] | None = None
                 ) -> tuple[list[list[int]], list[list[dict[int, Logprob] | None]]]:
     """logits: [sum(counts), V] float32, counts[i] = 1 + len(proposals[i].tokens) consecutive rows of
     sequence i. Returns each sequence's new tokens (its accepted proposals and one more) and their
-    logprobs, and appends the tokens to the states (output tokens, grammar matchers)."""
+    logprobs, and appends the tokens to the states (output tokens, grammar matchers). `to_host`:
+    how the first row's tokens reach the host (sampler.sample's)."""
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
@@ -49,7 +52,8 @@ def sample_rows(logits: torch.Tensor, counts: list[int], states: list[SamplingSt
         rows = logits if len(active) == logits.shape[0] else logits[[starts[i] + depth for i in active]]
         reqs = [states[i] for i in active]
         drafts = [_draft(proposals[i], depth) for i in active]
-        chosen, lps = sample(rows, reqs, generator, drafts if any(d is not None for d in drafts) else None)
+        chosen, lps = sample(rows, reqs, generator, drafts if any(d is not None for d in drafts) else None,
+                             to_host if depth == 0 else None)
         still = []
         for i, token, lp in zip(active, chosen, lps):
             _append(states[i], token)

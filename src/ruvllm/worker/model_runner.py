@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def choose_attention(name: str, cfg: ModelConfig, device: torch.device) -> AttentionBackend:
-    """"auto": the Triton kernel on CUDA, our compiled C++ kernel on CPU (PyTorch ops without a compiler)."""
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
+def choose_attention(name: str, cfg: ModelConfig, device: torch.device, quantized_kv: bool = False) -> AttentionBackend:
+    """"auto": the Triton kernel on CUDA, our compiled C++ kernel on CPU (PyTorch ops without a compiler).
+    A quantized (two-tier) KV cache on CUDA takes PyTorch's ops: the only path there that reads cold blocks."""
+    if name == "triton" or (name == "auto" and device.type == "cuda" and not quantized_kv):
         from ruvllm.attention.triton_paged import TritonPagedAttention  # imports triton
 
         return TritonPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -53,7 +54,7 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         self.dtype = dtype
-        self.attn = choose_attention(attention, cfg, self.device)
+        self.attn = choose_attention(attention, cfg, self.device, kv_cache_dtype in KV_BITS)
         self.graphs: DecodeGraphs | None = None
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_hot_tokens = kv_hot_tokens
@@ -128,10 +129,10 @@ class ModelRunner:
     def scratch_block(self) -> int:
         return self.num_blocks
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, ahead: bool = True) -> None:
         from ruvllm.worker.cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len)
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, ahead)
 
     @torch.inference_mode()
     def forward(self, so: SchedulerOutput) -> torch.Tensor:
@@ -234,6 +235,8 @@ class ModelRunner:
         # (the graphs hold no adapters, one row per sequence, and give logits, not hidden states).
         use_graphs = self.graphs is not None and not proposals and not any(seq.adapter or seq.pool for seq in so.seqs)
         logits = self.graphs.run(so) if use_graphs else None
+        if logits is None and self.graphs is not None:
+            self.graphs.discard_ahead()
         if logits is not None:
             out = ModelRunnerOutput({}, {}, {})
             sample_ids = [seq.request_id for seq in so.seqs]
@@ -247,8 +250,10 @@ class ModelRunner:
             if not sample_ids:
                 return out
             logits = self._logits(hidden, rows)
+        # A graph step's tokens go to the host with the next step launched ahead (cuda_graphs.py).
+        to_host = self.graphs.tokens_then_ahead if use_graphs and logits is not None and self.graphs.ahead else None
         tokens, logprobs = sample_rows(logits.float(), counts, [states[rid] for rid in sample_ids],
-                                       [proposals.get(rid) for rid in sample_ids], self.generator)
+                                       [proposals.get(rid) for rid in sample_ids], self.generator, to_host)
         out.sampled = dict(zip(sample_ids, tokens))
         out.logprobs = {rid: lps for rid, lps in zip(sample_ids, logprobs) if lps[0] is not None}
         out.num_proposed = {rid: len(p.tokens) for rid, p in proposals.items()}

@@ -282,7 +282,9 @@ class Worker:
         (worker/gpu_memory.py); then, on CUDA, the decode graphs are captured."""
         cache, sched, mc = config.cache, config.scheduler, self.model_config
         check_kv_cache_dtype(cache.kv_cache_dtype, self.dtype, self.device, config.attention)
-        profiled = self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
+        # (a two-tier cache is sized by its settings: the profile sizes one tier)
+        profiled = (self.device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
+                    and not cache.quantized_kv)
         warm_tokens = min(sched.max_num_batched_tokens, self.loaded.max_model_len)
         make: Callable[..., ModelRunner] = ModelRunner
         tp = self.tensor_parallel
@@ -299,10 +301,12 @@ class Worker:
             profile = profile_step_memory(runner, warm_tokens, sched.max_num_seqs, cache.gpu_memory_utilization)
             runner.allocate_kv_cache(kv_blocks_from_profile(
                 profile, kv_bytes_per_block(mc, cache.block_size, self.dtype), cache.block_size, self.loaded.max_model_len))
-        if self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid and tp is None:
+        if (self.device.type == "cuda" and config.cuda_graphs and not runner.layout.is_hybrid and tp is None
+                and not cache.quantized_kv):
             # (decode graphs hold one block table per sequence: models with KV groups run eagerly;
-            # tensor-parallel steps too: rank 0 announces each call, which a replayed graph would skip)
-            runner.capture_cuda_graphs(sched.max_num_seqs, self.loaded.max_model_len)
+            # tensor-parallel steps too: rank 0 announces each call, which a replayed graph would skip;
+            # and a two-tier cache: the graphs' attention metadata has no cold tier)
+            runner.capture_cuda_graphs(sched.max_num_seqs, self.loaded.max_model_len, config.async_scheduling)
         return runner
 
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
