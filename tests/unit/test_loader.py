@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -54,13 +53,12 @@ def reference_state_dict(default_src: ModelSource, tmp_path_factory: pytest.Temp
                          ) -> dict[str, torch.Tensor]:
     """transformers' own GGUF loader: loaded once for the module, from a copy of the file without the
     tokenizer's arrays (every tensor byte for byte; its reader parses them string by string, twice:
-    tests/gguf_copy.py), which took most of its 18 s of CPU."""
-    from tests.gguf_copy import without_vocabulary
+    tests/gguf_copy.py), which took most of its 18 s of CPU; gguf's name table built once
+    (tests/hf_gguf.py)."""
+    from tests.hf_gguf import hf_model_from_gguf
 
-    path = without_vocabulary(default_src.path, tmp_path_factory.mktemp("model-only") / default_src.path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-    )
+    model = hf_model_from_gguf(default_src.path, tmp_path_factory.mktemp("model-only"), dtype=torch.float32,
+                               local_files_only=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
