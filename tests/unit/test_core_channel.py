@@ -1,12 +1,14 @@
 """The core process's frames (engine/core_channel.py) over a real Unix socket pair: whole frames
-however the bytes are cut, frames from several threads never interleaved, and the end of file."""
+however the bytes are cut, frames from several threads never interleaved, the end of file, and the
+doorbell the front's loop watches."""
 
 from __future__ import annotations
 
 import os
+import select
 import threading
 
-from ruvllm.engine.core_channel import FrameReader, FrameWriter, socket_pair
+from ruvllm.engine.core_channel import FrameReader, FrameWriter, answer_bell, doorbell, socket_pair
 
 
 def _read_all(reader: FrameReader, count: int) -> list[bytes]:
@@ -83,3 +85,22 @@ def test_a_writer_whose_reader_is_gone_raises_instead_of_blocking() -> None:
     except (BrokenPipeError, ConnectionResetError):
         return
     raise AssertionError("a send to a closed peer succeeded")
+
+
+def test_the_bell_rings_after_each_frame_and_answering_resets_it() -> None:
+    front, child = socket_pair()
+    front.setblocking(False)
+    bell = doorbell()
+    try:
+        writer, reader = FrameWriter(child, bell), FrameReader(front)
+        assert select.select([bell], [], [], 0)[0] == []  # silent until a frame is written
+        writer.send(b"one")
+        writer.send(b"two")
+        assert select.select([bell], [], [], 0)[0] == [bell]
+        answer_bell(bell)  # reset before the socket is read: a later frame rings again
+        assert select.select([bell], [], [], 0)[0] == []
+        assert reader.read() == [b"one", b"two"] and not reader.more
+        writer.send(b"three")
+        assert select.select([bell], [], [], 0)[0] == [bell]
+    finally:
+        os.close(bell)

@@ -8,6 +8,13 @@ bytes itself and the front's event loop (or its receiving thread) reads them its
 wakes. The pair is made by the front and one end is inherited by the child (no address to bind or
 connect), so the child's exit, however it comes, is an end of file here at once.
 
+An event loop does not watch the socket itself but a doorbell (an eventfd the core writes after
+each frame). A socket's data wakes its waiter as a "sync" wake-up, the kernel's hint that the writer
+is about to sleep, so the waiter is placed on the writer's CPU when that CPU runs nothing else; but
+the core goes straight on to its next step, and the front would then take its time from the core's
+serial part (scheduling, sampling) rather than from the CPU where an OpenMP worker waits. An eventfd's
+wake-up carries no such hint. It costs a system call on each side per step.
+
 A frame is a 4-byte little-endian length and that many bytes of one msgpack message. The writer
 is shared by the core's threads (a call answered beside the loop): a lock keeps frames whole. It
 blocks when the socket's buffer is full (the front has stopped reading): as ZeroMQ's PUSH does at
@@ -17,6 +24,7 @@ bound; the buffer is raised to the kernel's limit first (megabytes: thousands of
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -35,11 +43,26 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
+def doorbell() -> int:
+    """An eventfd for the loop to watch (non-blocking; not inherited but by `pass_fds`)."""
+    return os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+
+def answer_bell(bell: int) -> None:
+    """The bell heard: reset it before the socket is read, so a frame written after that rings again."""
+    try:
+        os.eventfd_read(bell)
+    except BlockingIOError:
+        pass
+
+
 class FrameWriter:
     """Whole frames out, from any thread of the core's process."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, bell: int | None = None) -> None:
+        """`bell`: the reader's doorbell, rung after every frame."""
         self._sock = sock
+        self._bell = bell
         self._lock = threading.Lock()
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
@@ -56,6 +79,8 @@ class FrameWriter:
             sent = self._sock.sendmsg((_HEADER.pack(len(data)), data))
             if sent < len(data) + _HEADER.size:  # only when the buffer filled meanwhile
                 self._sock.sendall((_HEADER.pack(len(data)) + data)[sent:])
+            if self._bell is not None:
+                os.eventfd_write(self._bell, 1)
 
 
 class FrameReader:
@@ -67,12 +92,14 @@ class FrameReader:
         self._partial = bytearray()  # a frame's start, until its end arrives
         self._need = 0  # the bytes `_partial` must hold before a frame in it can be whole
         self.eof = False
+        self.more = False  # the last receive filled its buffer: more may be waiting
 
     def read(self) -> list[bytes]:
         """One receive's complete frames (none when only part of one came). Raises the socket's
         timeout or BlockingIOError when nothing is there yet; sets `eof` (and returns nothing) when
         the other end has closed."""
         data = self._sock.recv(_CHUNK)
+        self.more = len(data) == _CHUNK
         if not data:
             self.eof = True
             return []

@@ -33,7 +33,7 @@ import zmq
 from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
-from ruvllm.engine.core_channel import FrameReader, socket_pair
+from ruvllm.engine.core_channel import FrameReader, answer_bell, doorbell, socket_pair
 from ruvllm.engine.core_loop import CoreLoop
 from ruvllm.errors import EngineDeadError, EngineShutdownError, RuvllmError
 from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreCall, CoreFailed, CoreInput,
@@ -278,7 +278,8 @@ class ProcessCoreClient(_OneCore):
     and hands outputs on; when no message comes it checks that the child lives, and the child's exit
     is an end of file at once, so a core that dies (killed, out of memory) fails every open request
     rather than leaving it to wait. A server moves the receiving onto its event loop (`read_on`):
-    the socket is watched by the loop, so a step's outputs reach the streams without a thread's
+    the loop watches the core's doorbell (rung after each frame; core_channel.py says why not the
+    socket) and checks the child every liveness poll, so a step's outputs reach the streams without a thread's
     wake-up, its hand-over of the interpreter's lock and a second wake-up of the loop (at one
     stream, that CPU a token is taken from the cores the engine computes on). Shutdown asks the
     child to leave, then terminates it, then kills it, and always joins it: no zombie is left behind."""
@@ -294,6 +295,7 @@ class ProcessCoreClient(_OneCore):
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(in_addr)
         self._out, child_end = socket_pair()
+        self._bell = doorbell()
         self._out.settimeout(_LIVENESS_POLL_S)  # the receiving thread's wait: then it looks at the child
         self._reader = FrameReader(self._out)
         self._encoder = msgspec.msgpack.Encoder()
@@ -320,7 +322,8 @@ class ProcessCoreClient(_OneCore):
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, str(child_end.fileno()),
-                 str(os.getpid())], stdin=subprocess.PIPE, env=env, pass_fds=(child_end.fileno(),))
+                 str(self._bell), str(os.getpid())], stdin=subprocess.PIPE, env=env,
+                pass_fds=(child_end.fileno(), self._bell))
         except BaseException:
             child_end.close()
             self._close_sockets()
@@ -397,19 +400,24 @@ class ProcessCoreClient(_OneCore):
             return  # the thread saw the end already
         self._loop, self._loop_thread = loop, threading.get_ident()
         self._out.setblocking(False)
-        # The loop's selector reports a readable socket on every turn it stays readable (level-
-        # triggered): each wake-up takes one receive, and what came before the watch is seen at once.
-        loop.add_reader(self._out.fileno(), self._drain)
+        # The bell's count holds every ring since the child started: what came before the watch
+        # is seen at once.
+        loop.add_reader(self._bell, self._drain)
         self._watching = True
         self._liveness = loop.call_later(_LIVENESS_POLL_S, self._check_alive)
 
     def _drain(self) -> None:
-        """The socket is readable: one receive's messages, handed on (more left: the loop calls
-        again). At its end of file the child has exited: the next liveness check says so at once."""
+        """The bell rang: the messages the socket holds, handed on (one receive gets them all
+        unless it filled its buffer; a frame written after the bell's reset rings it again). At its
+        end of file the child has exited: the next liveness check says so at once."""
+        answer_bell(self._bell)
+        frames: list[bytes] = []
         try:
-            frames = self._reader.read()
+            frames += self._reader.read()
+            while self._reader.more:
+                frames += self._reader.read()
         except (BlockingIOError, InterruptedError):
-            return
+            pass
         except Exception as exc:
             self._unreadable(exc)
             return
@@ -456,7 +464,7 @@ class ProcessCoreClient(_OneCore):
 
     def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._watching and not loop.is_closed():
-            loop.remove_reader(self._out.fileno())
+            loop.remove_reader(self._bell)
         self._watching = False
 
     def _stop_reading(self) -> None:
@@ -568,6 +576,7 @@ class ProcessCoreClient(_OneCore):
     def _close_sockets(self) -> None:
         self._in.close(0)
         self._out.close()
+        os.close(self._bell)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 

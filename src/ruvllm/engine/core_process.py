@@ -1,9 +1,10 @@
 """The engine core's own process: load the model, then loop over commands and steps.
 
-Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT_FD PARENT_PID` with the
-pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It connects to
-the front's command socket (ZeroMQ, IN), writes its own messages as frames on the inherited socket
-OUT_FD (core_channel.py: no I/O thread wakes per step), says Ready with the EngineInfo (or
+Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT_FD BELL_FD PARENT_PID`
+with the pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It
+connects to the front's command socket (ZeroMQ, IN), writes its own messages as frames on the
+inherited socket OUT_FD, ringing the doorbell BELL_FD after each (core_channel.py: no I/O thread
+wakes per step), says Ready with the EngineInfo (or
 CoreFailed with the load error), and then, until Shutdown: takes every queued command, runs one
 step if anything is unfinished, and sends that step's deltas with the stats after it. It leaves on
 its own when the front's process is gone (its socket's peer closed, or a new parent), so a killed
@@ -33,7 +34,7 @@ _IDLE_POLL_S = 0.5  # how often an idle core checks that its front still lives
 _STATS_PERIOD_S = 0.05
 
 
-def run_core(config: EngineConfig, in_addr: str, out_fd: int, parent_pid: int) -> None:
+def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group; the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
@@ -46,7 +47,8 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, parent_pid: int) -
     commands.connect(in_addr)
     out = socket.socket(fileno=out_fd)
     out.set_inheritable(False)  # processes the core starts (tensor-parallel ranks) never hold it open
-    results = FrameWriter(out)  # a written frame is the kernel's: it outlives this process's exit
+    os.set_inheritable(bell, False)
+    results = FrameWriter(out, bell)  # a written frame is the kernel's: it outlives this process's exit
     encoder = msgspec.msgpack.Encoder()
     try:
         from ruvllm.core.engine_core import EngineCore
@@ -106,4 +108,4 @@ if __name__ == "__main__":
     import pickle
 
     _config = pickle.loads(sys.stdin.buffer.read())
-    run_core(_config, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    run_core(_config, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
