@@ -73,3 +73,13 @@ def more_ids(llm: LLM, text: str) -> list[int]:
     if not is_tiny(llm):
         return llm.tokenizer.encode(text, add_special_tokens=False)
     return [2 + sum(map(ord, word)) % (llm.info.vocab_size - 2) for word in text.split()]
+
+
+def llm_with_tokenizer(model: str, tokenizer: object, **settings: object) -> LLM:
+    """`LLM(model, **settings)` with a tokenizer already loaded: the core built as LLM builds it, taken
+    with its tokenizer (LLM's built-parts form). For a model whose tokenizer is slow to load (Gemma 3's
+    262,144 tokens: ~5 s of CPU each time) and that a test file runs in several engines."""
+    from ruvllm.engine.llm import build_engine_config
+
+    config = build_engine_config(model, **settings)
+    return LLM(EngineCore(Worker.load(config), config), tokenizer)

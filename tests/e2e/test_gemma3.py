@@ -34,13 +34,26 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def long_prompt(gguf: Path) -> list[int]:
-    """About 1,600 tokens of the novel: over three windows."""
+def tokenizer(gguf: Path):  # noqa: ANN201
+    """Gemma 3's tokenizer, loaded once for the module and handed to both engines (`_engine`): its
+    262,144 tokens take ~5 s of CPU to load, which the prompt's fixture and each engine paid apiece."""
     from ruvllm.loader import load_tokenizer
 
-    tok = load_tokenizer(resolve_model(str(gguf)))
+    return load_tokenizer(resolve_model(str(gguf)))
+
+
+def _engine(gguf: Path, tokenizer, **settings) -> LLM:  # noqa: ANN001
+    """`LLM(gguf, **settings)`, with the module's tokenizer."""
+    from tests.engine_fixtures import llm_with_tokenizer
+
+    return llm_with_tokenizer(str(gguf), tokenizer, **settings)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer) -> list[int]:  # noqa: ANN001
+    """About 1,600 tokens of the novel: over three windows."""
     text = " ".join(BOOK.read_text(encoding="utf-8").split()[3000:4400])
-    ids = tok.encode(text)[:1600]
+    ids = tokenizer.encode(text)[:1600]
     assert len(ids) == 1600 and ids[0] == 2  # <bos>
     return ids
 
@@ -54,13 +67,10 @@ def prompt(long_prompt: list[int]) -> list[int]:
 def hf_model(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """transformers' Gemma 3, loading the same GGUF with its own reader (fp32): a copy without the
     tokenizer's arrays, which its reader parses string by string (tests/gguf_copy.py: 11 s of CPU
-    instead of 38, the same config and tensors)."""
-    from transformers import AutoModelForCausalLM
+    instead of 38, the same config and tensors), and gguf's name table built once (tests/hf_gguf.py)."""
+    from tests.hf_gguf import hf_model_from_gguf
 
-    from tests.gguf_copy import without_vocabulary
-
-    copy = without_vocabulary(gguf, tmp_path_factory.mktemp("gemma3-model-only") / gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(copy.parent), gguf_file=copy.name, dtype=torch.float32).eval()
+    model = hf_model_from_gguf(gguf, tmp_path_factory.mktemp("gemma3-model-only"), dtype=torch.float32).eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
     return model
 
@@ -188,16 +198,16 @@ def _checked(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def fp32(gguf: Path) -> LLM:
+def fp32(gguf: Path, tokenizer) -> LLM:  # noqa: ANN001
     """fp32 compute, every weight dense: the precision transformers' reference runs at. A budget of
     200 tokens chunks the prompt across the window's edge (the chunk 400-600 holds rows 511 and 512)."""
-    return LLM(str(gguf), dtype="float32", quantization="none", num_blocks=1024, max_num_batched_tokens=200)
+    return _engine(gguf, tokenizer, dtype="float32", quantization="none", num_blocks=1024, max_num_batched_tokens=200)
 
 
 @pytest.fixture(scope="module")
-def default(gguf: Path) -> LLM:
+def default(gguf: Path, tokenizer) -> LLM:  # noqa: ANN001
     """As a user gets it: the file's Q4_K / Q8_0 codes kept packed, its Q5_0 / Q6_K held as int8."""
-    return LLM(str(gguf), num_blocks=1024, max_num_batched_tokens=256)
+    return _engine(gguf, tokenizer, num_blocks=1024, max_num_batched_tokens=256)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
