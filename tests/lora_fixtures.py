@@ -28,6 +28,15 @@ def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = ALL, r: 
     return model.eval()
 
 
+def make_experts(base: Path) -> list[Path]:
+    """Three adapters of different targets, ranks and scalings beside the base folder: X-LoRA's experts."""
+    root = base.parent
+    make_adapter(base, root / "e0", seed=11)
+    make_adapter(base, root / "e1", seed=12, targets=["q_proj", "v_proj", "down_proj"], r=4)
+    make_adapter(base, root / "e2", seed=13, targets=["o_proj", "gate_proj", "up_proj"], r=16, alpha=8)
+    return [root / "e0", root / "e1", root / "e2"]
+
+
 def make_xlora(base: Path | None, out: Path, adapters: list[Path], seed: int, model: torch.nn.Module | None = None,
                **settings: object) -> torch.nn.Module:
     """A peft X-LoRA model over `adapters` (peft 0.21.2 runs only adapters named "0", "1", ...)

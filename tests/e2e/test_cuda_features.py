@@ -23,7 +23,7 @@ from ruvllm import LLM, SamplingParams  # noqa: E402
 from ruvllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
 from ruvllm.structured.spec import StructuredOutputs  # noqa: E402
 from tests.engine_fixtures import TINY_GQA, tiny_llm, write_tiny_model  # noqa: E402
-from tests.lora_fixtures import make_adapter, make_xlora, peft_logits  # noqa: E402
+from tests.lora_fixtures import make_experts, make_xlora, peft_logits  # noqa: E402
 from tests.reference import teacher_forced_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
@@ -56,11 +56,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def experts(base: Path) -> list[Path]:
-    root = base.parent
-    make_adapter(base, root / "e0", seed=11)
-    make_adapter(base, root / "e1", seed=12, targets=["q_proj", "v_proj", "down_proj"], r=4)
-    make_adapter(base, root / "e2", seed=13, targets=["o_proj", "gate_proj", "up_proj"], r=16, alpha=8)
-    return [root / "e0", root / "e1", root / "e2"]
+    return make_experts(base)
 
 
 def _lora_engine(base: Path, device: str, **kw: object) -> LLM:

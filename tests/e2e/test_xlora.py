@@ -11,8 +11,8 @@ import torch
 
 from ruvllm import LLM, SamplingParams
 from tests.engine_fixtures import TINY_GQA, write_tiny_model
-from tests.lora_fixtures import (DEFAULT_CONTINUATION, DEFAULT_PROMPT, assert_default_model_follows, make_adapter,
-                                 make_xlora, peft_logits)
+from tests.lora_fixtures import (DEFAULT_CONTINUATION, DEFAULT_PROMPT, assert_default_model_follows,
+                                 make_experts, make_xlora, peft_logits)
 from tests.reference import teacher_forced_logits
 
 ATOL = 2e-4
@@ -25,11 +25,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def experts(base: Path) -> list[Path]:
-    root = base.parent
-    make_adapter(base, root / "e0", seed=11)
-    make_adapter(base, root / "e1", seed=12, targets=["q_proj", "v_proj", "down_proj"], r=4)
-    make_adapter(base, root / "e2", seed=13, targets=["o_proj", "gate_proj", "up_proj"], r=16, alpha=8)
-    return [root / "e0", root / "e1", root / "e2"]
+    return make_experts(base)
 
 
 def engine(base: Path, **kw: object) -> LLM:
