@@ -4,10 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # RUVLLM_VENV: where the environment goes (scripts/lock.sh sets up a scratch one). RUVLLM_LOCK: the
-# constraints every install below obeys: requirements.lock, the versions CI last passed with, so a
+# constraints every install below obeys: constraints.txt, the versions CI last passed with, so a
 # fresh machine installs exactly those; "none" (only scripts/lock.sh) resolves afresh.
 VENV=${RUVLLM_VENV:-.venv}
-LOCK=${RUVLLM_LOCK:-requirements.lock}
+LOCK=${RUVLLM_LOCK:-constraints.txt}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # --no-compile: pip would compile every installed module to bytecode, one file after another (~35 s
 # here, most of it for modules never imported); test.sh and start.sh let Python write the bytecode
