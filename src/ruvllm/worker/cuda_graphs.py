@@ -51,13 +51,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 @dataclass
 class GraphStep:
-    """What a replay computed: its sequences, their positions and block tables, and its bucket;
-    for a step launched ahead, also the tokens it took as input (known on the host once copied)."""
+    """What a replay computed: its sequences, their positions and block tables; for a step
+    launched ahead, also the tokens it took as input (known on the host once copied)."""
 
     request_ids: list[str]
     positions: list[int]
     tables: list[list[int]]
-    bucket: int
     tokens: list[int] | None = None
 
 
@@ -136,13 +135,13 @@ class DecodeGraphs:
         if n > self.max_batch or any(len(s.token_ids) != 1 or not s.sample or s.prompt_logprob_targets is not None
                                      for s in seqs):
             return None
-        b = next(size for size in self.sizes if size >= n)
+        b = self._bucket(n)
         r = self.runner
         bs = r.block_size
         if ahead is not None and not so.kv_moves and not so.kv_loads and self._is(ahead, seqs):
             self.ahead_used += 1
             self._last = ahead
-            return self.graphs[ahead.bucket][1][:n]
+            return self.graphs[b][1][:n]
         fields, tables = self.host_fields, self.host_tables
         ids, pos, slots, ctx, rows = [], [], [], [], []
         for s in seqs:
@@ -163,8 +162,12 @@ class DecodeGraphs:
         self.tables[:b].copy_(tables[:b], non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
-        self._last = GraphStep([s.request_id for s in seqs], pos, rows, b)
+        self._last = GraphStep([s.request_id for s in seqs], pos, rows)
         return out[:n]
+
+    def _bucket(self, n: int) -> int:
+        """The smallest captured batch that holds n rows."""
+        return next(size for size in self.sizes if size >= n)
 
     def _is(self, step: GraphStep, seqs: list) -> bool:
         """Whether these scheduled sequences are exactly what `step` computed."""
@@ -204,8 +207,8 @@ class DecodeGraphs:
         n = len(last.positions)
         self.fields[0, :n].copy_(chosen)
         self.fields[1:, :n] += 1  # positions, slots and context lengths: each one further
-        self.graphs[last.bucket][0].replay()
-        self._ahead = GraphStep(last.request_ids, [p + 1 for p in last.positions], last.tables, last.bucket)
+        self.graphs[self._bucket(n)][0].replay()
+        self._ahead = GraphStep(last.request_ids, [p + 1 for p in last.positions], last.tables)
         return self._ahead
 
     def _pad_rows(self, start: int, end: int) -> None:

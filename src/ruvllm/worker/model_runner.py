@@ -235,9 +235,10 @@ class ModelRunner:
         # (the graphs hold no adapters, one row per sequence, and give logits, not hidden states).
         use_graphs = self.graphs is not None and not proposals and not any(seq.adapter or seq.pool for seq in so.seqs)
         logits = self.graphs.run(so) if use_graphs else None
-        if logits is None and self.graphs is not None:
+        graphed = logits is not None
+        if not use_graphs and self.graphs is not None:  # (run forgets them itself)
             self.graphs.discard_ahead()
-        if logits is not None:
+        if graphed:
             out = ModelRunnerOutput({}, {}, {})
             sample_ids = [seq.request_id for seq in so.seqs]
             counts = [1] * len(sample_ids)
@@ -251,7 +252,7 @@ class ModelRunner:
                 return out
             logits = self._logits(hidden, rows)
         # A graph step's tokens go to the host with the next step launched ahead (cuda_graphs.py).
-        to_host = self.graphs.tokens_then_ahead if use_graphs and logits is not None and self.graphs.ahead else None
+        to_host = self.graphs.tokens_then_ahead if graphed and self.graphs.ahead else None
         tokens, logprobs = sample_rows(logits.float(), counts, [states[rid] for rid in sample_ids],
                                        [proposals.get(rid) for rid in sample_ids], self.generator, to_host)
         out.sampled = dict(zip(sample_ids, tokens))
