@@ -104,3 +104,31 @@ def test_the_bell_rings_after_each_frame_and_answering_resets_it() -> None:
         assert select.select([bell], [], [], 0)[0] == [bell]
     finally:
         os.close(bell)
+
+
+def test_a_frame_larger_than_the_buffer_reaches_a_reader_that_reads_only_on_the_bell() -> None:
+    """The front's loop reads only when the bell rings (core_client's `_drain`): a writer that
+    waited for room before ringing would wait forever on a frame the buffer cannot hold (prompt
+    logprobs of a long prompt; the kernel's default buffer is ~416 KiB, 8 KiB here)."""
+    import socket
+
+    front, child = socket_pair()
+    front.setblocking(False)
+    bell = doorbell()
+    try:
+        writer, reader = FrameWriter(child, bell), FrameReader(front)
+        child.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # after the writer raised it
+        frames = [os.urandom(1 << 20), b"after"]
+        sender = threading.Thread(target=lambda: [writer.send(f) for f in frames], daemon=True)
+        sender.start()
+        got: list[bytes] = []
+        while len(got) < len(frames):
+            assert select.select([bell], [], [], 5.0)[0] == [bell], "the writer waits for room the bell never asked for"
+            answer_bell(bell)
+            got += reader.read_ready()
+        sender.join(5.0)
+        assert got == frames and not sender.is_alive()
+    finally:
+        os.close(bell)
+        front.close()
+        child.close()

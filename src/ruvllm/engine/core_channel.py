@@ -19,12 +19,15 @@ A frame is a 4-byte little-endian length and that many bytes of one msgpack mess
 is shared by the core's threads (a call answered beside the loop): a lock keeps frames whole. It
 blocks when the socket's buffer is full (the front has stopped reading): as ZeroMQ's PUSH does at
 its high-water mark, so a stuck front holds the core back instead of its memory growing without
-bound; the buffer is raised to the kernel's limit first (megabytes: thousands of steps).
+bound; the buffer is raised to the kernel's limit first (net.core.wmem_max: 4 MiB on this machine,
+~208 KiB by default). Before it waits for room it rings the bell, so a reader that reads only when
+the bell rings drains the buffer and the rest of a frame larger than the buffer gets through.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import threading
@@ -74,13 +77,30 @@ class FrameWriter:
         """One frame, written whole before any other thread's (blocks while the buffer is full).
         BrokenPipeError / ConnectionResetError: the front is gone."""
         with self._lock:
+            header = _HEADER.pack(len(data))
+            total = len(data) + _HEADER.size
             # One system call for header and body: no copy of the body, and no second wake-up of
-            # the reader for half a frame.
-            sent = self._sock.sendmsg((_HEADER.pack(len(data)), data))
-            if sent < len(data) + _HEADER.size:  # only when the buffer filled meanwhile
-                self._sock.sendall((_HEADER.pack(len(data)) + data)[sent:])
-            if self._bell is not None:
-                os.eventfd_write(self._bell, 1)
+            # the reader for half a frame. Never blocking here: a reader that waits for the bell
+            # must hear it before the writer waits for room, or neither moves (a frame larger than
+            # the buffer: prompt logprobs, many embeddings; the default buffer is ~416 KiB).
+            try:
+                sent = self._sock.sendmsg((header, data), (), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent < total:
+                rest = memoryview(header + data)[sent:]
+                while rest:
+                    self._ring()  # the buffer is full: the reader drains it, then there is room
+                    select.select([], [self._sock], [])
+                    try:
+                        rest = rest[self._sock.send(rest, socket.MSG_DONTWAIT):]
+                    except BlockingIOError:
+                        pass
+            self._ring()
+
+    def _ring(self) -> None:
+        if self._bell is not None:
+            os.eventfd_write(self._bell, 1)
 
 
 class FrameReader:
