@@ -28,8 +28,7 @@ the pass's time (pull, publish, the term ahead: off the feedback's path).
 --cut (session 17): the frozen step on packed weights (no KL term: the update's own step) as it was
 before session 17 (the packed matmul and each micro-LoRA delta as separate autograd nodes, the
 sampled softmax's others drawn independently and their head rows gathered), with the fused
-projections (packed_linear.PackedLoraMatmul), with them and the strided draw (InstantConfig.draw), with
-them and the 8-bit backward (packed_linear.transposed_q8), and with those and the element-wise ops as
+projections (packed_linear.PackedLoraMatmul), with them and the 8-bit backward (packed_linear.transposed_q8), and with those and the element-wise ops as
 one autograd node each (learning/fused_ops.py: the default): arms alternating step by step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 30
@@ -254,8 +253,6 @@ def _session16_linear(layers: LearnedLayers, lora):  # noqa: ANN001, ANN202
 
 def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
     """--cut: session 17's changes to the step, arm by arm (see the docstring)."""
-    import dataclasses
-
     from ruvllm.layers.ops import torch_ops
 
     model = load_learning_model(src)[0]
@@ -264,15 +261,13 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     ref = torch_ops()  # the torch reference's element-wise ops, as before session 17
     before = LearnedLayers(model, n, "float32", ref)
     before._linear_for = lambda lora: _session16_linear(before, lora)
-    arms = {"before (session 16)": (before, "uniform"),
-            "fused projections": (LearnedLayers(model, n, "float32", ref), "uniform"),
-            "fused projections, strided draw": (LearnedLayers(model, n, "float32", ref), "strided"),
-            "fused projections, 8-bit backward": (LearnedLayers(model, n, "int8", ref), "uniform"),
-            "+ element-wise ops one node each (the default)": (LearnedLayers(model, n), "uniform")}
+    arms = {"before (session 16)": before,
+            "fused projections": LearnedLayers(model, n, "float32", ref),
+            "fused projections, 8-bit backward": LearnedLayers(model, n, "int8", ref),
+            "+ element-wise ops one node each (the default)": LearnedLayers(model, n)}
     runs = {}
-    for name, (layers, draw) in arms.items():
-        config = dataclasses.replace(InstantConfig(), draw=draw)
-        learner = InstantLearner(layers, config)
+    for name, layers in arms.items():
+        learner = InstantLearner(layers, InstantConfig())
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     times: dict[str, list[float]] = {name: [] for name in arms}
     loads = []

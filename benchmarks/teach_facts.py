@@ -102,7 +102,6 @@ def main() -> None:
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(value, bool) else type(value)
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
     ap.add_argument("--context", choices=["frozen", "full"], default=defaults.context)
-    ap.add_argument("--draw", choices=["strided", "uniform"], default=defaults.draw)
     ap.add_argument("--backward", choices=["int8", "float32"], default=defaults.backward)
     args = ap.parse_args()
 

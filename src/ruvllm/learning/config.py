@@ -40,15 +40,6 @@ class InstantConfig(Checked):
     hard_negatives: int = setting(32, "The base model's top tokens per target row kept as candidates.", minimum=0,
                                   cli=False)
     estimate_rest: bool = setting(True, "The drawn candidates stand for the rest of the vocabulary.", cli=False)
-    # How the `candidates` others are drawn (with `estimate_rest`; issue 37 item 1, session 17).
-    # "uniform": independently, their rows gathered into a new tensor (~5 MB a step on the default
-    # model); "strided": every (vocab // candidates)-th token of the output embedding from a random
-    # start, wrapping around (each token as likely to be drawn, candidates / vocab), the rows one or
-    # two strided views of the table that the products read in place, no copy. Measured no faster
-    # (the products read the same scattered rows either way; docs/learning.md, "Session 17"), so
-    # what is learned stays as it was.
-    draw: str = setting("uniform", "How the sampled softmax's others are drawn.", choices=("uniform", "strided"),
-                        cli=False)
     # More than one step per event, until the worst target token's loss falls under `target_nll`
     # (nats; 0: always `steps_per_event`): a fact that one step a correction does not carry through
     # sampling gets more, one already held gets one. Each step costs a step's time (docs/learning.md).

@@ -270,53 +270,19 @@ class InstantLearner:
         n, vocab = c.candidates, head.shape[0]
         if not n or n >= vocab:
             return rows @ head.t(), labels
-        if c.estimate_rest and c.draw == "strided":
-            others = None  # (drawn in _strided_logits)
-        else:
-            others = torch.randint(0, vocab, (n,), generator=self._gen)
+        others = torch.randint(0, vocab, (n,), generator=self._gen)
         if not c.estimate_rest:
             fixed = labels if negatives is None else torch.cat([labels, negatives])
             cands, inverse = torch.unique(torch.cat([fixed, others]), return_inverse=True)
             return rows @ head.index_select(0, cands).t(), inverse[:len(labels)]
         exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
                                       return_inverse=True)
-        if c.draw == "strided":
-            return self._strided_logits(rows, exact, inverse[:len(labels)])
         others = others[~torch.isin(others, exact)]
         # one product over both sets (as many head rows as before, plus the negatives), then the weight
         bias = torch.zeros(len(exact) + len(others))
         bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
         # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
         return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
-
-
-    def _strided_logits(self, rows: torch.Tensor, exact: torch.Tensor,
-                        index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_logits` with the others drawn strided (InstantConfig.draw): tokens start, start + s, ...
-        (mod vocab), s = vocab // candidates, start uniform, so each token is drawn with probability
-        candidates / vocab, as when drawn independently. Their rows are one or two strided views of
-        the output embedding (before and after the wrap), whose products read them in place: no
-        gathered copy. A drawn token among the exact ones (labels, hard negatives) is masked out
-        (-inf), and the kept ones weigh as the rest of the vocabulary, log(rest / kept), as `_logits`
-        does with independent draws."""
-        head, n = self.layers.head, self.config.candidates
-        vocab = head.shape[0]
-        stride = vocab // n
-        start = int(torch.randint(0, vocab, (1,), generator=self._gen))
-        first = min(n, (vocab - start + stride - 1) // stride)  # drawn before the wrap
-        views = [head[start::stride][:first]]
-        ids = [torch.arange(start, start + first * stride, stride)]
-        if first < n:
-            wrapped = start + first * stride - vocab
-            views.append(head[wrapped::stride][:n - first])
-            ids.append(torch.arange(wrapped, wrapped + (n - first) * stride, stride))
-        drawn = torch.cat(ids)
-        clash = torch.isin(drawn, exact)
-        weight = math.log((vocab - len(exact)) / max(n - int(clash.sum()), 1))
-        bias = torch.full((n,), weight).masked_fill_(clash, float("-inf"))
-        parts = [rows @ head.index_select(0, exact).t()] + [rows @ v.t() for v in views]
-        parts[1:] = [torch.cat(parts[1:], dim=1) + bias]
-        return torch.cat(parts, dim=1), index
 
 
 def _add_grads(lora: MicroLora, grads: list[torch.Tensor] | None) -> None:
