@@ -9,11 +9,13 @@ wakes. The pair is made by the front and one end is inherited by the child (no a
 connect), so the child's exit, however it comes, is an end of file here at once.
 
 An event loop does not watch the socket itself but a doorbell (an eventfd the core writes after
-each frame). A socket's data wakes its waiter as a "sync" wake-up, the kernel's hint that the writer
-is about to sleep, so the waiter is placed on the writer's CPU when that CPU runs nothing else; but
-the core goes straight on to its next step, and the front would then take its time from the core's
-serial part (scheduling, sampling) rather than from the CPU where an OpenMP worker waits. An eventfd's
-wake-up carries no such hint. It costs a system call on each side per step.
+each frame). The reason is read from the scheduler's code, not measured (on the loaded machine of
+session 17 no arm could be told from another; the quiet comparison was of ZeroMQ against socket and
+bell, not of the socket alone against the bell): a socket's data wakes its waiter as a "sync"
+wake-up, the kernel's hint that the writer is about to sleep, which places the waiter on the
+writer's CPU when that CPU runs nothing else; but the core goes straight on to its next step, and the
+front would then take its time from the core's serial part rather than from the CPU where an OpenMP
+worker waits. An eventfd's wake-up carries no such hint. It costs a system call on each side per step.
 
 A frame is a 4-byte little-endian length and that many bytes of one msgpack message. The writer
 is shared by the core's threads (a call answered beside the loop): a lock keeps frames whole. It
