@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from ruvllm.layers.ops import LayerOps, _torch_rms_norm, _torch_rope, cpu_ops
+from ruvllm.layers.ops import LayerOps, _torch_rms_norm, _torch_rope
 
 
 def _rms_backward(dh: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,8 +117,6 @@ class _QkvRope(Function):
 def learner_ops(ext: Any) -> LayerOps:
     """LayerOps for the learned layers: our kernels forward (`ext`: cpu_build.kernels()), one autograd
     node an op. Shapes the kernels do not take (a norm over heads' views) keep the torch reference."""
-    served = cpu_ops(ext)
-
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -140,4 +138,4 @@ def learner_ops(ext: Any) -> LayerOps:
     # (q/k norms: the models that have them take the layer's separate rms_norm and rope; the served
     # fused qk_norm_rope kernel has no backward here)
     return LayerOps(add_rms_norm=add_rms_norm, rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope=_torch_rope,
-                    qkv_rope=qkv_rope, name=f"learner({served.name})")
+                    qkv_rope=qkv_rope, name="learner(cpu)")

@@ -12,6 +12,7 @@ is its own: the learner attends over the one sequence without a cache.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
 from ruvllm.models.llama import LayerRun, LlamaForCausalLM, causal_attention
 from ruvllm.quant.linear import QuantLinear
+
+log = logging.getLogger(__name__)
 
 
 def load_learning_model(src: ModelSource, packed: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -220,8 +223,9 @@ class LearnedLayers:
                 continue
             try:
                 out[module_id] = transposed_q8(packed)
-            except (AssertionError, RuntimeError, ValueError):
-                continue
+            except (AssertionError, RuntimeError, ValueError) as exc:  # said, not silent: it is slower
+                log.info("layer %d %s_proj: no 8-bit transposed copy (%s); its backward keeps the float32 kernel",
+                         layer, fused, exc)
         return out
 
     def _linear_for(self, lora: MicroLora | None):  # noqa: ANN202

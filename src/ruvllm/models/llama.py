@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None, ops: LayerOps) -> torch.Tensor:
         return ops.add_rms_norm(x, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
 
-    def dense_run(self, ops: LayerOps, sequences: int = 1, lora: Callable | None = None,
+    def dense_run(self, ops: LayerOps, sequences: int = 1,
                   linear: Callable = nn.Module.__call__, context: dict[int, tuple] | None = None,
                   keep_kv: list | None = None) -> LayerRun:
         """A pass over whole sequences without a KV cache (the learner, calibration): causal attention
@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
                 keep_kv.append((k.detach(), v.detach()))
             return causal_attention(q, k, v, self.cfg.attention_scale, self.windows[i], sequences,
                                     None if context is None else context[i])
-        return LayerRun(ops, attend, lora, linear)
+        return LayerRun(ops, attend, None, linear)
 
     def _layer_loop(self) -> CpuLayerLoop | None:
         """The C++ layer loop for this model's weights (models/cpu_layer_loop.py), built on first use;
