@@ -82,3 +82,11 @@ def assert_default_model_follows(llm, adapter: str, ref: torch.nn.Module, base_l
                                      chunk, adapter)
         assert (ours - expected).abs().max().item() < atol
         assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def nonzero_b(lora: object, scale: float, seed: int = 0) -> None:
+    """Each B of a micro-LoRA drawn away from zero (seeded by its size, plus `seed`): at its initial
+    zero, A's gradients are zero too and a gradient check would pass on half the parameters unseen."""
+    with torch.no_grad():
+        for _, b in lora.weights.values():  # type: ignore[attr-defined]
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel() + seed)) * scale)

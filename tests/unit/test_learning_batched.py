@@ -13,6 +13,7 @@ from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.instant import InstantLearner, feedback_loss
 from ruvllm.learning.tail import LearnedLayers
 from tests.engine_fixtures import write_tiny_model
+from tests.lora_fixtures import nonzero_b
 
 EVENTS = [([5, 80, 23, 311, 42, 17, 260, 9, 131, 77], [7, 8, 9, 10], 1.0),
           ([12, 99, 4], [30, 31], -0.5),
@@ -41,9 +42,7 @@ def _one_by_one(learner: InstantLearner, state, preps) -> list[torch.Tensor]:  #
 def test_a_batched_step_is_the_mean_of_the_events_losses(layers: LearnedLayers, context: str) -> None:
     learner = InstantLearner(layers, InstantConfig(layers=2, candidates=0, context=context))
     state = learner.new_tenant(seed=5)
-    with torch.no_grad():  # B away from zero, so that every parameter has a gradient
-        for _, b in state.lora.weights.values():
-            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.1)
+    nonzero_b(state.lora, 0.1)
     preps = [learner.prepare(prompt, target) for prompt, target, _ in EVENTS]
     expected = _one_by_one(learner, state, preps)
     before = [p.detach().clone() for p in state.lora.parameters()]
@@ -70,9 +69,7 @@ def test_full_and_frozen_events_batched_together(layers: LearnedLayers) -> None:
     learners = {c: InstantLearner(layers, InstantConfig(layers=2, candidates=0, context=c)) for c in ("full", "frozen")}
     learner = learners["full"]
     state = learner.new_tenant(seed=7)
-    with torch.no_grad():
-        for _, b in state.lora.weights.values():
-            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel() + 1)) * 0.1)
+    nonzero_b(state.lora, 0.1, seed=1)
     preps = [learners[c].prepare(prompt, target) for c, (prompt, target, _) in zip(("frozen", "full", "frozen"), EVENTS)]
     expected = _one_by_one(learner, state, preps)
     learner.step_events(state, [(p, s) for p, (_, _, s) in zip(preps, EVENTS)])

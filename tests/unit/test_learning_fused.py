@@ -18,6 +18,7 @@ from ruvllm.learning.tail import LearnedLayers
 from ruvllm.quant import cpu_matmul
 from ruvllm.quant.rtn import quantize_int4
 from tests.engine_fixtures import write_tiny_model
+from tests.lora_fixtures import nonzero_b
 
 needs_kernels = pytest.mark.skipif(kernels() is None, reason="our C++ kernels do not build here")
 
@@ -161,9 +162,7 @@ def test_the_learned_layers_with_the_learner_ops_learn_as_with_the_reference(lay
     for which in (layers, reference):
         learner = InstantLearner(which, config)
         state = learner.new_tenant(seed=5)
-        with torch.no_grad():  # B away from zero, so that A's gradients are not zero too
-            for _, b in state.lora.weights.values():
-                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05)
+        nonzero_b(state.lora, 0.05)
         prep = learner.prepare(prompt, target)
         rows = learner._rows(prep, state.lora)
         loss = F.cross_entropy(rows @ which.head.t(), torch.tensor(target))

@@ -23,6 +23,7 @@ from ruvllm.learning.packed_linear import grad_input, packed_linear
 from ruvllm.quant import cpu_matmul
 from ruvllm.quant.llamacpp import quantize_q8
 from ruvllm.quant.rtn import quantize_int4, quantize_int8
+from tests.lora_fixtures import nonzero_b
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="our C++ kernels do not build here")
 
@@ -94,9 +95,7 @@ def test_a_step_on_the_packed_weights_matches_the_float32_reference(default_mode
     for layers in (packed_layers, float_layers):
         learner = InstantLearner(layers, config)
         state = learner.new_tenant(seed=3)
-        with torch.no_grad():  # B away from zero, so that A's gradients are not zero too
-            for _, b in state.lora.weights.values():
-                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05)
+        nonzero_b(state.lora, 0.05)
         prep = learner.prepare(prompt, target)
         if layers is packed_layers:  # the same hidden states entering the learned layers in both
             float_prep = InstantLearner(float_layers, config).prepare(prompt, target)
@@ -124,9 +123,7 @@ def test_the_last_layer_skips_the_rows_nobody_reads(default_models, form: str) -
     layers = LearnedLayers(model, 2)
     learner = InstantLearner(layers, InstantConfig(layers=2))
     lora = learner.new_tenant(seed=4).lora
-    with torch.no_grad():
-        for _, b in lora.weights.values():
-            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.05)
+    nonzero_b(lora, 0.05)
     ids = [1, 9690, 198, 2683, 314, 260, 3575, 282, 34106, 47, 2, 198, 504, 3575]
     h = hidden_before(model, ids, layers.first)
     outs, grads = [], []
