@@ -356,12 +356,7 @@ class ProcessCoreClient(_OneCore):
             try:
                 frames = self._reader.read()  # waits up to a liveness poll (the socket's timeout)
             except TimeoutError:
-                frames = []
-                if self.process.poll() is not None:  # what it wrote just before it went
-                    self._out.settimeout(0.0)
-                    frames = self._reader.read_ready()
-                    self._reader.eof = True
-                    self._out.settimeout(_LIVENESS_POLL_S)
+                frames = self._last_words() if self.process.poll() is not None else []
             for i, data in enumerate(frames):
                 msg = self._decoder.decode(data)
                 if isinstance(msg, Ready):
@@ -373,6 +368,25 @@ class ProcessCoreClient(_OneCore):
                 raise EngineDeadError(f"the engine core process exited with code {self._exit_code()} "
                                       "while loading the model")
         raise EngineDeadError(f"the engine core did not start within {timeout:.0f} s")
+
+    def _last_words(self) -> list[bytes]:
+        """The frames a child that has exited wrote just before it went (they may say why), read
+        without waiting from the receiving thread's socket; its end of file marked."""
+        self._out.settimeout(0.0)
+        try:
+            return self._reader.read_ready()
+        finally:
+            self._reader.eof = True
+            self._out.settimeout(_LIVENESS_POLL_S)
+
+    def _handle(self, frames: list[bytes]) -> bool:
+        """On the receiving thread: each frame's message handed on; False once the core has failed."""
+        for data in frames:
+            msg = self._decoder.decode(data)
+            self._on_message(msg)
+            if isinstance(msg, CoreFailed):
+                return False
+        return True
 
     def _exit_code(self) -> int | str:
         """The child's exit code, once its end of the socket has closed (its exit follows at once)."""
@@ -510,11 +524,8 @@ class ProcessCoreClient(_OneCore):
         try:
             frames, self._backlog = self._backlog, []
             while True:
-                for data in frames:
-                    msg = self._decoder.decode(data)
-                    self._on_message(msg)
-                    if isinstance(msg, CoreFailed):
-                        return
+                if not self._handle(frames):
+                    return
                 frames = []
                 if self._handover.is_set():
                     return
@@ -528,12 +539,8 @@ class ProcessCoreClient(_OneCore):
                     self._exit_code()
                 # Nothing came within a liveness poll, or the end of file: is the child still there?
                 if self.process.poll() is not None:
-                    if not self._reader.eof:  # what it wrote just before it went may say why
-                        self._out.settimeout(0.0)
-                        for data in self._reader.read_ready():
-                            self._on_message(msg := self._decoder.decode(data))
-                            if isinstance(msg, CoreFailed):
-                                return
+                    if not self._reader.eof and not self._handle(self._last_words()):
+                        return
                     if not self._stopping.is_set():
                         self._die(EngineDeadError(f"the engine core process exited unexpectedly "
                                                   f"(exit code {self.process.returncode})"))
