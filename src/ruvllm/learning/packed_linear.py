@@ -94,8 +94,8 @@ class PackedLoraMatmul(torch.autograd.Function):
     the pad to the fused width, the add), but one node in the graph instead of a dozen, each
     delta added in place into the fresh output, and the backward written out: the input gradient
     through the packed weights plus each delta's, and A's and B's gradients from the saved rank-r
-    product. At a dozen rows the step's matmuls are small and autograd's per-node bookkeeping was
-    as large as the LoRA's arithmetic (docs/learning.md, "Session 17"). Old-style forward(ctx, ...):
+    product. At a dozen rows the step's matmuls are small, so each autograd node's bookkeeping
+    counts; one node instead of several measured ~2% of the step (docs/learning.md, "Session 17"). Old-style forward(ctx, ...):
     a Function with setup_context has its arguments bound through inspect.signature at every call.
     """
 
