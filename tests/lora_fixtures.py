@@ -89,4 +89,5 @@ def nonzero_b(lora: object, scale: float, seed: int = 0) -> None:
     zero, A's gradients are zero too and a gradient check would pass on half the parameters unseen."""
     with torch.no_grad():
         for _, b in lora.weights.values():  # type: ignore[attr-defined]
-            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel() + seed)) * scale)
+            draw = torch.Generator().manual_seed(b.numel() + seed)
+            b.copy_(torch.randn(b.shape, generator=draw) * scale)

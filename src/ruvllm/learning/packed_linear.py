@@ -95,8 +95,9 @@ class PackedLoraMatmul(torch.autograd.Function):
     delta added in place into the fresh output, and the backward written out: the input gradient
     through the packed weights plus each delta's, and A's and B's gradients from the saved rank-r
     product. At a dozen rows the step's matmuls are small, so each autograd node's bookkeeping
-    counts; one node instead of several measured ~2% of the step (docs/learning.md, "Session 17"). Old-style forward(ctx, ...):
-    a Function with setup_context has its arguments bound through inspect.signature at every call.
+    counts; one node instead of several measured ~2% of the step (docs/learning.md, "Session 17").
+    Old-style forward(ctx, ...): a Function with setup_context has its arguments bound through
+    inspect.signature at every call.
     """
 
     @staticmethod

@@ -175,7 +175,8 @@ class DecodeGraphs:
         return (step.tokens is not None and len(seqs) == len(step.request_ids)
                 and all(s.request_id == rid and s.start_position == p and s.token_ids[0] == t
                         and s.block_table[:p // bs + 1] == table
-                        for s, rid, p, t, table in zip(seqs, step.request_ids, step.positions, step.tokens, step.tables)))
+                        for s, rid, p, t, table
+                        in zip(seqs, step.request_ids, step.positions, step.tokens, step.tables)))
 
     def discard_ahead(self) -> None:
         """Forget the replays in flight (a step that runs without a graph calls this)."""
