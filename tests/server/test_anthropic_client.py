@@ -256,7 +256,7 @@ def test_stop_reasons() -> None:
     context window cut before it (which needs a prompt of the whole window to run) is its own reason."""
     from ruvllm.outputs import CompletionOutput
     from ruvllm.request import FinishReason
-    from ruvllm.server.anthropic_api import _stop
+    from ruvllm.server.anthropic_output import _stop
 
     def out(reason: FinishReason, n: int, stop: str | int | None = None) -> CompletionOutput:
         return CompletionOutput(0, "x", list(range(n)), reason, stop)

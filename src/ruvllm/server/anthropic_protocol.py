@@ -3,7 +3,7 @@
 Every model accepts fields it does not know and ignores them (extra="allow"): Anthropic adds fields to
 its clients often (Claude Code sends new ones with each release), and a schema that refused them
 broke other servers the day a client updated. Content blocks stay plain dicts here: their kinds are
-many and growing, so anthropic_api.py reads the ones it serves and names the ones it cannot.
+many and growing, so anthropic_translate.py reads the ones it serves and names the ones it cannot.
 """
 
 from __future__ import annotations

@@ -137,31 +137,14 @@ async def _embed(st: ServerState, request: Request, prompts: list[list[int]], mo
     client left first (its requests are aborted)."""
     tenant = tenant_of(request, user)
     adapter = st.check_model(model, tenant)
-    slots = min(len(prompts), st.engine.info.max_num_seqs)
-    st.admission.acquire(slots, "input")
-    labels = (st.metrics.model, request.url.path)
     start = time.monotonic()
-    task = asyncio.create_task(st.service.embed(
+    outs = await st.admitted(request, len(prompts), "input", lambda slots: st.service.embed(
         st.engine, st.admission.next_id("embd-"), tenant, adapter, prompts, Priority[(priority or "normal").upper()],
         concurrency=slots))
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                return None
-        outs = task.result()  # raises what the engine raised
-    finally:
-        if not task.done():  # the client is gone, or this wait was cancelled: every input is aborted
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        st.admission.release(slots)
-    m = st.metrics
-    m.e2e.labels(*labels).observe(time.monotonic() - start)
-    m.prompt_tokens.labels(*labels).inc(sum(out.num_prompt_tokens for out in outs))
-    m.request_success.labels(*labels, "stop").inc(len(outs))
-    for out in outs:
-        if out.queue_time is not None:
-            m.queue_time.labels(*labels).observe(out.queue_time)
+    if outs is None:
+        return None
+    st.metrics.pooled(request.url.path, [out.num_prompt_tokens for out in outs], [out.queue_time for out in outs],
+                      time.monotonic() - start)
     return outs
 
 

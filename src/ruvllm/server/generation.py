@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 RETRY_AFTER_S = 1  # capacity frees as fast as sequences finish: seconds, not minutes
+T = TypeVar("T")
 
 
 @dataclass
@@ -184,6 +185,18 @@ class ServerState:
             raise
         return Run(following, tracker, adapter or self.cfg.served_model_name)
 
+    async def admitted(self, request: Request, n: int, param: str,
+                       work: Callable[[int], Coroutine[Any, Any, T]]) -> T | None:
+        """`work(slots)` for a call of `n` pooled inputs (embeddings, scored pairs), holding `slots`
+        admission slots: at most the engine's running cap of its inputs in the engine at once, so a
+        large call waits for slots of its own rather than being refused. None when the client left first."""
+        slots = min(n, self.engine.info.max_num_seqs)
+        self.admission.acquire(slots, param)
+        try:
+            return await unless_client_leaves(request, work(slots))
+        finally:
+            self.admission.release(slots)
+
 
 async def state(request: Request) -> ServerState:
     """The state of the model the request is for. One model (`ruvllm serve MODEL`): that model's, and
@@ -247,23 +260,30 @@ class Run:
     async def collect(self, request: Request) -> list[RequestOutput] | None:
         """Wait for the final outputs; None if the client went away first (its requests are aborted)."""
 
-        async def consume() -> None:
+        async def consume() -> list[RequestOutput]:
             async with aclosing(self.following):
                 async for _ in self.following:
                     pass
-
-        task = asyncio.create_task(consume())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    return None
-            await task  # raises what the engine raised
             return self.finish()
-        finally:
-            if not task.done():  # the client is gone, or this wait was cancelled
-                task.cancel()  # raises inside the output stream, which aborts every engine request
-                await asyncio.gather(task, return_exceptions=True)
+
+        return await unless_client_leaves(request, consume())
+
+
+async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """What `work` returns (or raises), or None when the client left first: then, as when this wait is
+    cancelled, `work` is cancelled, which raises inside its engine requests' streams and aborts them.
+    `work` never returns None itself. A client that left is seen by asking, every quarter second."""
+    task = asyncio.create_task(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                return None
+        return task.result()  # raises what the engine raised
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class _Stream(StreamingResponse):

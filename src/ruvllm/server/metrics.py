@@ -101,6 +101,18 @@ class ServerMetrics:
 
 
 
+    def pooled(self, endpoint: str, prompt_lengths: list[int], queue_times: list[float | None],
+               seconds: float) -> None:
+        """A call of pooled inputs (embeddings, scored pairs: nothing generated): its latency, its prompt
+        tokens, each input a success, and each one's wait in the queue."""
+        labels = (self.model, endpoint)
+        self.e2e.labels(*labels).observe(seconds)
+        self.prompt_tokens.labels(*labels).inc(sum(prompt_lengths))
+        self.request_success.labels(*labels, "stop").inc(len(prompt_lengths))
+        for q in queue_times:
+            if q is not None:
+                self.queue_time.labels(*labels).observe(q)
+
     def for_model(self, model: str) -> ServerMetrics:
         """The same series (one registry) with requests labelled `model`: a many-model server's view per model."""
         view = copy.copy(self)
