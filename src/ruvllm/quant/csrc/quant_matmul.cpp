@@ -45,6 +45,7 @@ constexpr int64_t TILE_N = 4;   // weight rows decoded together and reused acros
 // up late; this took one decode step's matmuls from ~10 to ~5.4 ms here (2-core Zen 3), and 2 tiles
 // (~2 KB) ahead measured as well as 6 and better than 16.
 constexpr int64_t PF_TILES = 2;
+constexpr int TC8 = 2;  // rows of x a DecodedTile8 pass takes together (3 measured slower: registers spill)
 
 // One row of x as int8 blocks: codes, the block's scale (absmax / 127) and the sum of its codes.
 struct QuantRows {
@@ -169,6 +170,34 @@ struct Block {
   __m128 scale, offset;
 };
 
+// 8-bit weights decoded for more than 2 rows of x: each weight row's |codes| (maddubs' unsigned
+// side) made once, with the codes themselves (x takes their signs), so a row of x costs one sign
+// operation a block where dot_u8s8(sign(c, c), sign(x, c)) costs two: 1.05-1.18x at 3-128 rows on
+// AVX2 (docs/learning.md, session 18). The products and their lanes are the same exact integers, so
+// every float operation after them, and every bit of y, is tile_rows' (test_cpu_matmul_order.py).
+struct Block8 {
+  __m256i mag[TILE_N], sgn[TILE_N];
+  __m128 scale;
+};
+
+struct DecodedTile8 {
+  std::vector<Block8> blocks;  // [K/32]
+
+  void decode(const uint8_t* codes, const uint16_t* scales, int64_t K, int64_t ng, int64_t per_group, int64_t n0) {
+    blocks.resize(K / QK);
+    for (int64_t b = 0; b < K / QK; ++b) {
+      Block8& out = blocks[b];
+      for (int r = 0; r < TILE_N; ++r) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (n0 + r) * K + b * QK));
+        out.sgn[r] = c;
+        out.mag[r] = _mm256_sign_epi8(c, c);
+      }
+      const int64_t g = (n0 / TILE_N * ng + b / per_group) * TILE_N;
+      out.scale = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + g)));
+    }
+  }
+};
+
 // Decodes a tile's blocks from the packed weights as they are read (for few rows of x: nothing is
 // stored between the decode and its use).
 struct PackedTile {
@@ -272,6 +301,40 @@ inline void tile_rows(const Tile& w, const QuantRows& xr, const float* xsum, int
   }
 }
 
+// tile_rows for 8-bit weights over a DecodedTile8 (TC rows of x from t0): the same float operations.
+template <int TC>
+inline void tile_rows8(const DecodedTile8& w, const QuantRows& xr, int64_t t0, int64_t K, int64_t N, int64_t n0,
+                       float* y) {
+  const int64_t nb = K / QK;
+  const int8_t* xq = xr.q.data() + t0 * K;
+  const float* xs = xr.scale.data() + t0 * nb;
+  __m256 acc[TC][TILE_N];
+  for (int t = 0; t < TC; ++t)
+    for (int r = 0; r < TILE_N; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block8& blk = w.blocks[b];
+    const __m256 wscale = _mm256_set_m128(blk.scale, blk.scale);
+    for (int t = 0; t < TC; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * QK));
+      const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(xs[t * nb + b]), wscale);
+      auto unit = [&](auto rc) {
+        constexpr int r = decltype(rc)::value;
+        const __m256i d = dot_u8s8(blk.mag[r], _mm256_sign_epi8(x, blk.sgn[r]));
+        acc[t][r] = _mm256_fmadd_ps(_mm256_permute_ps(sc, r * 0x55), _mm256_cvtepi32_ps(d), acc[t][r]);
+      };
+      unit(std::integral_constant<int, 0>{});
+      unit(std::integral_constant<int, 1>{});
+      unit(std::integral_constant<int, 2>{});
+      unit(std::integral_constant<int, 3>{});
+    }
+  }
+  for (int t = 0; t < TC; ++t) {
+    alignas(16) float e[TILE_N];  // tile_rows' zero-point part: zero for 8-bit weights
+    _mm_store_ps(e, _mm_setzero_ps());
+    for (int r = 0; r < TILE_N; ++r) y[(t0 + t) * N + n0 + r] = hsum(acc[t][r]) + e[r];
+  }
+}
+
 // Every row of x against one tile: pairs of rows, then the odd one.
 template <bool INT4, typename Tile>
 inline void all_rows(const Tile& w, const QuantRows& xr, const float* xsum, int64_t T, int64_t K, int64_t N,
@@ -355,6 +418,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   at::parallel_for(0, N / TILE_N, 1, [&](int64_t i0, int64_t i1) {
 #if defined(RUVLLM_AVX2)
     DecodedTile decoded;
+    DecodedTile8 decoded8;
     PackedTile packed{int4, cp, sp, zp, K, ng, per_group, 0};
 #endif
     for (int64_t i = i0; i < i1; ++i) {
@@ -365,9 +429,15 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
         else all_rows<false>(packed, xr, xsum.data(), T, K, N, packed.n0, yp);
         continue;
       }
+      if (!int4) {
+        decoded8.decode(cp, sp, K, ng, per_group, packed.n0);
+        int64_t t = 0;
+        for (; t + TC8 <= T; t += TC8) tile_rows8<TC8>(decoded8, xr, t, K, N, packed.n0, yp);
+        for (; t < T; ++t) tile_rows8<1>(decoded8, xr, t, K, N, packed.n0, yp);
+        continue;
+      }
       decoded.decode(packed);
-      if (int4) all_rows<true>(decoded, xr, xsum.data(), T, K, N, packed.n0, yp);
-      else all_rows<false>(decoded, xr, xsum.data(), T, K, N, packed.n0, yp);
+      all_rows<true>(decoded, xr, xsum.data(), T, K, N, packed.n0, yp);
 #else
       tile_rows_scalar(int4, cp, sp, zp, ng, per_group, xr, xsum.data(), T, K, N, i * TILE_N, yp);
 #endif
