@@ -44,6 +44,7 @@ their shared rows once: `anchor.kl_mean`), the backward of both, Adam.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -121,16 +122,20 @@ def _update(args: argparse.Namespace) -> None:
     everyday = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
                 "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=32)
-    arms = [(context, ahead) for context in args.contexts.split(",") for ahead in (False, True)]
+    # (context, the term ahead, the quantized matmul at --kernel-rev): session 18's kernel against the
+    # one before it on the default method
+    arms = [(context, ahead, old) for context in args.contexts.split(",")
+            for ahead, old in ((False, False), (True, True), (True, False))]
+    matmuls = {True: _kernel_at(args.kernel_rev), False: None}
     with tempfile.TemporaryDirectory() as tmp:
         learner = llm.enable_learning(LearningConfig(root=tmp, threads=args.threads))
         base = learner.config
         asked = {}
-        for context, ahead in arms:
-            tenant = f"{context}-{'ahead' if ahead else 'inline'}"
+        for context, ahead, old in arms:
+            tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}"
             llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
                      tenant=tenant)
-            asked[(context, ahead)] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
+            asked[(context, ahead, old)] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
                                                        SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
         step: dict = {arm: [] for arm in arms}
         publish: dict = {arm: [] for arm in arms}
@@ -138,21 +143,23 @@ def _update(args: argparse.Namespace) -> None:
         loads = []
         for i in range(args.steps):
             for arm in arms if i % 2 == 0 else arms[::-1]:
-                context, ahead = arm
+                context, ahead, old = arm
                 tenant, out = asked[arm]
                 instant = dataclasses.replace(base.instant, context=context)
                 learner.config = dataclasses.replace(base, instant=instant)
                 learner.instant.config = instant
                 # the learner before: the completions' KL one by one, no rows shared
                 learner_module.kl_mean = kl_mean if ahead else one_by_one
-                result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
+                with _matmul(matmuls[old]):
+                    result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
                 learner_module.kl_mean = kl_mean
                 step[arm].append(result.step_ms)
                 publish[arm].append(result.publish_ms)
                 if not ahead:  # the learner before: the term always in the step, never computed ahead
                     learner._ahead = lambda scope: None
                 t = time.perf_counter()
-                learner.consolidate()  # as the server's background loop does after each update
+                with _matmul(matmuls[old]):
+                    learner.consolidate()  # as the server's background loop does after each update
                 passes[arm].append((time.perf_counter() - t) * 1000)
                 learner.__dict__.pop("_ahead", None)
             loads.append(os.getloadavg()[0])
@@ -162,7 +169,8 @@ def _update(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     for arm in arms:
         t = step[arm][2:]
-        what = "now: computed ahead, batched" if arm[1] else "before: in the step, one by one"
+        what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
+        what += f" (the kernel at {args.kernel_rev})" if arm[2] else " (the tree's kernel)" if arm[1] else ""
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -261,30 +269,70 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     ref = torch_ops()  # the torch reference's element-wise ops, as before session 17
     before = LearnedLayers(model, n, "float32", ref)
     before._linear_for = lambda lora: _session16_linear(before, lora)
+    old_kernel = f"session 17's default (the kernel at {args.kernel_rev})"
     arms = {"before (session 16)": before,
             "fused projections": LearnedLayers(model, n, "float32", ref),
             "fused projections, 8-bit backward": LearnedLayers(model, n, "int8", ref),
-            "+ element-wise ops one node each (the default)": LearnedLayers(model, n)}
+            "+ element-wise ops one node each": LearnedLayers(model, n),
+            old_kernel: LearnedLayers(model, n),
+            "session 18 (the default)": LearnedLayers(model, n)}
+    # session 18's arm against the quantized matmul as it was at --kernel-rev (built alone, as
+    # benchmarks/quant_matmul_rows.py --compare-with does), swapped in for its arm's steps
+    matmuls = {old_kernel: _kernel_at(args.kernel_rev)}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     times: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
     loads = []
     for i in range(args.steps):
         for name in arms if i % 2 == 0 else list(arms)[::-1]:
             learner, prep, state = runs[name]
-            t = time.perf_counter()
-            learner.step(state, prep, 1.0)
-            times[name].append((time.perf_counter() - t) * 1000)
+            with _matmul(matmuls.get(name)):
+                t, c = time.perf_counter(), time.process_time()
+                learner.step(state, prep, 1.0)
+                times[name].append((time.perf_counter() - t) * 1000)
+                cpu[name].append((time.process_time() - c) * 1000)
         loads.append(os.getloadavg()[0])
     print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
           f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {len(prompt)} + target "
           f"{len(target)} tokens")
-    print("| the step | p50 | p90 |")
-    print("|---|---|---|")
+    print("| the step | p50 | p90 | CPU p50 (all threads) |")
+    print("|---|---|---|---|")
     for name, v in times.items():
-        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms |")
+        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
+              f"{statistics.median(cpu[name][2:]):.1f} ms |")
+
+
+def _kernel_at(rev: str):  # noqa: ANN202
+    """cpu_matmul.matmul with the quantized matmul's source as it was at git revision `rev`."""
+    from quant_matmul_rows import source_at, standalone
+
+    from ruvllm.quant import cpu_matmul
+
+    fn = standalone(source_at(rev))
+
+    def matmul(x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = fn(xf, w.codes, w.scales, w.zeros, w.group, w.int4)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    return matmul
+
+
+@contextlib.contextmanager
+def _matmul(fn):  # noqa: ANN001, ANN202
+    """cpu_matmul.matmul swapped for `fn` (None: as it is) within the block."""
+    from ruvllm.quant import cpu_matmul
+
+    if fn is None:
+        yield
+        return
+    kept, cpu_matmul.matmul = cpu_matmul.matmul, fn
+    try:
+        yield
+    finally:
+        cpu_matmul.matmul = kept
 
 
 def main() -> None:
@@ -299,6 +347,9 @@ def main() -> None:
     ap.add_argument("--update", action="store_true", help="the whole update through the Learner (KL term on)")
     ap.add_argument("--phases", action="store_true", help="per-phase timers of a step with the KL term in it")
     ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
+    ap.add_argument("--kernel-rev", default="7a2d421",
+                    help="--cut and --update: an arm with the quantized matmul's source at this git revision "
+                         "(default: before session 18's 8-bit path)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.update:

@@ -63,7 +63,8 @@ def test_the_transposed_8bit_copy_gives_the_input_gradient(form: str) -> None:
     """dequantize reads the packed codes as the kernels do (the float32 backward of identity rows is
     W itself); the 8-bit backward over transposed_q8(W) is dY . W within its rounding (dY and the
     copy to 8 bits a block: ~1% of the norm), and each of its rows is the same alone and batched."""
-    from ruvllm.learning.packed_linear import dequantize, grad_input, transposed_q8
+    from ruvllm.learning.packed_linear import grad_input, transposed_q8
+    from ruvllm.quant.cpu_matmul import dequantize
     from ruvllm.quant.rtn import quantize_int8
 
     g = torch.Generator().manual_seed(11)

@@ -163,14 +163,7 @@ class InstantLearner:
             if done:
                 fb += time.perf_counter() - t0  # (this forward only checked the loss)
                 break
-            if extra is not None:
-                loss = loss + extra(state.lora)
-            state.opt.zero_grad()
-            loss.backward()
-            _add_grads(state.lora, ahead)
-            t1 = time.perf_counter()
-            state.opt.step()
-            state.steps += 1
+            t1 = _descend(state, loss, extra, ahead)
             taken += 1
             fb, opt = fb + t1 - t0, opt + time.perf_counter() - t1
             if taken >= c.steps_per_event:
@@ -211,14 +204,7 @@ class InstantLearner:
         own = [float(value.detach()) for value in losses]
         loss = torch.stack(losses).mean()
         reported = float(loss.detach())
-        if extra is not None:
-            loss = loss + extra(state.lora)
-        state.opt.zero_grad()
-        loss.backward()
-        _add_grads(state.lora, ahead)
-        t1 = time.perf_counter()
-        state.opt.step()
-        state.steps += 1
+        t1 = _descend(state, loss, extra, ahead)
         return StepTiming(t1 - t0, time.perf_counter() - t1, reported, 1, reported, own)
 
     def consolidate(self, state: TenantState, steps: int = 1) -> float:
@@ -283,6 +269,22 @@ class InstantLearner:
         bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
         # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
         return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
+
+
+def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora], torch.Tensor] | None,
+             ahead: list[torch.Tensor] | None) -> float:
+    """One Adam step of the tenant's micro-LoRA down `loss` (plus `extra`'s term, plus the `ahead`
+    gradients): step's and step_events' shared end. Returns when the backward ended (perf_counter),
+    where the optimizer's time begins."""
+    if extra is not None:
+        loss = loss + extra(state.lora)
+    state.opt.zero_grad()
+    loss.backward()
+    _add_grads(state.lora, ahead)
+    t1 = time.perf_counter()
+    state.opt.step()
+    state.steps += 1
+    return t1
 
 
 def _add_grads(lora: MicroLora, grads: list[torch.Tensor] | None) -> None:

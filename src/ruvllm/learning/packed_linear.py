@@ -16,7 +16,6 @@ import torch
 
 from ruvllm.cpu_build import kernels
 from ruvllm.quant import cpu_matmul
-from ruvllm.quant.cpu_matmul import BLOCK
 
 
 def grad_input(dy: torch.Tensor, w: cpu_matmul.Packed, wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
@@ -29,25 +28,6 @@ def grad_input(dy: torch.Tensor, w: cpu_matmul.Packed, wt: cpu_matmul.Packed | N
     return ext.quant_matmul_grad_input(dy.float().contiguous(), w.codes, w.scales, w.zeros, w.group, w.int4)
 
 
-def dequantize(w: cpu_matmul.Packed) -> torch.Tensor:
-    """The float32 [N, K] matrix a packed weight stands for, as the kernels read it: int4 (q - 8) *
-    scale + zero, int8 q * scale, the scales and zeros in float16 (cpu_matmul.pack's layout undone)."""
-    n = w.codes.shape[0]
-    if w.int4:
-        c = w.codes.reshape(n, -1, BLOCK // 2)  # a block's 16 bytes: codes j (low) and 16 + j (high)
-        q = torch.stack([c & 0x0F, c >> 4], dim=2).reshape(n, -1).float() - 8.0
-    else:
-        q = w.codes.float()
-    k = q.shape[1]
-
-    def per_input(t: torch.Tensor) -> torch.Tensor:  # [N/4, K/group, 4] float16 bits -> [N, K]
-        t = t.view(torch.float16).transpose(1, 2).reshape(n, -1).float()
-        return t.repeat_interleave(w.group, dim=1) if w.group != k else t.expand(n, k)
-
-    out = q * per_input(w.scales)
-    return out + per_input(w.zeros) if w.zeros is not None else out
-
-
 def transposed_q8(w: cpu_matmul.Packed) -> cpu_matmul.Packed:
     """W's transpose [K, N] in 8 bits per block of 32 outputs (Q8_0), for the input gradient's
     integer kernel (issue 37 item 1, session 17: docs/learning.md). The backward's reduction runs
@@ -58,43 +38,18 @@ def transposed_q8(w: cpu_matmul.Packed) -> cpu_matmul.Packed:
     forward's activations are: the same straight-through estimate."""
     from ruvllm.quant.llamacpp import quantize_q8
 
-    return cpu_matmul.pack(quantize_q8(dequantize(w).t().contiguous()))
-
-
-class PackedMatmul(torch.autograd.Function):
-    """y = x . W^T over a packed W (cpu_matmul.Packed), differentiable in x only."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: cpu_matmul.Packed,  # type: ignore[override]
-                wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
-        # (old-style, ctx first: with setup_context, apply binds the arguments through
-        # inspect.signature at every call, ~20 us each, a dozen calls a step)
-        ctx.w, ctx.wt = w, wt
-        return cpu_matmul.matmul(x, w)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        # (autograd asks only where x needs it: not for the first learned layer's q/k/v, whose
-        # input comes from the frozen layers below)
-        return (grad_input(dy, ctx.w, ctx.wt) if ctx.needs_input_grad[0] else None), None, None
-
-
-def packed_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None = None,
-                  wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
-    """x . W^T (+ bias) over packed W; its backward through `wt` (transposed_q8(W)) when given."""
-    y = PackedMatmul.apply(x, w, wt)
-    return y if bias is None else y + bias
+    return cpu_matmul.pack(quantize_q8(cpu_matmul.dequantize(w).t().contiguous()))
 
 
 class PackedLoraMatmul(torch.autograd.Function):
     """y = x . W^T (+ bias) over a packed W, with micro-LoRA deltas scaling * (x A^T) B^T added into
     column spans of y (a fused projection's learned pieces), as one autograd node (issue 37 item 1).
 
-    The same arithmetic as PackedMatmul followed by the deltas' five ops (two products, the scale,
-    the pad to the fused width, the add), but one node in the graph instead of a dozen, each
-    delta added in place into the fresh output, and the backward written out: the input gradient
-    through the packed weights plus each delta's, and A's and B's gradients from the saved rank-r
-    product. At a dozen rows the step's matmuls are small, so each autograd node's bookkeeping
+    The packed matmul followed by the deltas' five ops (two products, the scale, the pad to the
+    fused width, the add), but one node in the graph instead of a dozen, each delta added in place
+    into the fresh output, and the backward written out: the input gradient through the packed
+    weights plus each delta's, and A's and B's gradients from the saved rank-r product. With no
+    pieces it is the packed matmul alone (packed_linear), differentiable in x only. At a dozen rows the step's matmuls are small, so each autograd node's bookkeeping
     counts; one node instead of several measured ~2% of the step (docs/learning.md, "Session 17").
     Old-style forward(ctx, ...): a Function with setup_context has its arguments bound through
     inspect.signature at every call.
@@ -143,3 +98,10 @@ def packed_lora_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor
     input gradient through `wt` (transposed_q8(W)) when given."""
     spans = tuple((lo, hi) for lo, hi, _, _ in pieces)
     return PackedLoraMatmul.apply(x, w, wt, bias, scaling, spans, *[t for _, _, a, b in pieces for t in (a, b)])
+
+
+def packed_linear(x: torch.Tensor, w: cpu_matmul.Packed, bias: torch.Tensor | None = None,
+                  wt: cpu_matmul.Packed | None = None) -> torch.Tensor:
+    """x . W^T (+ bias) over packed W, differentiable in x (its backward through `wt`,
+    transposed_q8(W), when given): PackedLoraMatmul without pieces."""
+    return PackedLoraMatmul.apply(x, w, wt, bias, 1.0, ())

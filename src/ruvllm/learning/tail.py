@@ -233,23 +233,23 @@ class LearnedLayers:
         learned pieces (q, k, v of the fused qkv; gate, up). On packed weights one autograd node
         does both (packed_linear.PackedLoraMatmul); on float weights F.linear, then each learned
         piece's delta added where it lies (no split and concatenation of the whole output)."""
-        cfg, projections, transposed = self.cfg, self._projections, self._transposed
+        cfg, transposed = self.cfg, self._transposed
 
-        def pieces(module: torch.nn.Module) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-            where = projections.get(id(module)) if lora is not None else None
-            if where is None:
-                return []
+        def pieces(layer: int, fused: str) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
             out, lo = [], 0
-            for t in FUSED[where[1]]:
+            for t in FUSED[fused]:
                 width = projection_shape(cfg, t)[1]
-                pair = lora.weights.get((where[0], t))
+                pair = lora.weights.get((layer, t))
                 if pair is not None:
                     out.append((lo, lo + width, *pair))
                 lo += width
             return out
 
+        # each projection's learned pieces found once for the pass, not at each of its calls
+        by_module = {} if lora is None else {mid: pieces(*where) for mid, where in self._projections.items()}
+
         def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-            learned = pieces(module)
+            learned = by_module.get(id(module), [])
             packed = getattr(module, "_kernel_weight", None) if isinstance(module, QuantLinear) else None
             if packed is not None:  # the served codes, forward and backward (learning/packed_linear.py)
                 wt = transposed.get(id(module))

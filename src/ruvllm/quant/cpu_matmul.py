@@ -3,7 +3,8 @@ inputs, each activation row quantized to 8 bits per block of 32 (llama.cpp's sch
 block dots (AVX2 where the CPU has it), threads over the output features. Every output row is
 computed the same way at any row count, so results are batch invariant.
 
-`pack(qw)` turns a QuantizedWeight into the kernel's layout once, at load; `matmul(x, packed)` runs it.
+`pack(qw)` turns a QuantizedWeight into the kernel's layout once, at load; `matmul(x, packed)` runs it;
+`dequantize(packed)` reads the layout back as float32.
 The packed bytes are what `estimate_bytes` counts for int4 and per-channel int8.
 """
 
@@ -53,6 +54,26 @@ def pack(qw: QuantizedWeight) -> Packed:
     packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     assert qw.zeros is not None
     return Packed(True, packed, tiled(qw.scales), tiled(qw.zeros), group)
+
+
+def dequantize(w: Packed) -> torch.Tensor:
+    """The float32 [N, K] matrix a packed weight stands for, as the kernels read it: int4 (q - 8) *
+    scale + zero, int8 q * scale, the scales and zeros in float16 (pack's layout undone; the
+    learner's transposed 8-bit copy is made from it: learning/packed_linear.py)."""
+    n = w.codes.shape[0]
+    if w.int4:
+        c = w.codes.reshape(n, -1, BLOCK // 2)  # a block's 16 bytes: codes j (low) and 16 + j (high)
+        q = torch.stack([c & 0x0F, c >> 4], dim=2).reshape(n, -1).float() - 8.0
+    else:
+        q = w.codes.float()
+    k = q.shape[1]
+
+    def per_input(t: torch.Tensor) -> torch.Tensor:  # [N/4, K/group, 4] float16 bits -> [N, K]
+        t = t.view(torch.float16).transpose(1, 2).reshape(n, -1).float()
+        return t.repeat_interleave(w.group, dim=1) if w.group != k else t.expand(n, k)
+
+    out = q * per_input(w.scales)
+    return out + per_input(w.zeros) if w.zeros is not None else out
 
 
 def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
