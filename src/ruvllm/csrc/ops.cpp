@@ -46,15 +46,6 @@ at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
               const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
               const std::optional<at::Tensor>& row_weight);
-// models/csrc/llama_layers.cpp
-at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
-                        at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,
-                        at::TensorList v_caches, const at::Tensor& final_norm, at::TensorList cos,
-                        at::TensorList sin, at::IntArrayRef layer_rope, at::TensorList slot_mappings,
-                        at::TensorList block_tables, at::TensorList row_seqs, at::TensorList row_ctxs,
-                        at::IntArrayRef windows, at::IntArrayRef layer_group, int64_t block_size, double scale,
-                        double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool gelu_tanh,
-                        at::TensorList lora, at::IntArrayRef lora_bounds, const std::optional<at::Tensor>& row_slot);
 // quant/csrc/quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
@@ -96,6 +87,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "bool gelu_tanh, Tensor[] lora, int[] lora_bounds, Tensor? row_slot) -> Tensor");
 }
 
+// Each kernel's CPU implementation (llama_layers registers its own, in models/csrc/llama_layers.cpp).
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("paged_attention", &ruvllm::paged_attention);
   m.impl("paged_attention_tiered", &ruvllm::paged_attention_tiered);
@@ -109,6 +101,5 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("qkv_rope", &ruvllm::qkv_rope);
   m.impl("silu_and_mul", &ruvllm::silu_and_mul);
   m.impl("qkv_rope_cache", &ruvllm::qkv_rope_cache);
-  m.impl("llama_layers", &ruvllm::llama_layers);
   m.impl("lora_add", &ruvllm::lora_add);
 }

@@ -5,6 +5,7 @@ naming where it stands (`messages.2.content.0`), in Anthropic's error shape (err
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from ruvllm.sampling_params import SamplingParams
@@ -32,13 +33,21 @@ def _texts(blocks: Any, where: str) -> str:
         return blocks
     if not isinstance(blocks, list):
         raise APIError(400, f"{where}: must be a string or a list of text blocks", where)
-    parts = []
-    for k, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text":
-            raise _unsupported(b.get("type") if isinstance(b, dict) else b, f"{where}.{k}")
-        parts.append(_text(b.get("text"), f"{where}.{k}.text"))
+    parts: list[str] = []
+    for at, kind, _ in _other_blocks(blocks, where, parts):
+        raise _unsupported(kind, at)
     # Separate blocks are separate paragraphs (Claude Code sends a reminder and the request as two)
     return "\n\n".join(parts)
+
+
+def _other_blocks(blocks: list[Any], where: str, texts: list[str]) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """The blocks that are not text, each with where it stands and its type; the text blocks' texts
+    go to `texts`, in order."""
+    for k, b in enumerate(blocks):
+        if isinstance(b, dict) and b.get("type") == "text":
+            texts.append(_text(b.get("text"), f"{where}.{k}.text"))
+        else:  # (a tool's result may hold anything: a block that is no object is named as it is)
+            yield f"{where}.{k}", b.get("type") if isinstance(b, dict) else b, b
 
 
 def chat_messages(body: CountTokensRequest) -> tuple[list[dict[str, Any]], str | None]:
@@ -55,42 +64,35 @@ def chat_messages(body: CountTokensRequest) -> tuple[list[dict[str, Any]], str |
         texts: list[str] = []
         if m.role == "assistant":
             calls = []
-            for k, b in enumerate(blocks):
-                kind = b.get("type")
-                if kind == "text":
-                    texts.append(_text(b.get("text"), f"{where}.{k}.text"))
-                elif kind == "tool_use":
+            for at, kind, b in _other_blocks(blocks, where, texts):
+                if kind == "tool_use":
                     call_id, name, args = b.get("id"), b.get("name"), b.get("input", {})
                     if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
-                        raise APIError(400, f"{where}.{k}: a tool_use block needs an id, a name and an input object",
-                                       f"{where}.{k}")
+                        raise APIError(400, f"{at}: a tool_use block needs an id, a name and an input object", at)
                     names[call_id] = name
                     calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
-                elif kind in ("thinking", "redacted_thinking"):
-                    continue  # an earlier turn's reasoning, sent back as clients must: the template has no place for it
-                else:
-                    raise _unsupported(kind, f"{where}.{k}")
+                elif kind not in ("thinking", "redacted_thinking"):
+                    # (an earlier turn's reasoning, sent back as clients must, is left out: the template has no
+                    # place for it)
+                    raise _unsupported(kind, at)
             msg: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
             continue
         results = []
-        for k, b in enumerate(blocks):
-            kind = b.get("type")
-            if kind == "text":
-                texts.append(_text(b.get("text"), f"{where}.{k}.text"))
-            elif kind == "tool_result":
+        for at, kind, b in _other_blocks(blocks, where, texts):
+            if kind == "tool_result":
                 call_id = b.get("tool_use_id")
                 if not isinstance(call_id, str):
-                    raise APIError(400, f"{where}.{k}.tool_use_id: must be a string", f"{where}.{k}.tool_use_id")
-                content = _texts(b.get("content", ""), f"{where}.{k}.content")
+                    raise APIError(400, f"{at}.tool_use_id: must be a string", f"{at}.tool_use_id")
+                content = _texts(b.get("content", ""), f"{at}.content")
                 if b.get("is_error"):  # the model should know the call failed, not read an error as a value
                     content = "Error: " + content
                 results.append({"role": "tool", "tool_call_id": call_id, "content": content,
                                 **({"name": names[call_id]} if call_id in names else {})})
             else:
-                raise _unsupported(kind, f"{where}.{k}")
+                raise _unsupported(kind, at)
         out.extend(results)
         if texts or not results:
             out.append({"role": "user", "content": "\n\n".join(texts)})

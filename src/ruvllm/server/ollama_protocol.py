@@ -208,29 +208,26 @@ class GenerateRequest(_Generating):
             raise APIError(400, f"context holds token ids out of range [0, {vocab_size}): {bad[:5]}", "context")
 
 
-class ShowRequest(_Body):
-    model: str | None = None
-    name: str | None = None  # the older spelling
-    verbose: bool = False
+class _Naming(_Body):
+    """A body that names one model, as `model` or in the older spelling `name`."""
 
-    @property
-    def which(self) -> str:
-        if not (self.model or self.name):
-            raise APIError(400, "model is required", "model")
-        return self.model or self.name  # type: ignore[return-value]
-
-
-class PullRequest(_Body):
     model: str | None = None
     name: str | None = None
-    insecure: bool = False  # the Hub is always reached over HTTPS (or HF_ENDPOINT as set)
-    stream: bool = True
 
     @property
     def which(self) -> str:
         if not (self.model or self.name):
             raise APIError(400, "model is required", "model")
         return self.model or self.name  # type: ignore[return-value]
+
+
+class ShowRequest(_Naming):
+    verbose: bool = False
+
+
+class PullRequest(_Naming):
+    insecure: bool = False  # the Hub is always reached over HTTPS (or HF_ENDPOINT as set)
+    stream: bool = True
 
 
 def served_name(name: str) -> str:

@@ -59,15 +59,20 @@ Part = Annotated[Union[Annotated[TextPart, Tag("input_text")], Annotated[TextPar
                  Discriminator(_part_kind)]
 
 
+def _text_of(parts: Union[list[Part], str]) -> str:
+    """A message's content or a call's output as one text: its text parts and refusals, in order."""
+    if isinstance(parts, str):
+        return parts
+    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in parts)
+
+
 class MessageItem(_Loose):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[list[Part], str]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+        return _text_of(self.content)
 
 
 class FunctionCallItem(_Loose):
@@ -94,9 +99,7 @@ class FunctionCallOutputItem(_Loose):
     output: Union[list[Part], str]
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.output)
+        return _text_of(self.output)
 
 
 class ReasoningItem(_Loose):
