@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from ruvllm.config import EngineConfig
 from ruvllm.core.kv_cache_manager import KVCacheManager
 from ruvllm.core.scheduler import Scheduler
@@ -68,6 +70,13 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
         self._compile_timeout, self._compile_idle_exit = config.grammar_compile_timeout, config.grammar_idle_exit
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
+        # stats() built once per change: anything they read that changes sets _stats_dirty after it
+        # changed (a step, an add, an abort, an adapter installed or removed, the cache reset); the
+        # lock orders the build against a change from another thread (an adapter installed beside
+        # the loop): a change during a build leaves the flag set, so the next call builds again.
+        self._stats: EngineStats | None = None
+        self._stats_dirty = True
+        self._stats_lock = threading.Lock()
 
     # --- adapters --------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str, checked: CheckedFiles | None = None) -> None:
@@ -85,12 +94,14 @@ class EngineCore:
         step first uses it)."""
         self.adapter_registry.add(adapter.name, path, adapter.num_slots, adapter.scaling_pass,
                                   lambda: self.executor.install_adapter(adapter))
+        self._stats_dirty = True
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter: new requests cannot use it at once; requests running with it finish
         first, then its slot is freed."""
         if self.adapter_registry.unload(name):
             self._drop_adapter(name)
+        self._stats_dirty = True
 
     def adapters(self) -> list[str]:
         return self.adapter_registry.names()
@@ -109,6 +120,12 @@ class EngineCore:
     def add_request(self, cr: CoreRequest) -> None:
         """Queue one sequence. The front has checked it against EngineInfo; only a duplicate id,
         which the front cannot see (another front's request), is refused here."""
+        try:
+            self._add_request(cr)
+        finally:  # (a refused one may have taken and given back adapter holds: counted as a change)
+            self._stats_dirty = True
+
+    def _add_request(self, cr: CoreRequest) -> None:
         if cr.request_id in self.scheduler.requests:
             raise RequestError(f"request id {cr.request_id!r} is already in use")
         # admitted once _failed_compiles has seen its grammar compiled (a failed compile ends it)
@@ -139,6 +156,7 @@ class EngineCore:
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ABORT)
                 self._release(req)
+                self._stats_dirty = True
 
     @property
     def has_unfinished(self) -> bool:
@@ -146,6 +164,12 @@ class EngineCore:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        try:
+            return self._step()
+        finally:
+            self._stats_dirty = True
+
+    def _step(self) -> list[CoreOutput]:
         failed = self._failed_compiles()
         so = self.scheduler.schedule()
         for seq in so.seqs:
@@ -235,6 +259,18 @@ class EngineCore:
 
     # --- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """The core's load now: built again only after a change (the flag is cleared before the
+        build, so a change made while it runs is not lost). The disk tier's bytes are read each time:
+        its writer thread changes them between steps."""
+        with self._stats_lock:
+            if self._stats_dirty or self._stats is None:
+                self._stats_dirty = False
+                self._stats = self._build_stats()
+            elif self.kv.disk is not None and self._stats.disk_bytes != (b := self.kv.disk.index.bytes_used):
+                self._stats = msgspec.structs.replace(self._stats, disk_bytes=b)
+            return self._stats
+
+    def _build_stats(self) -> EngineStats:
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            free_blocks=self.kv.num_free_blocks, total_blocks=self.info.num_blocks,
                            free_cold_blocks=self.kv.pool.num_free_cold, cold_blocks=self.kv.pool.num_cold,
@@ -260,6 +296,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()
+        self._stats_dirty = True
 
     def close(self) -> None:
         """Release what the executor holds outside this process (a worker's tensor-parallel ranks).

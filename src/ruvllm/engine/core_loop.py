@@ -11,15 +11,14 @@ answers from there, so the answer waits for no step and no step waits for the di
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.errors import AdapterNotFoundError, RuvllmError
 from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreInput, CoreMessage, CoreOutput,
-                             EngineStats, GetStats, ListAdapters, LoadAdapter, ResetPrefixCache, Shutdown,
-                             StepOutputs, UnloadAdapter)
+                             GetStats, ListAdapters, LoadAdapter, ResetPrefixCache, Shutdown, StepOutputs,
+                             UnloadAdapter)
 
 Emit = Callable[[CoreMessage], None]
 # One command, waiting up to `timeout` seconds for it (None: as long as it takes); None when none came.
@@ -27,20 +26,13 @@ Receive = Callable[[float | None], CoreInput | None]
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, emit: Emit, emit_from_thread: Emit | None = None,
-                 stats_period: float = 0.0) -> None:
-        """`emit` sends a message from the loop's thread; `emit_from_thread` from another one.
-        `stats_period`: a plain step (no command before it, no sequence ended by it) publishes the
-        stats computed up to this many seconds before instead of new ones: building them costs
-        ~0.04 ms, ~1% of a token at one stream, on the core's critical path (0: every step)."""
+    def __init__(self, core: EngineCore, emit: Emit, emit_from_thread: Emit | None = None) -> None:
+        """`emit` sends a message from the loop's thread; `emit_from_thread` from another one. Every
+        message carries the core's stats as they are then (EngineCore.stats builds them once per change)."""
         self.core = core
         self.emit = emit
         self.emit_from_thread = emit_from_thread or emit
         self.stopped = False
-        self.stats_period = stats_period
-        self._stats: EngineStats | None = None
-        self._stats_at = 0.0
-        self._stats_stale = False  # set by a call answered beside the loop (an adapter loaded)
         self._commands: dict[type, Callable[[Any], None]] = {
             AddRequests: self._add, AbortRequests: lambda m: core.abort(m.request_ids), Call: self._call,
             Shutdown: self._stop}
@@ -60,21 +52,10 @@ class CoreLoop:
             return False
         if self.core.has_unfinished:
             outputs = self.core.step()
-            self.emit(StepOutputs(outputs, self._stats_after(outputs, handled)))
+            self.emit(StepOutputs(outputs, self.core.stats()))
         elif handled:  # the commands' effect on the stats (an abort's freed blocks), published
-            self.emit(StepOutputs([], self._stats_after([], True)))
+            self.emit(StepOutputs([], self.core.stats()))
         return True
-
-    def _stats_after(self, outputs: list[CoreOutput], commands: bool) -> EngineStats:
-        """New stats after commands, a sequence's end, a call answered beside the loop, or once
-        `stats_period` has passed; else the last ones (what changes meanwhile: blocks filled by the
-        running sequences, preemptions; all of it seen within the period)."""
-        now = time.monotonic()
-        if (self._stats is None or commands or self._stats_stale or now - self._stats_at >= self.stats_period
-                or any(o.finish_reason is not None for o in outputs)):
-            self._stats_stale = False
-            self._stats, self._stats_at = self.core.stats(), now
-        return self._stats
 
     def take_commands(self, receive: Receive, timeout: float | None) -> bool:
         """Handle every queued command (waiting up to `timeout` for the first): whether any came."""
@@ -114,7 +95,6 @@ class CoreLoop:
     def _answer(self, msg: Call, emit: Emit, refused: type[BaseException] | tuple[type[BaseException], ...]) -> None:
         try:
             value = self._calls[type(msg.call)](msg.call)
-            self._stats_stale = True  # the loop's next stats are new (an adapter loaded beside the loop)
         except refused as exc:
             emit(CallResult(msg.call_id, self.core.stats(), str(exc), type(exc).__name__))
         else:

@@ -29,9 +29,6 @@ from ruvllm.errors import EngineDeadError
 log = logging.getLogger("ruvllm.core")
 
 _IDLE_POLL_S = 0.5  # how often an idle core checks that its front still lives
-# How old the stats a plain decode step publishes may be (core_loop.py: new after every command and
-# every sequence's end): far below what /metrics or a person reading them could tell.
-_STATS_PERIOD_S = 0.05
 
 
 def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_pid: int) -> None:
@@ -75,7 +72,7 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
 
     from ruvllm.engine.core_loop import CoreLoop
 
-    loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread, _STATS_PERIOD_S)
+    loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread)
     failed = False
     try:
         while loop.run_once(receive, _IDLE_POLL_S):
