@@ -1,7 +1,8 @@
 """Session 17's cuts to the instant step (issue 37 item 1): a packed projection with its micro-LoRA
 pieces as one autograd node (packed_linear.PackedLoraMatmul) computes what the packed matmul and the
 deltas as separate torch ops compute, forward and backward; the 8-bit backward; and the learned
-layers' element-wise ops, each one autograd node, against the torch reference."""
+layers' element-wise ops, each one autograd node (backward in C++ since session 18), against the
+torch reference."""
 
 from __future__ import annotations
 
@@ -144,6 +145,38 @@ def test_each_learner_op_is_the_torch_reference_forward_and_backward() -> None:
         for a, b in zip(outs_o, outs_r):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
         for a, b in zip(grads_o, grads_r):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("used", [(0,), (1,), (0, 2), (2,)], ids=["first only", "second only", "first and third",
+                                                                "third only"])
+def test_the_learner_ops_backward_where_some_outputs_take_no_gradient(used: tuple[int, ...]) -> None:
+    """The C++ backward passes (learning/csrc/element_grad.cpp) where autograd hands an output no
+    gradient (None): the residual sum alone or the norm alone, q or k or v alone, against the reference."""
+    from ruvllm.layers.ops import torch_ops
+    from ruvllm.layers.rotary import RotaryEmbedding
+    from ruvllm.learning.fused_ops import learner_ops
+
+    ref, ours = torch_ops(), learner_ops(kernels())
+    g = torch.Generator().manual_seed(22)
+    t, hidden, hq, hkv, d = 7, 64, 4, 2, 16
+    weight = torch.rand(hidden, generator=g) + 0.5
+    cos, sin = RotaryEmbedding(d, 64, 10000.0, None, torch.float32).for_positions(torch.arange(3, 3 + t))
+    x, r = torch.randn(t, hidden, generator=g), torch.randn(t, hidden, generator=g)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    for name, inputs, run in (("add_rms_norm", (x, r), lambda ops, a, b: ops.add_rms_norm(a, b, weight, 1e-5)),
+                              ("qkv_rope", (qkv,), lambda ops, a: ops.qkv_rope(a, cos, sin, hq, hkv, d))):
+        results = []
+        for ops in (ours, ref):
+            leaves = [i.clone().requires_grad_() for i in inputs]
+            outs = run(ops, *leaves)
+            picked = [outs[i] for i in used if i < len(outs)]
+            if not picked:
+                continue
+            loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in picked)
+            results.append(torch.autograd.grad(loss, leaves, allow_unused=True))
+        for a, b in zip(*results):
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
 
 

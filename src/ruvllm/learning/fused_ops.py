@@ -4,9 +4,10 @@ The learner runs its last layers with autograd at a dozen rows, where each op's 
 and the step's time outside the matmul kernels went to the many small ops of the torch reference
 ops (layers/ops.py: the residual add and the norm's pieces, SiLU's chunk and product, RoPE's split,
 negation, concatenation and products for q and k) and to autograd's bookkeeping for each. Here each
-op is one node: its forward is our C++ kernel, the one serving runs (csrc/fused_ops.cpp through
-layers.ops.cpu_ops), and its backward is written out in a few torch ops over the saved inputs.
-The weights of the norms are frozen: no gradient is computed for them.
+op is one node: its forward is our C++ kernel, the one serving runs (layers/csrc/fused_ops.cpp
+through layers.ops.cpu_ops), and its backward one C++ call over the saved inputs
+(learning/csrc/element_grad.cpp, session 18: written out in torch ops each took 8-12 ops, ~2.3 ms
+of a ~23 ms step in all). The weights of the norms are frozen: no gradient is computed for them.
 
 `learner_ops(kernels)` is a LayerOps for LearnedLayers; tests/unit/test_learning_fused.py checks
 each op's output and input gradient against the torch reference's autograd.
@@ -22,24 +23,17 @@ from torch.autograd import Function
 from ruvllm.layers.ops import LayerOps, _torch_rms_norm, _torch_rope
 
 
-def _rms_backward(dh: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """d/ds of rms_norm(s) * weight over the last dim, given dh: r g - s r^3 mean(g s), g = dh w."""
-    r = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
-    g = dh * weight
-    return r * g - s * (r.pow(3) * (g * s).mean(-1, keepdim=True))
-
-
 class _RmsNorm(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, ext: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.ext = eps, ext
         return ext.rms_norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx: Any, dh: torch.Tensor) -> tuple:  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        return _rms_backward(dh, x, weight, ctx.eps), None, None, None
+        return ctx.ext.rms_norm_grad(dh.contiguous(), x, weight, ctx.eps, None), None, None, None
 
 
 class _AddRmsNorm(Function):
@@ -50,16 +44,17 @@ class _AddRmsNorm(Function):
                 ext: Any) -> tuple[torch.Tensor, torch.Tensor]:
         h, s = ext.add_rms_norm(x, residual, weight, eps)
         ctx.save_for_backward(s, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.ext = eps, ext
         ctx.set_materialize_grads(False)
         return h, s
 
     @staticmethod
     def backward(ctx: Any, dh: torch.Tensor | None, ds: torch.Tensor | None) -> tuple:  # type: ignore[override]
         s, weight = ctx.saved_tensors
-        grad = None if dh is None else _rms_backward(dh, s, weight, ctx.eps)
-        if ds is not None:
-            grad = ds if grad is None else grad + ds
+        if dh is None:
+            grad = ds
+        else:  # (the residual stream's own gradient added in the same pass)
+            grad = ctx.ext.rms_norm_grad(dh.contiguous(), s, weight, ctx.eps, None if ds is None else ds.contiguous())
         return grad, grad, None, None, None
 
 
@@ -69,24 +64,13 @@ class _SiluAndMul(Function):
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor, ext: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate_up)
+        ctx.ext = ext
         return ext.silu_and_mul(gate_up)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:  # type: ignore[override]
         (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        # d silu(g) / dg = sig (1 + g (1 - sig)) = sig + silu (1 - sig)
-        return torch.cat([dy * up * (sig + silu * (1 - sig)), dy * silu], dim=-1), None
-
-
-def _unrotate(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The input gradient of y = x cos + rot(x) sin, rot(x) = [-x2, x1] (the neox half split):
-    dy cos + rot^T(dy sin), rot^T(z) = [z2, -z1]."""
-    z = dy * sin
-    half = z.shape[-1] // 2
-    return dy * cos + torch.cat((z[..., half:], -z[..., :half]), dim=-1)
+        return ctx.ext.silu_and_mul_grad(dy.contiguous(), gate_up), None
 
 
 class _QkvRope(Function):
@@ -97,21 +81,16 @@ class _QkvRope(Function):
                 ext: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)
-        ctx.shape = (qkv.shape[0], hq, hkv, d)
+        ctx.shape, ctx.ext = (hq, hkv, d), ext
         return ext.qkv_rope(qkv, cos, sin, hq, hkv, d)
 
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None,  # type: ignore[override]
                  dv: torch.Tensor | None) -> tuple:
         cos, sin = ctx.saved_tensors
-        t, hq, hkv, d = ctx.shape
-        parts = []
-        for grad, heads, rotated in ((dq, hq, True), (dk, hkv, True), (dv, hkv, False)):
-            if grad is None:
-                parts.append(cos.new_zeros(t, heads * d))
-            else:
-                parts.append((_unrotate(grad, cos, sin) if rotated else grad).reshape(t, heads * d))
-        return torch.cat(parts, dim=-1), None, None, None, None, None, None
+        grads = [None if g is None else g.contiguous() for g in (dq, dk, dv)]
+        return ctx.ext.qkv_rope_grad(*grads, cos.contiguous(), sin.contiguous(), *ctx.shape), \
+            None, None, None, None, None, None
 
 
 def learner_ops(ext: Any) -> LayerOps:
