@@ -181,6 +181,34 @@ def test_the_learner_ops_backward_where_some_outputs_take_no_gradient(used: tupl
 
 
 @needs_kernels
+@pytest.mark.parametrize("kept, window", [(0, None), (9, None), (9, 6)], ids=["own rows", "kept context", "window"])
+def test_row_attention_is_causal_attention_forward_and_backward(kept: int, window: int | None) -> None:
+    """learning/row_attention.py (one C++ call each way) against causal_attention's autograd: the
+    output, and the gradients of the new rows' q, k and v and of the context's K/V; grouped K/V
+    heads; a row's output the same alone as among others."""
+    from ruvllm.learning.row_attention import row_attention
+    from ruvllm.models.llama import causal_attention
+
+    g = torch.Generator().manual_seed(23)
+    t, hq, hkv, d, scale = 12, 6, 2, 16, 0.25
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    context = (torch.randn(kept, hkv, d, generator=g), torch.randn(kept, hkv, d, generator=g)) if kept else None
+    do = torch.randn(t, hq, d, generator=g)
+    results = []
+    for fn in (lambda *a: row_attention(*a, kernels()), lambda *a: causal_attention(*a[:4], a[4], 1, a[5])):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v) + (context or ())]
+        o = fn(*leaves[:3], scale, window, tuple(leaves[3:]) or None)
+        results.append((o.detach(), torch.autograd.grad(o, leaves, do)))
+    (o_ours, g_ours), (o_ref, g_ref) = results
+    assert (o_ours - o_ref).abs().max() <= 1e-5 * o_ref.abs().max()
+    for a, b in zip(g_ours, g_ref):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    # the first 5 rows alone: what a row sees does not depend on the rows after it
+    alone = row_attention(q[:5], k[:5], v[:5], scale, window, context, kernels())
+    assert torch.equal(alone, o_ours[:5])
+
+
+@needs_kernels
 @pytest.mark.parametrize("context", ["full", "frozen"])
 def test_the_learned_layers_with_the_learner_ops_learn_as_with_the_reference(layers: LearnedLayers,
                                                                             context: str) -> None:

@@ -23,6 +23,7 @@ from ruvllm.config import ModelConfig, QuantConfig
 from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.learning.fused_ops import learner_ops
 from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear, transposed_q8
+from ruvllm.learning.row_attention import row_attention
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -145,6 +146,8 @@ class LearnedLayers:
         cfg = model.cfg
         ext = kernels() if ops is None else None
         self.ops = ops or (torch_ops() if ext is None else learner_ops(ext))
+        # with the learner ops, attention too is one node of our C++ (learning/row_attention.py)
+        self._ext = ext
         self.cfg = cfg
         self.model = model
         self.first = cfg.num_layers - n
@@ -167,9 +170,7 @@ class LearnedLayers:
         the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
         model, linear = self.model, self._linear_for(lora)
-        run = model.dense_run(self.ops, linear=linear,
-                              context=None if context is None else dict(zip(self.layers, context)),
-                              keep_kv=keep_kv)
+        run = self._run(linear, None if context is None else dict(zip(self.layers, context)), keep_kv)
         if keep_from <= 0 or keep_kv is not None or context is not None:
             return model.final_norm(*model.run_layers(h, positions, run, self.first), run.ops)
         # The full context's step reads only the target's rows: in the last layer the prompt's rows
@@ -181,7 +182,7 @@ class LearnedLayers:
         before = ops.add_rms_norm(x[:keep_from], None if residual is None else residual[:keep_from],
                                   layer.input_layernorm.weight, cfg.rms_norm_eps)[0]
         _, k, v = layer.qkv(before, *rope.for_positions(positions[:keep_from]), run)
-        tail_run = model.dense_run(ops, linear=linear, context={last: (k, v)})
+        tail_run = self._run(linear, {last: (k, v)})
         x, residual = layer(x[keep_from:], None if residual is None else residual[keep_from:],
                             rope.for_positions(positions[keep_from:]), tail_run)
         return model.final_norm(x, residual, ops)
@@ -210,6 +211,18 @@ class LearnedLayers:
         run = LayerRun(self.ops, attend, None, self._linear_for(lora))
         out = model.final_norm(*model.run_layers(torch.cat(hs), torch.cat(positions), run, self.first), run.ops)
         return list(out.split(sizes))
+
+    def _run(self, linear, context: dict[int, tuple] | None, keep_kv: list | None = None) -> LayerRun:  # noqa: ANN001
+        """A pass over one sequence (model.dense_run's), its attention one node of our C++ where the
+        learner ops run (learning/row_attention.py), else causal_attention's torch ops."""
+        model, ext = self.model, self._ext
+        if ext is None or keep_kv is not None:
+            return model.dense_run(self.ops, linear=linear, context=context, keep_kv=keep_kv)
+        scale = self.cfg.attention_scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return row_attention(q, k, v, scale, model.windows[i], None if context is None else context[i], ext)
+        return LayerRun(self.ops, attend, None, linear)
 
     def _transpose_all(self) -> dict[int, object]:
         """Each learned packed projection's transposed 8-bit copy, by module id; none for the first
