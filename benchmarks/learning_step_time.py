@@ -29,9 +29,16 @@ the pass's time (pull, publish, the term ahead: off the feedback's path).
 before session 17 (the packed matmul and each micro-LoRA delta as separate autograd nodes, the
 sampled softmax's others drawn independently and their head rows gathered), with the fused
 projections (packed_linear.PackedLoraMatmul), with them and the 8-bit backward (packed_linear.transposed_q8), and with those and the element-wise ops as
-one autograd node each (learning/fused_ops.py: the default): arms alternating step by step.
+one autograd node each (learning/fused_ops.py); then session 18's, from session 17's default: the
+8-bit path of the quantized matmul (the kernel at --kernel-rev against the tree's, both built alone),
+the element-wise ops' backward in C++ (learning/csrc/element_grad.cpp), the attention in C++
+(learning/row_attention.py), and the default as the learner runs it (the tree's extension): arms
+alternating step by step; CPU time beside wall time (one thread: the step's own work under load).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 30
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 120
+
+--update's arms include the default as session 17 left it (--kernel-rev's kernel, the element-wise
+backward in torch ops, causal_attention) against the tree's, alternating event by event.
 
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
 form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
@@ -127,6 +134,9 @@ def _update(args: argparse.Namespace) -> None:
     arms = [(context, ahead, old) for context in args.contexts.split(",")
             for ahead, old in ((False, False), (True, True), (True, False))]
     matmuls = {True: _kernel_at(args.kernel_rev), False: None}
+    from ruvllm.cpu_build import kernels
+
+    old_ops = _session17_ops(kernels())
     with tempfile.TemporaryDirectory() as tmp:
         learner = llm.enable_learning(LearningConfig(root=tmp, threads=args.threads))
         base = learner.config
@@ -150,7 +160,7 @@ def _update(args: argparse.Namespace) -> None:
                 learner.instant.config = instant
                 # the learner before: the completions' KL one by one, no rows shared
                 learner_module.kl_mean = kl_mean if ahead else one_by_one
-                with _matmul(matmuls[old]):
+                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None):
                     result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
                 learner_module.kl_mean = kl_mean
                 step[arm].append(result.step_ms)
@@ -158,7 +168,7 @@ def _update(args: argparse.Namespace) -> None:
                 if not ahead:  # the learner before: the term always in the step, never computed ahead
                     learner._ahead = lambda scope: None
                 t = time.perf_counter()
-                with _matmul(matmuls[old]):
+                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None):
                     learner.consolidate()  # as the server's background loop does after each update
                 passes[arm].append((time.perf_counter() - t) * 1000)
                 learner.__dict__.pop("_ahead", None)
@@ -170,7 +180,8 @@ def _update(args: argparse.Namespace) -> None:
     for arm in arms:
         t = step[arm][2:]
         what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
-        what += f" (the kernel at {args.kernel_rev})" if arm[2] else " (the tree's kernel)" if arm[1] else ""
+        what += f" (session 17: the kernel at {args.kernel_rev}, element-wise backward in torch ops)" if arm[2] \
+            else " (session 18, the default)" if arm[1] else ""
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -269,16 +280,29 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     ref = torch_ops()  # the torch reference's element-wise ops, as before session 17
     before = LearnedLayers(model, n, "float32", ref)
     before._linear_for = lambda lora: _session16_linear(before, lora)
-    old_kernel = f"session 17's default (the kernel at {args.kernel_rev})"
+    from ruvllm.cpu_build import kernels
+
+    session17 = f"session 17's default (the kernel at {args.kernel_rev}, element-wise backward in torch ops)"
+    kernel18 = "+ session 18's 8-bit kernel"
+    backward18 = "+ element-wise backward in C++"
+    attention18 = "+ attention in C++"
+    torch_attention = LearnedLayers(model, n)
+    torch_attention._ext = None  # (its attention: causal_attention's torch ops, as before session 18)
     arms = {"before (session 16)": before,
             "fused projections": LearnedLayers(model, n, "float32", ref),
             "fused projections, 8-bit backward": LearnedLayers(model, n, "int8", ref),
-            "+ element-wise ops one node each": LearnedLayers(model, n),
-            old_kernel: LearnedLayers(model, n),
-            "session 18 (the default)": LearnedLayers(model, n)}
-    # session 18's arm against the quantized matmul as it was at --kernel-rev (built alone, as
-    # benchmarks/quant_matmul_rows.py --compare-with does), swapped in for its arm's steps
-    matmuls = {old_kernel: _kernel_at(args.kernel_rev)}
+            session17: LearnedLayers(model, n, ops=_session17_ops(kernels())),
+            kernel18: LearnedLayers(model, n, ops=_session17_ops(kernels())),
+            backward18: torch_attention,
+            attention18: LearnedLayers(model, n),
+            "session 18 (the default, the kernels as built in the tree)": LearnedLayers(model, n)}
+    # The quantized matmul built alone (as benchmarks/quant_matmul_rows.py --compare-with does) for the
+    # three arms that compare its source: as it was at --kernel-rev, and as it is in the tree. Alone,
+    # both old and new: the same source ran its 4-bit path up to 7% apart built alone and built into
+    # the extension with the other kernels (code layout, docs/learning.md "Session 18"), so only two
+    # lone builds compare the sources. The last arm runs the tree's extension as the learner does.
+    tree = _kernel_at(None)
+    matmuls = {session17: _kernel_at(args.kernel_rev), kernel18: tree, backward18: tree, attention18: tree}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
@@ -305,19 +329,115 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
               f"{statistics.median(cpu[name][2:]):.1f} ms |")
 
 
-def _kernel_at(rev: str):  # noqa: ANN202
-    """cpu_matmul.matmul with the quantized matmul's source as it was at git revision `rev`."""
-    from quant_matmul_rows import source_at, standalone
+def _session17_ops(ext):  # noqa: ANN001, ANN202
+    """learning/fused_ops.py's learner ops as session 17 left them (for the before arms): our kernels
+    forward, each backward written out in torch ops (session 18 made those one C++ call each)."""
+    from torch.autograd import Function
+
+    from ruvllm.layers.ops import LayerOps, _torch_rope
+    from ruvllm.learning.fused_ops import learner_ops
+
+    def rms_backward(dh, s, weight, eps):  # noqa: ANN001, ANN202
+        r = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+        g = dh * weight
+        return r * g - s * (r.pow(3) * (g * s).mean(-1, keepdim=True))
+
+    def unrotate(dy, cos, sin):  # noqa: ANN001, ANN202
+        z = dy * sin
+        half = z.shape[-1] // 2
+        return dy * cos + torch.cat((z[..., half:], -z[..., :half]), dim=-1)
+
+    class AddRmsNorm(Function):
+        @staticmethod
+        def forward(ctx, x, residual, weight, eps):  # noqa: ANN001, ANN205
+            h, s = ext.add_rms_norm(x, residual, weight, eps)
+            ctx.save_for_backward(s, weight)
+            ctx.eps = eps
+            ctx.set_materialize_grads(False)
+            return h, s
+
+        @staticmethod
+        def backward(ctx, dh, ds):  # noqa: ANN001, ANN205
+            s, weight = ctx.saved_tensors
+            grad = None if dh is None else rms_backward(dh, s, weight, ctx.eps)
+            if ds is not None:
+                grad = ds if grad is None else grad + ds
+            return grad, grad, None, None
+
+    class SiluAndMul(Function):
+        @staticmethod
+        def forward(ctx, gate_up):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(gate_up)
+            return ext.silu_and_mul(gate_up)
+
+        @staticmethod
+        def backward(ctx, dy):  # noqa: ANN001, ANN205
+            (gate_up,) = ctx.saved_tensors
+            gate, up = gate_up.chunk(2, dim=-1)
+            sig = torch.sigmoid(gate)
+            silu = gate * sig
+            return torch.cat([dy * up * (sig + silu * (1 - sig)), dy * silu], dim=-1)
+
+    class QkvRope(Function):
+        @staticmethod
+        def forward(ctx, qkv, cos, sin, hq, hkv, d):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(cos, sin)
+            ctx.set_materialize_grads(False)
+            ctx.shape = (qkv.shape[0], hq, hkv, d)
+            return ext.qkv_rope(qkv, cos, sin, hq, hkv, d)
+
+        @staticmethod
+        def backward(ctx, dq, dk, dv):  # noqa: ANN001, ANN205
+            cos, sin = ctx.saved_tensors
+            t, hq, hkv, d = ctx.shape
+            parts = []
+            for grad, heads, rotated in ((dq, hq, True), (dk, hkv, True), (dv, hkv, False)):
+                if grad is None:
+                    parts.append(cos.new_zeros(t, heads * d))
+                else:
+                    parts.append((unrotate(grad, cos, sin) if rotated else grad).reshape(t, heads * d))
+            return torch.cat(parts, dim=-1), None, None, None, None, None
+
+    today = learner_ops(ext)
+
+    def add_rms_norm(x, residual, weight, eps):  # noqa: ANN001, ANN202
+        if residual is None:
+            return today.add_rms_norm(x, None, weight, eps)  # (its _RmsNorm: the final norm, once a step)
+        return AddRmsNorm.apply(x.contiguous(), residual.contiguous(), weight, eps)
+
+    return LayerOps(add_rms_norm=add_rms_norm, rms_norm=today.rms_norm,
+                    silu_and_mul=lambda g: SiluAndMul.apply(g.contiguous()), rope=_torch_rope,
+                    qkv_rope=lambda qkv, cos, sin, hq, hkv, d: QkvRope.apply(qkv.contiguous(), cos, sin, hq, hkv, d),
+                    name="learner(cpu, session 17)")
+
+
+def _kernel_at(rev: str | None):  # noqa: ANN202
+    """cpu_matmul.matmul with the quantized matmul's source as it was at git revision `rev` (None: as
+    it is in the tree), built alone."""
+    from quant_matmul_rows import ROOT, SOURCE, source_at, standalone
 
     from ruvllm.quant import cpu_matmul
 
-    fn = standalone(source_at(rev))
+    fn = standalone(source_at(rev) if rev else (ROOT / SOURCE).read_text())
 
     def matmul(x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = fn(xf, w.codes, w.scales, w.zeros, w.group, w.int4)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     return matmul
+
+
+@contextlib.contextmanager
+def _ops(layers: LearnedLayers, ops):  # noqa: ANN001, ANN202
+    """The learned layers' element-wise ops swapped for `ops` (None: as they are) within the block,
+    and then their attention causal_attention's torch ops (as before session 18)."""
+    kept = layers.ops, layers._ext
+    if ops is not None:
+        layers.ops, layers._ext = ops, None
+    try:
+        yield
+    finally:
+        layers.ops, layers._ext = kept
 
 
 @contextlib.contextmanager
