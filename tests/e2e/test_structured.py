@@ -320,3 +320,22 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes(default_llm: LLM) -> Non
         assert 2 <= len(kept) < 12  # all 12 kept by count alone
     finally:
         compiler.cache.max_bytes = budget
+
+
+
+def test_a_dropped_engine_frees_its_model_on_the_dropping_thread() -> None:
+    """After a structured request, the grammar compiler held the worker (its tokenizer loader), and
+    the compiler's daemon threads held the compiler, so dropping the engine freed the model later on
+    one of those threads. At a program's exit that aborted it ("terminate called without an active
+    exception", status 134): the weights are tensors over numpy arrays, whose release takes the GIL
+    back, which a daemon thread cannot do while the interpreter finalizes."""
+    import gc
+    import weakref
+
+    llm = LLM(num_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, structured=StructuredOutputs(choice=["yes", "no"])))
+    assert out[0].outputs[0].finish_reason is not None
+    worker = weakref.ref(llm.core.executor)
+    del llm, out
+    gc.collect()
+    assert worker() is None

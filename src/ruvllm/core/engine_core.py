@@ -8,6 +8,7 @@ sends an abort. The core knows nothing of files, models or devices: the executor
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -49,6 +50,12 @@ class Executor(Protocol):
     def remove_adapter(self, name: str) -> None: ...
 
     def load_tokenizer(self) -> Any: ...
+
+
+def _close_at_exit(grammars: weakref.ref[GrammarCompiler]) -> None:
+    compiler = grammars()
+    if compiler is not None:
+        compiler.close()
 
 
 class EngineCore:
@@ -207,9 +214,12 @@ class EngineCore:
             # A core dropped without close() (a test's server, an AsyncEngine over a copy of an LLM's
             # core) must not leave its zygote: the compiler's threads hold the compiler, not the core.
             # Closed on a thread of its own: a collection can run inside one of the compiler's threads
-            # while it holds the compiler's lock, which close() takes.
+            # while it holds the compiler's lock, which close() takes. At the interpreter's exit, on
+            # the main thread instead: a thread started then would be cut off as the interpreter
+            # finalizes, mid-close.
             weakref.finalize(self, lambda grammars=self._grammars: threading.Thread(
-                target=grammars.close, name="ruvllm-grammar-close", daemon=True).start())
+                target=grammars.close, name="ruvllm-grammar-close", daemon=True).start()).atexit = False
+            atexit.register(_close_at_exit, weakref.ref(self._grammars))
         return self._grammars
 
     def _failed_compiles(self) -> list[CoreOutput]:

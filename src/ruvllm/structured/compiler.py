@@ -52,6 +52,7 @@ class _Slot:
         self.since = 0.0  # monotonic time its current compile was taken
         self.pid: int | None = None
         self.stop = False  # abandoned before its process reported its pid
+        self.thread: threading.Thread | None = None
 
 
 class GrammarCompiler:
@@ -60,7 +61,8 @@ class GrammarCompiler:
                  second_after: float = 1.0, idle_exit: float = 120.0) -> None:
         """idle_exit: seconds without a compile after which the zygote leaves (0: it stays while the
         compiler is open)."""
-        self._load_tokenizer, self.vocab_size, self.stop_token_ids = load_tokenizer, vocab_size, stop_token_ids
+        self._load_tokenizer: Callable[[], Any] | None = load_tokenizer
+        self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
         self.timeout = timeout
         # A compile usually takes 0.1 s: one past a second is probably a slow one, worth a second core
         # for the constraints behind it (and not otherwise: the engine's steps share the same cores).
@@ -114,6 +116,7 @@ class GrammarCompiler:
             for slot in self._slots:
                 self._kill(slot)
             zygotes = [z for z in (self._zygote, self._starting) if z is not None]
+            threads = [slot.thread for slot in self._slots if slot.thread is not None]
         for zygote in zygotes:  # its forks die with it (PR_SET_PDEATHSIG)
             zygote.kill()
         if self._zygote_lock.acquire(timeout=5):  # else a start holds it: it sees the kill and reaps
@@ -121,14 +124,20 @@ class GrammarCompiler:
                 self._stop_zygote()
             finally:
                 self._zygote_lock.release()
+        # The serving threads see the close and end: waited for, so that none is still running (a
+        # daemon thread) while the interpreter exits.
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
 
     # --- the serving threads -----------------------------------------------------------------------
     def _add_slot(self) -> None:
         """Under the lock: a serving thread."""
         slot = _Slot(first=not self._slots)
         self._slots.append(slot)
-        threading.Thread(target=self._serve, args=(slot,), name=f"ruvllm-grammar-{len(self._slots)}",
-                         daemon=True).start()
+        slot.thread = threading.Thread(target=self._serve, args=(slot,), name=f"ruvllm-grammar-{len(self._slots)}",
+                                       daemon=True)
+        slot.thread.start()
 
     def _serve(self, slot: _Slot) -> None:
         while True:
@@ -211,6 +220,11 @@ class GrammarCompiler:
             if self._info is None:
                 self._info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
                                                                 stop_token_ids=list(self.stop_token_ids))
+                # The loader (the worker's method) is let go: this compiler's threads must never be
+                # the last to hold the model. Its weights are tensors over numpy arrays, whose
+                # release takes the GIL back; on a daemon thread as the interpreter exits, that
+                # aborts the process ("terminate called without an active exception").
+                self._load_tokenizer = None
             conn = self._fork()
         try:
             try:
