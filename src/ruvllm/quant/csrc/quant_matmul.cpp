@@ -170,34 +170,6 @@ struct Block {
   __m128 scale, offset;
 };
 
-// 8-bit weights decoded for more than 2 rows of x: each weight row's |codes| (maddubs' unsigned
-// side) made once, with the codes themselves (x takes their signs), so a row of x costs one sign
-// operation a block where dot_u8s8(sign(c, c), sign(x, c)) costs two: 1.05-1.18x at 3-128 rows on
-// AVX2 (docs/learning.md, session 18). The products and their lanes are the same exact integers, so
-// every float operation after them, and every bit of y, is tile_rows' (test_cpu_matmul_order.py).
-struct Block8 {
-  __m256i mag[TILE_N], sgn[TILE_N];
-  __m128 scale;
-};
-
-struct DecodedTile8 {
-  std::vector<Block8> blocks;  // [K/32]
-
-  void decode(const uint8_t* codes, const uint16_t* scales, int64_t K, int64_t ng, int64_t per_group, int64_t n0) {
-    blocks.resize(K / QK);
-    for (int64_t b = 0; b < K / QK; ++b) {
-      Block8& out = blocks[b];
-      for (int r = 0; r < TILE_N; ++r) {
-        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (n0 + r) * K + b * QK));
-        out.sgn[r] = c;
-        out.mag[r] = _mm256_sign_epi8(c, c);
-      }
-      const int64_t g = (n0 / TILE_N * ng + b / per_group) * TILE_N;
-      out.scale = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + g)));
-    }
-  }
-};
-
 // Decodes a tile's blocks from the packed weights as they are read (for few rows of x: nothing is
 // stored between the decode and its use).
 struct PackedTile {
@@ -242,6 +214,36 @@ struct DecodedTile {
   // The stored block itself, not a copy: the kernel reads each part where it is used, which saves
   // registers (a copy made the compiler spill them).
   inline const Block& block(int64_t b, Block&) const { return blocks[b]; }
+};
+
+// 8-bit weights decoded for more than 2 rows of x: each weight row's |codes| (maddubs' unsigned
+// side) made once, with the codes themselves (x takes their signs), so a row of x costs one sign
+// operation a block where dot_u8s8(sign(c, c), sign(x, c)) costs two: 1.05-1.18x at 3-128 rows on
+// AVX2 (docs/learning.md, session 18). The products and their lanes are the same exact integers, so
+// every float operation after them, and every bit of y, is tile_rows' (test_cpu_matmul_order.py).
+struct Block8 {
+  __m256i mag[TILE_N], sgn[TILE_N];
+  __m128 scale;
+};
+
+struct DecodedTile8 {
+  std::vector<Block8> blocks;  // [K/32]
+
+  // (read through PackedTile::block, whose prefetch of the tiles ahead counts where the weights come
+  // from memory, as in the learner's step: without it this path ran 10% slower there than before)
+  void decode(const PackedTile& src) {
+    blocks.resize(src.K / QK);
+    Block raw;
+    for (int64_t b = 0; b < src.K / QK; ++b) {
+      const Block& c = src.block(b, raw);
+      Block8& out = blocks[b];
+      for (int r = 0; r < TILE_N; ++r) {
+        out.sgn[r] = c.w[r];
+        out.mag[r] = _mm256_sign_epi8(c.w[r], c.w[r]);
+      }
+      out.scale = c.scale;
+    }
+  }
 };
 
 // y[t, n0..n0+4) for TC rows of x from t0 (TC = 2 keeps every accumulator in the 16 vector
@@ -430,7 +432,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
         continue;
       }
       if (!int4) {
-        decoded8.decode(cp, sp, K, ng, per_group, packed.n0);
+        decoded8.decode(packed);
         int64_t t = 0;
         for (; t + TC8 <= T; t += TC8) tile_rows8<TC8>(decoded8, xr, t, K, N, packed.n0, yp);
         for (; t < T; ++t) tile_rows8<1>(decoded8, xr, t, K, N, packed.n0, yp);
