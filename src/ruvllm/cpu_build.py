@@ -41,7 +41,8 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
            _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp",
            _ROOT / "lora" / "csrc" / "lora_add.cpp",
-           _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp")
+           _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp",
+           _ROOT / "learning" / "csrc" / "micro_lora.cpp")
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:

@@ -45,14 +45,15 @@ class PackedLoraMatmul(torch.autograd.Function):
     """y = x . W^T (+ bias) over a packed W, with micro-LoRA deltas scaling * (x A^T) B^T added into
     column spans of y (a fused projection's learned pieces), as one autograd node (issue 37 item 1).
 
-    The packed matmul followed by the deltas' five ops (two products, the scale, the pad to the
-    fused width, the add), but one node in the graph instead of a dozen, each delta added in place
-    into the fresh output, and the backward written out: the input gradient through the packed
-    weights plus each delta's, and A's and B's gradients from the saved rank-r product. With no
-    pieces it is the packed matmul alone (packed_linear), differentiable in x only. At a dozen rows the step's matmuls are small, so each autograd node's bookkeeping
-    counts; one node instead of several measured ~2% of the step (docs/learning.md, "Session 17").
-    Old-style forward(ctx, ...): a Function with setup_context has its arguments bound through
-    inspect.signature at every call.
+    The packed matmul, then each piece's delta added in place into the fresh output by one C++ call
+    (learning/csrc/micro_lora.cpp, session 18; before, two products and a slice a piece), and the
+    backward written out: the input gradient through the packed weights, then one C++ call a piece
+    for A's and B's gradients (from the saved rank-r product) and the delta's share of the input
+    gradient. With no pieces it is the packed matmul alone (packed_linear), differentiable in x
+    only. At a dozen rows each autograd node's bookkeeping and each small op counts: one node instead
+    of a dozen measured ~2% of the step (docs/learning.md, "Session 17"), the pieces' torch ops
+    ~150 us a piece ("Session 18"). Old-style forward(ctx, ...): a Function with setup_context has
+    its arguments bound through inspect.signature at every call.
     """
 
     @staticmethod
@@ -63,10 +64,12 @@ class PackedLoraMatmul(torch.autograd.Function):
         if bias is not None:
             y += bias
         us = []
-        for (lo, hi), a, b in zip(spans, ab[0::2], ab[1::2]):
-            u = x @ a.t()  # [T, r]: the rank-r product, kept for B's gradient
-            y[:, lo:hi].addmm_(u, b.t(), alpha=scaling)
-            us.append(u)
+        if spans:
+            ext, x = kernels(), x.contiguous()
+            for (lo, _), a, b in zip(spans, ab[0::2], ab[1::2]):
+                # one C++ call (learning/csrc/micro_lora.cpp): the rank-r product u = x A^T, kept for
+                # B's gradient, and its delta added into the piece's columns
+                us.append(ext.micro_lora_add_(y, x, a.detach(), b.detach(), lo, scaling))
         ctx.save_for_backward(x, *ab, *us)
         ctx.w, ctx.wt, ctx.scaling, ctx.spans = w, wt, scaling, spans
         return y
@@ -80,14 +83,12 @@ class PackedLoraMatmul(torch.autograd.Function):
         # (not asked for the first learned layer's q/k/v, whose input comes from the frozen layers)
         dx = grad_input(dy, ctx.w, ctx.wt) if ctx.needs_input_grad[0] else None
         grads: list[torch.Tensor | None] = []
-        for i, (lo, hi) in enumerate(ctx.spans):
-            a, b, u = ab[2 * i], ab[2 * i + 1], us[i]
-            d = dy[:, lo:hi]
-            g = d @ b  # [T, r]: the delta's gradient at the rank-r product, unscaled
-            if dx is not None:
-                dx.addmm_(g, a, alpha=s)
-            grads.append(g.t() @ x * s if ctx.needs_input_grad[6 + 2 * i] else None)
-            grads.append(d.t() @ u * s if ctx.needs_input_grad[7 + 2 * i] else None)
+        ext = kernels() if ctx.spans else None
+        for i, (lo, _) in enumerate(ctx.spans):
+            # one C++ call: A's and B's gradients, and the delta's share of dx added into it
+            da, db = ext.micro_lora_grad(dy, x, us[i], ab[2 * i].detach(), ab[2 * i + 1].detach(), lo, s, dx)
+            grads.append(da if ctx.needs_input_grad[6 + 2 * i] else None)
+            grads.append(db if ctx.needs_input_grad[7 + 2 * i] else None)
         return (dx, None, None, None, None, None, *grads)
 
 
