@@ -180,7 +180,7 @@ def _update(args: argparse.Namespace) -> None:
     for arm in arms:
         t = step[arm][2:]
         what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
-        what += f" (session 17: the kernel at {args.kernel_rev}, element-wise backward in torch ops)" if arm[2] \
+        what += f" (session 17: the kernel at {args.kernel_rev}, the rest in torch ops)" if arm[2] \
             else " (session 18, the default)" if arm[1] else ""
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
@@ -282,27 +282,33 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     before._linear_for = lambda lora: _session16_linear(before, lora)
     from ruvllm.cpu_build import kernels
 
-    session17 = f"session 17's default (the kernel at {args.kernel_rev}, element-wise backward in torch ops)"
+    session17 = f"session 17's default (the kernel at {args.kernel_rev}; element-wise backward, attention, LoRA pieces in torch ops)"
     kernel18 = "+ session 18's 8-bit kernel"
     backward18 = "+ element-wise backward in C++"
     attention18 = "+ attention in C++"
-    torch_attention = LearnedLayers(model, n)
-    torch_attention._ext = None  # (its attention: causal_attention's torch ops, as before session 18)
+    lora18 = "+ micro-LoRA pieces in C++ (session 18's default)"
+
+    def layers_as(ops17: bool, attention17: bool, lora17: bool) -> LearnedLayers:
+        layers = LearnedLayers(model, n, ops=_session17_ops(kernels()) if ops17 else None)
+        if attention17:
+            layers._ext = None  # (its attention: causal_attention's torch ops, as before session 18)
+        if lora17:
+            layers._linear_for = lambda lora: _session17_linear(layers, lora)
+        return layers
     arms = {"before (session 16)": before,
-            "fused projections": LearnedLayers(model, n, "float32", ref),
-            "fused projections, 8-bit backward": LearnedLayers(model, n, "int8", ref),
-            session17: LearnedLayers(model, n, ops=_session17_ops(kernels())),
-            kernel18: LearnedLayers(model, n, ops=_session17_ops(kernels())),
-            backward18: torch_attention,
-            attention18: LearnedLayers(model, n),
+            session17: layers_as(True, True, True),
+            kernel18: layers_as(True, True, True),
+            backward18: layers_as(False, True, True),
+            attention18: layers_as(False, False, True),
+            lora18: layers_as(False, False, False),
             "session 18 (the default, the kernels as built in the tree)": LearnedLayers(model, n)}
     # The quantized matmul built alone (as benchmarks/quant_matmul_rows.py --compare-with does) for the
-    # three arms that compare its source: as it was at --kernel-rev, and as it is in the tree. Alone,
-    # both old and new: the same source ran its 4-bit path up to 7% apart built alone and built into
-    # the extension with the other kernels (code layout, docs/learning.md "Session 18"), so only two
-    # lone builds compare the sources. The last arm runs the tree's extension as the learner does.
+    # arms that compare its source: as it was at --kernel-rev, and as it is in the tree. Alone, both
+    # old and new: the same source ran its 4-bit path up to 7% apart built alone and built into the
+    # extension with the other kernels (code layout, docs/learning.md "Session 18"), so only two lone
+    # builds compare the sources. The last arm runs the tree's extension as the learner does.
     tree = _kernel_at(None)
-    matmuls = {session17: _kernel_at(args.kernel_rev), kernel18: tree, backward18: tree, attention18: tree}
+    matmuls = {session17: _kernel_at(args.kernel_rev), kernel18: tree, backward18: tree, attention18: tree, lora18: tree}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
@@ -327,6 +333,66 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     for name, v in times.items():
         print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
               f"{statistics.median(cpu[name][2:]):.1f} ms |")
+
+
+def _session17_linear(layers: LearnedLayers, lora):  # noqa: ANN001, ANN202
+    """The learned layers' linear hook with session 17's fused projection (for --cut's before arms):
+    one autograd node, its micro-LoRA pieces in torch ops (two products and a slice forward, four
+    products, two scalings and a slice backward; session 18 made each piece one C++ call a way)."""
+    import torch.nn.functional as F
+
+    from ruvllm.learning.packed_linear import grad_input
+    from ruvllm.lora.peft_adapter import projection_shape
+    from ruvllm.lora.slots import FUSED
+    from ruvllm.quant import cpu_matmul
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, wt, bias, scaling, spans, *ab):  # noqa: ANN001, ANN205
+            y = cpu_matmul.matmul(x, w)
+            if bias is not None:
+                y += bias
+            us = []
+            for (lo, hi), a, b in zip(spans, ab[0::2], ab[1::2]):
+                u = x @ a.t()
+                y[:, lo:hi].addmm_(u, b.t(), alpha=scaling)
+                us.append(u)
+            ctx.save_for_backward(x, *ab, *us)
+            ctx.w, ctx.wt, ctx.scaling, ctx.spans = w, wt, scaling, spans
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):  # noqa: ANN001, ANN205
+            x, *rest = ctx.saved_tensors
+            n, s = len(ctx.spans), ctx.scaling
+            ab, us = rest[:2 * n], rest[2 * n:]
+            dy = dy.contiguous()
+            dx = grad_input(dy, ctx.w, ctx.wt) if ctx.needs_input_grad[0] else None
+            grads = []
+            for i, (lo, hi) in enumerate(ctx.spans):
+                a, b, u = ab[2 * i], ab[2 * i + 1], us[i]
+                d = dy[:, lo:hi]
+                g = d @ b
+                if dx is not None:
+                    dx.addmm_(g, a, alpha=s)
+                grads.append(g.t() @ x * s if ctx.needs_input_grad[6 + 2 * i] else None)
+                grads.append(d.t() @ u * s if ctx.needs_input_grad[7 + 2 * i] else None)
+            return (dx, None, None, None, None, None, *grads)
+
+    def linear(module, x):  # noqa: ANN001, ANN202
+        where = layers._projections.get(id(module)) if lora is not None else None
+        pieces, lo = [], 0
+        for t in FUSED[where[1]] if where else ():
+            width = projection_shape(layers.cfg, t)[1]
+            if (pair := lora.weights.get((where[0], t))) is not None:
+                pieces.append(((lo, lo + width), pair))
+            lo += width
+        packed = getattr(module, "_kernel_weight", None)
+        if packed is None:
+            return F.linear(x, module.weight, module.bias)
+        return Fused.apply(x, packed, layers._transposed.get(id(module)), module.bias, lora.scaling if lora else 1.0,
+                           tuple(span for span, _ in pieces), *[t for _, pair in pieces for t in pair])
+    return linear
 
 
 def _session17_ops(ext):  # noqa: ANN001, ANN202
@@ -430,14 +496,17 @@ def _kernel_at(rev: str | None):  # noqa: ANN202
 @contextlib.contextmanager
 def _ops(layers: LearnedLayers, ops):  # noqa: ANN001, ANN202
     """The learned layers' element-wise ops swapped for `ops` (None: as they are) within the block,
-    and then their attention causal_attention's torch ops (as before session 18)."""
+    and then their attention causal_attention's torch ops and their micro-LoRA pieces session 17's
+    torch ops (as before session 18)."""
     kept = layers.ops, layers._ext
     if ops is not None:
         layers.ops, layers._ext = ops, None
+        layers._linear_for = lambda lora: _session17_linear(layers, lora)
     try:
         yield
     finally:
         layers.ops, layers._ext = kept
+        layers.__dict__.pop("_linear_for", None)
 
 
 @contextlib.contextmanager
