@@ -3,9 +3,9 @@
 // the residual add with RMS norm, SiLU-and-multiply, and the fused q/k/v split with RoPE on q and k.
 //
 // Why C++: at the instant step's dozen rows each op's arithmetic is a few thousand values, and
-// written out in torch ops each backward took 8-12 ops and as many allocations: ~130 us for the
-// norm's, ~170 us for SiLU's, ~140 us for RoPE's inside the step, ~2.3 ms of a ~23 ms step (one
-// thread, docs/learning.md "Session 18"). One call each here. Every row is computed on its own, in
+// written out in torch ops each backward took 8-12 ops and as many allocations (~2.3 ms of the
+// step's backward on a loaded core, timed node by node). One call each here: the step 1.4-1.6 ms
+// faster (docs/learning.md "Session 18"). Every row is computed on its own, in
 // float32, in a fixed order (the same at any row count: what the step learns does not depend on
 // which rows share a call); the norms' weights are frozen, so no gradient is computed for them.
 //

@@ -2,9 +2,9 @@
 //
 // The instant step runs a dozen query rows through each learned layer against the prompt's kept K/V
 // and their own. In torch that was a concatenation of the kept and new K/V, a mask built from two
-// aranges, the head reshapes and scaled_dot_product_attention, then their backward nodes: ~0.3 ms a
-// layer forward and backward for ~0.5 M multiply-adds (docs/learning.md "Session 18"). Here one call
-// each way, with the softmax's probabilities kept from the forward for the backward.
+// aranges, the head reshapes and scaled_dot_product_attention, then their backward nodes, for ~0.5 M
+// multiply-adds a layer. Here one call each way, the softmax's probabilities kept from the forward
+// for the backward: the step 0.5-0.6 ms faster for its 4 layers (docs/learning.md "Session 18").
 //
 // Rows: q [T, Hq, D], k and v [T, Hkv, D] (the new rows), ck and cv [C, Hkv, D] (the context before
 // them: the frozen prompt's kept K/V, or the prompt's rows of this pass at the full context's last

@@ -218,8 +218,9 @@ struct DecodedTile {
 
 // 8-bit weights decoded for more than 2 rows of x: each weight row's |codes| (maddubs' unsigned
 // side) made once, with the codes themselves (x takes their signs), so a row of x costs one sign
-// operation a block where dot_u8s8(sign(c, c), sign(x, c)) costs two: 1.05-1.18x at 3-128 rows on
-// AVX2 (docs/learning.md, session 18). The products and their lanes are the same exact integers, so
+// operation a block where dot_u8s8(sign(c, c), sign(x, c)) costs two: 1.00-1.07x at 4-128 rows on
+// this AVX2 EPYC, 1.02x in the learner's backward (docs/learning.md "Session 18"; widening both
+// sides to int16 for two madd_epi16 instead measured 0.83x). The products are the same integers, so
 // every float operation after them, and every bit of y, is tile_rows' (test_cpu_matmul_order.py).
 struct Block8 {
   __m256i mag[TILE_N], sgn[TILE_N];
