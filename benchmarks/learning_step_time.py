@@ -20,25 +20,27 @@ the base on the tenant's everyday completions, the background pass after each ev
 `Learner.feedback` on the offline engine: one tenant per arm, arms alternating event by event. Arms:
 each context form with the KL term in the step, its completions one by one (the learner before
 this cut: nothing computed ahead) and as the learner is now (the term computed ahead by the
-background pass, `Learner._ahead`, its completions batched with their shared rows once). Reports the step, the publish (PEFT folder written, loaded into the engine) and
-the pass's time (pull, publish, the term ahead: off the feedback's path).
+background pass, `Learner._ahead`, its completions batched with their shared rows once). Reports the
+step, the publish (PEFT folder written, loaded into the engine) and the pass's time (pull, publish,
+the term ahead: off the feedback's path).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --steps 16
 
---cut (session 17): the frozen step on packed weights (no KL term: the update's own step) as it was
-before session 17 (the packed matmul and each micro-LoRA delta as separate autograd nodes, the
-sampled softmax's others drawn independently and their head rows gathered), with the fused
-projections (packed_linear.PackedLoraMatmul), with them and the 8-bit backward (packed_linear.transposed_q8), and with those and the element-wise ops as
-one autograd node each (learning/fused_ops.py); then session 18's, from session 17's default: the
-8-bit path of the quantized matmul (the kernel at --kernel-rev against the tree's, both built alone),
-the element-wise ops' backward in C++ (learning/csrc/element_grad.cpp), the attention in C++
-(learning/row_attention.py), and the default as the learner runs it (the tree's extension): arms
-alternating step by step; CPU time beside wall time (one thread: the step's own work under load).
+--cut: the frozen step on packed weights (no KL term: the update's own step) as it was before session
+17 (the packed matmul and each micro-LoRA delta as separate autograd nodes), as session 17 left it
+(its fused projection, 8-bit backward and element-wise ops one node each; its kernel source at
+--kernel-rev, its element-wise backward, attention and LoRA pieces in torch ops: rebuilt here), then
+session 18's levers one by one: the 8-bit path of the quantized matmul (both kernel sources built
+alone), the element-wise backward in C++ (learning/csrc/element_grad.cpp), the attention in C++
+(learning/row_attention.py), the LoRA pieces in C++ (learning/csrc/micro_lora.cpp), and the default as
+the learner runs it (the tree's extension): arms alternating step by step; CPU time beside wall
+time (at one thread: the step's own work under load). Session 17's figures for its own levers are in
+docs/learning.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --cut --threads 1 --steps 120
 
 --update's arms include the default as session 17 left it (--kernel-rev's kernel, the element-wise
-backward in torch ops, causal_attention) against the tree's, alternating event by event.
+backward and LoRA pieces in torch ops, causal_attention) against the tree's, alternating event by event.
 
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
 form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
@@ -282,7 +284,8 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     before._linear_for = lambda lora: _session16_linear(before, lora)
     from ruvllm.cpu_build import kernels
 
-    session17 = f"session 17's default (the kernel at {args.kernel_rev}; element-wise backward, attention, LoRA pieces in torch ops)"
+    session17 = (f"session 17's default (the kernel at {args.kernel_rev}; element-wise backward, attention, "
+                 "LoRA pieces in torch ops)")
     kernel18 = "+ session 18's 8-bit kernel"
     backward18 = "+ element-wise backward in C++"
     attention18 = "+ attention in C++"
@@ -308,7 +311,8 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     # extension with the other kernels (code layout, docs/learning.md "Session 18"), so only two lone
     # builds compare the sources. The last arm runs the tree's extension as the learner does.
     tree = _kernel_at(None)
-    matmuls = {session17: _kernel_at(args.kernel_rev), kernel18: tree, backward18: tree, attention18: tree, lora18: tree}
+    matmuls = {session17: _kernel_at(args.kernel_rev),
+               **{arm: tree for arm in (kernel18, backward18, attention18, lora18)}}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
