@@ -123,6 +123,7 @@ def _update(args: argparse.Namespace) -> None:
     import ruvllm.learning.learner as learner_module
     from ruvllm import LLM, SamplingParams
     from ruvllm.learning.anchor import kl_mean, kl_to_base
+    from ruvllm.learning.candidates import CandidatePool
     from ruvllm.learning.config import LearningConfig
 
     def one_by_one(layers, lora, anchors, drawn, gen):  # noqa: ANN001, ANN202
@@ -133,8 +134,13 @@ def _update(args: argparse.Namespace) -> None:
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=32)
     # (context, the term ahead, the quantized matmul at --kernel-rev): session 18's kernel against the
     # one before it on the default method
-    arms = [(context, ahead, old) for context in args.contexts.split(",")
-            for ahead, old in ((False, False), (True, True), (True, False))]
+    # (..., the drawn candidates made ahead): the arms before session 18's helper-47 draw them in the
+    # step; --candidates-ahead: the default against itself with them drawn in the step, alone
+    if args.candidates_ahead:
+        arms = [(context, True, False, drawn) for context in args.contexts.split(",") for drawn in (False, True)]
+    else:
+        arms = [(context, ahead, old, ahead and not old) for context in args.contexts.split(",")
+                for ahead, old in ((False, False), (True, True), (True, False))]
     matmuls = {True: _kernel_at(args.kernel_rev), False: None}
     from ruvllm.cpu_build import kernels
 
@@ -143,11 +149,16 @@ def _update(args: argparse.Namespace) -> None:
         learner = llm.enable_learning(LearningConfig(root=tmp, threads=args.threads))
         base = learner.config
         asked = {}
-        for context, ahead, old in arms:
-            tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}"
+        # each arm its own pool of drawn candidates (the same seed: the same draws step by step), none
+        # kept ahead where the arm draws them in the step, so no arm takes another's batches
+        pools = {arm: CandidatePool(learner.layers.head, base.instant.seed,
+                                    base.instant.candidates_ahead if arm[3] else 0) for arm in arms}
+        for arm in arms:
+            context, ahead, old, drawn = arm
+            tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}{'-drawn' if drawn else ''}"
             llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
                      tenant=tenant)
-            asked[(context, ahead, old)] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
+            asked[arm] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
                                                        SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
         step: dict = {arm: [] for arm in arms}
         publish: dict = {arm: [] for arm in arms}
@@ -155,8 +166,9 @@ def _update(args: argparse.Namespace) -> None:
         loads = []
         for i in range(args.steps):
             for arm in arms if i % 2 == 0 else arms[::-1]:
-                context, ahead, old = arm
+                context, ahead, old, drawn = arm
                 tenant, out = asked[arm]
+                learner.instant.candidates = pools[arm]
                 instant = dataclasses.replace(base.instant, context=context)
                 learner.config = dataclasses.replace(base, instant=instant)
                 learner.instant.config = instant
@@ -177,13 +189,14 @@ def _update(args: argparse.Namespace) -> None:
             loads.append(os.getloadavg()[0])
     print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, {args.steps} events an arm "
           f"(first 2 dropped), KL term on (weight {base.instant.kl_weight:g}, {base.instant.kl_samples} completions)")
-    print("| context / the KL term | update step p50 | p90 | publish p50 | background pass p50 (off the path) |")
+    print("| context / the KL term / the drawn candidates | update step p50 | p90 | publish p50 | "
+          "background pass p50 (off the path) |")
     print("|---|---|---|---|---|")
     for arm in arms:
         t = step[arm][2:]
         what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
-        what += f" (session 17: the kernel at {args.kernel_rev}, the rest in torch ops)" if arm[2] \
-            else " (session 18, the default)" if arm[1] else ""
+        what += f" (session 17: the kernel at {args.kernel_rev}, the rest in torch ops)" if arm[2] else ""
+        what += " / made ahead (the default)" if arm[3] else " / drawn in the step"
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -538,6 +551,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="FORM/CONTEXT", help="torch.profiler's table of one arm's steps")
     ap.add_argument("--batch", type=int, default=0, help="N events: one step each against one batched step")
     ap.add_argument("--update", action="store_true", help="the whole update through the Learner (KL term on)")
+    ap.add_argument("--candidates-ahead", action="store_true",
+                    help="--update: the default with the drawn candidates made ahead against drawn in the step")
     ap.add_argument("--phases", action="store_true", help="per-phase timers of a step with the KL term in it")
     ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
     ap.add_argument("--kernel-rev", default="7a2d421",

@@ -147,3 +147,25 @@ def test_the_kl_term_is_computed_ahead_for_the_next_step(base: Path, tmp_path: P
     learner.consolidate()
     assert state.ahead is None
     del learner._stepping["acme"]
+
+
+def test_the_background_pass_draws_the_next_steps_candidates(base: Path, tmp_path: Path) -> None:
+    """The sampled softmax's drawn candidates are made ahead (learning/candidates.py): ready when the
+    learner starts, one batch taken by each step, made again by the background pass, and the steps
+    take the generator's draws in order, as when each drew its own."""
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=4, num_blocks=64,
+              quantization="none")
+    cfg = InstantConfig(layers=1, lr=5e-2, candidates=32, hard_negatives=4, candidates_ahead=2, seed=7)
+    learner = llm.enable_learning(LearningConfig(instant=cfg, root=str(tmp_path / "learned")))
+    pool = learner.instant.candidates
+    assert pool.ready() == 2
+    asked = llm.generate([[5, 80, 23, 311, 42]], GREEDY, tenant="acme")[0]
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    assert pool.ready() == 1  # the step took the first
+    learner.consolidate()
+    assert pool.ready() == 2
+    llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
+    learner.consolidate()
+    gen = torch.Generator().manual_seed(7)
+    draws = [torch.randint(0, learner.layers.head.shape[0], (32,), generator=gen) for _ in range(3)]
+    assert torch.equal(pool.take(32).tokens, draws[2])  # the two steps took the first two, in order

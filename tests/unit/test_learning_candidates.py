@@ -1,14 +1,20 @@
 """The instant step's sampled softmax and its steps per event (issue 37), on the tiny model: the
 base model's top tokens are always candidates, the drawn ones stand for the rest of the vocabulary
 (the loss estimates the full softmax's, where drawing alone bounds it from below), and an event
-takes steps until its worst target token's loss is under the bound, or the most it may."""
+takes steps until its worst target token's loss is under the bound, or the most it may. The drawn
+candidates made ahead (learning/candidates.py) are the draws a step made itself, in order, each used
+once, and the softmax over them is the one that dropped the drawn exact tokens before gathering."""
 
 from __future__ import annotations
+
+import math
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ruvllm.learning.candidates import CandidatePool
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.instant import InstantLearner
 from ruvllm.learning.tail import LearnedLayers
@@ -83,3 +89,72 @@ def test_an_event_steps_until_its_worst_token_is_learned(layers: LearnedLayers) 
     assert worst > 0.5  # the bound was not met before the event
     one = InstantLearner(layers, InstantConfig(layers=1, candidates=0, lr=5e-2))  # the default: one step an event
     assert one.step(one.new_tenant(seed=0), one.prepare(PROMPT, TARGET), 1.0).steps == 1
+
+
+def _dropped_logits(head: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, negatives: torch.Tensor,
+                    drawn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled softmax as built before the draws were made ahead: the drawn tokens that are
+    exact ones dropped, the rest's head rows gathered after the exact ones', weighed as the rest."""
+    vocab = head.shape[0]
+    exact, inverse = torch.unique(torch.cat([labels, negatives]), return_inverse=True)
+    others = drawn[~torch.isin(drawn, exact)]
+    bias = torch.zeros(len(exact) + len(others))
+    bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
+    return rows @ head[torch.cat([exact, others])].t() + bias, inverse[:len(labels)]
+
+
+@pytest.mark.parametrize("score", [1.0, -1.0])
+def test_candidates_made_ahead_give_the_loss_and_gradient_of_a_fresh_draw(layers: LearnedLayers,
+                                                                          score: float) -> None:
+    """Steps alternately on ready batches (fill_candidates) and on draws made in the step: each
+    step's draw is the generator's next, as before, and the masked softmax's loss and gradient are the
+    ones of the softmax that dropped the clashing draws (64 of 512 with ~36 exact tokens: clashes)."""
+    from ruvllm.learning.instant import feedback_loss
+
+    cfg = InstantConfig(layers=1, candidates=64, hard_negatives=8, seed=3, candidates_ahead=2)
+    learner = InstantLearner(layers, cfg)
+    prep = learner.prepare(PROMPT, TARGET)
+    labels = torch.tensor(TARGET)
+    gen = torch.Generator().manual_seed(3)
+    clashes = 0
+    with torch.no_grad():
+        base_rows = learner._rows(prep, None)
+    for i in range(6):
+        if i % 3 == 0:
+            assert learner.fill_candidates() == 2  # the next two steps' batches ready; the third draws its own
+        drawn = torch.randint(0, layers.head.shape[0], (64,), generator=gen)
+        clashes += int(torch.isin(drawn, prep.negatives).sum() + torch.isin(drawn, labels).sum())
+        rows = base_rows.clone().requires_grad_(True)
+        logits, index = learner._logits(rows, labels, prep.negatives)
+        loss = feedback_loss(logits, index, score)
+        (grad,) = torch.autograd.grad(loss, rows)
+        ref_rows = base_rows.clone().requires_grad_(True)
+        ref_logits, ref_index = _dropped_logits(layers.head, ref_rows, labels, prep.negatives, drawn)
+        ref = feedback_loss(ref_logits, ref_index, score)
+        (ref_grad,) = torch.autograd.grad(ref, ref_rows)
+        assert abs(float(loss) - float(ref)) < 1e-5 * max(1.0, abs(float(ref)))
+        assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+        assert torch.isfinite(grad).all()
+    assert clashes > 0  # the masked columns were exercised
+
+
+def test_a_pool_hands_out_each_draw_once_and_in_order_while_another_thread_fills_it(layers: LearnedLayers) -> None:
+    pool = CandidatePool(layers.head, seed=5, keep=3)
+    stop, made = threading.Event(), []
+
+    def background() -> None:
+        while not stop.is_set():
+            made.append(pool.fill(16))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        taken = [pool.take(16) for _ in range(200)]
+    finally:
+        stop.set()
+        thread.join()
+    gen = torch.Generator().manual_seed(5)
+    for batch in taken:
+        tokens = torch.randint(0, layers.head.shape[0], (16,), generator=gen)
+        assert torch.equal(batch.tokens, tokens) and torch.equal(batch.rows, layers.head[tokens])
+    assert sum(made) > 0  # some batches were made on the other thread

@@ -30,6 +30,11 @@ class InstantConfig(Checked):
     backward: str = setting("int8", "The packed weights' backward.", choices=("int8", "float32"), cli=False)
     candidates: int = setting(2048, "Sampled softmax size; 0: the whole vocabulary.", minimum=0, cli=False)
     seed: int = setting(0, "Seeds the sampled softmax.", cli=False)
+    # The drawn candidates do not depend on the event: the background pass draws and gathers the next
+    # steps' ahead (learning/candidates.py), 2,048 head rows ~1.2-2 ms off the step when cold in the
+    # caches; each batch is ~n x hidden x 4 bytes (4.7 MB on the default model, 17 MB at hidden 2048).
+    candidates_ahead: int = setting(2, "Sampled softmax draws made ahead, off the feedback's path.", minimum=0,
+                                    cli=False)
     # The sampled softmax's competitors (issue 37). Drawn uniformly alone, 2,048 of 49,152 rarely
     # include the tokens the model actually prefers at a row, so its loss fell to ~0.01 while the
     # full softmax's worst target token stayed at 1-2 nats: the fact held greedily and not under

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ruvllm.learning.candidates import CandidatePool
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
 
@@ -84,7 +85,17 @@ class InstantLearner:
     def __init__(self, layers: LearnedLayers, config: InstantConfig) -> None:
         self.layers = layers
         self.config = config
-        self._gen = torch.Generator().manual_seed(config.seed)
+        # the sampled softmax's drawn candidates, a batch a step: made ahead by the learner's
+        # background pass (Learner.consolidate: fill_candidates), else drawn in the step (candidates.py)
+        self.candidates = CandidatePool(layers.head, config.seed, config.candidates_ahead)
+
+    def fill_candidates(self) -> int:
+        """Draw and gather the next steps' candidates now, off the feedback's path (the pool's
+        `keep` batches ready). Returns how many batches were made."""
+        c = self.config
+        if not c.candidates or c.candidates >= self.layers.head.shape[0]:
+            return 0
+        return self.candidates.fill(c.candidates)
 
     def new_tenant(self, seed: int, tensors: dict[str, torch.Tensor] | None = None) -> TenantState:
         """A tenant's learning state: a fresh micro-LoRA, or one starting from PEFT `tensors` (a
@@ -256,22 +267,25 @@ class InstantLearner:
         n, vocab = c.candidates, head.shape[0]
         if not n or n >= vocab:
             return rows @ head.t(), labels
-        others = torch.randint(0, vocab, (n,), generator=self._gen)
+        drawn = self.candidates.take(n)  # made ahead by the background pass, or drawn now
         if not c.estimate_rest:
             fixed = labels if negatives is None else torch.cat([labels, negatives])
-            cands, inverse = torch.unique(torch.cat([fixed, others]), return_inverse=True)
+            cands, inverse = torch.unique(torch.cat([fixed, drawn.tokens]), return_inverse=True)
             return rows @ head.index_select(0, cands).t(), inverse[:len(labels)]
         exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
                                       return_inverse=True)
-        # the drawn tokens that are not exact ones, in order: a vocabulary-wide table looked up
-        # (~35 us) where torch.isin sorts (~130 us; the same tokens kept)
+        # A drawn token that is an exact one is not a candidate twice: its column is masked out (a
+        # -inf logit: no weight in the softmax, a zero gradient), which is the softmax over the exact
+        # ones and the other drawn ones in order, as when such tokens were dropped from the draw
+        # before gathering, while the drawn rows stay the one block gathered ahead (candidates.py).
+        # (the exact ones found by a vocabulary-wide table looked up: ~35 us, where torch.isin sorts)
         hit = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, exact, True)
-        others = others[hit.index_select(0, others).logical_not_()]
-        # one product over both sets (as many head rows as before, plus the negatives), then the weight
-        bias = torch.zeros(len(exact) + len(others))
-        bias[len(exact):] = math.log((vocab - len(exact)) / max(len(others), 1))
-        # (index_select: a row copy each, ~6x faster than advanced indexing's generic gather here)
-        return rows @ head.index_select(0, torch.cat([exact, others])).t() + bias, inverse[:len(labels)]
+        clash = hit.index_select(0, drawn.tokens)
+        kept = n - int(clash.sum())
+        bias = torch.full((n,), math.log((vocab - len(exact)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
+        # each drawn one's logit raised by log(rest / drawn): together they weigh as the rest
+        return torch.cat([rows @ head.index_select(0, exact).t(), rows @ drawn.rows.t() + bias], dim=1), \
+            inverse[:len(labels)]
 
 
 def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora], torch.Tensor] | None,

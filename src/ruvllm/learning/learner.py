@@ -127,6 +127,7 @@ class Learner:
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
+        self.instant.fill_candidates()  # the first step's drawn candidates; the background pass makes the rest
         self._background = (BackgroundLoop(self.consolidate, self.config.background_s, self.config.nice)
                             if self.config.background_s is not None else None)
 
@@ -446,6 +447,9 @@ class Learner:
         time) run without the learner's lock, on a copy of the micro-LoRA taken under it, so a
         feedback request never waits for them; only the pull and the publish hold the lock."""
         c = self.config.instant
+        # The next steps' drawn candidates first (a few ms; their own lock, never the learner's): a
+        # step coming while the pass is still busy finds them ready.
+        self.instant.fill_candidates()
         if c.ewc_lambda <= 0:
             with self._lock:
                 pending, self._pending = self._pending, {}
