@@ -43,6 +43,8 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "lora" / "csrc" / "lora_add.cpp",
            _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp",
            _ROOT / "learning" / "csrc" / "micro_lora.cpp")
+# Headers the sources include: hashed into the build's name with them, so an edit to one rebuilds.
+HEADERS = (_ROOT / "models" / "csrc" / "llama_layers.h",)
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -68,7 +70,7 @@ def kernels() -> Any:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     log.info("loading the C++ kernels (compiled on first use: ~30 s once per version and CPU)")
-    name = f"ruvllm_cpu_kernels_{build_tag(SOURCES)}"
+    name = f"ruvllm_cpu_kernels_{build_tag(SOURCES + HEADERS)}"
     try:
         _use_our_ninja()
         with _build_lock(Path(_get_build_directory(name, verbose=False))):

@@ -36,7 +36,7 @@ def _seed(cache: Path) -> None:
     the smallest source's object and the library, so ninja has exactly that much left to do."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"ruvllm_cpu_kernels_{cpu_build.build_tag(cpu_build.SOURCES)}"
+    name = f"ruvllm_cpu_kernels_{cpu_build.build_tag(cpu_build.SOURCES + cpu_build.HEADERS)}"
     env_dir = Path(_get_build_directory(name, verbose=False))  # before TORCH_EXTENSIONS_DIR points here
     objects = [env_dir / (s.stem + ".o") for s in cpu_build.SOURCES]
     if not all(o.exists() for o in objects) or not (env_dir / ".ninja_log").exists():

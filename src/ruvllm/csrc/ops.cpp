@@ -13,6 +13,8 @@
 #include <optional>
 #include <tuple>
 
+#include "../models/csrc/llama_layers.h"
+
 namespace ruvllm {
 // attention/csrc/paged_attention.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -52,6 +54,29 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 // quant/csrc/quant_matmul_grad.cpp
 at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
+// models/csrc/llama_layers.cpp: llama_layers (its 26 arguments in models/csrc/llama_layers.h)
+// The learner's own operators (serving never calls them):
+// learning/csrc/element_grad.cpp
+at::Tensor rms_norm_grad(const at::Tensor& dh, const at::Tensor& s, const at::Tensor& weight, double eps,
+                         const std::optional<at::Tensor>& dsum);
+at::Tensor silu_and_mul_grad(const at::Tensor& dy, const at::Tensor& gate_up);
+at::Tensor qkv_rope_grad(const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                         const std::optional<at::Tensor>& dv, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+// learning/csrc/micro_lora.cpp
+at::Tensor micro_lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t lo,
+                           double scaling);
+std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& u,
+                                                   const at::Tensor& a, const at::Tensor& b, int64_t lo,
+                                                   double scaling, const std::optional<at::Tensor>& dx);
+// learning/csrc/row_attention.cpp
+std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& ck,
+                                                 const std::optional<at::Tensor>& cv, double scale, int64_t window);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
+    int64_t window);
 }  // namespace ruvllm
 
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -85,9 +110,23 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor[] slot_mappings, Tensor[] block_tables, Tensor[] row_seqs, Tensor[] row_ctxs, int[] windows, "
         "int[] layer_group, int block_size, float scale, float eps, int num_heads, int num_kv_heads, int head_dim, "
         "bool gelu_tanh, Tensor[] lora, int[] lora_bounds, Tensor? row_slot) -> Tensor");
+  // The learner's backward passes and its attention over a dozen rows.
+  m.def("rms_norm_grad(Tensor dh, Tensor s, Tensor weight, float eps, Tensor? dsum) -> Tensor");
+  m.def("silu_and_mul_grad(Tensor dy, Tensor gate_up) -> Tensor");
+  m.def("qkv_rope_grad(Tensor? dq, Tensor? dk, Tensor? dv, Tensor cos, Tensor sin, int num_heads, "
+        "int num_kv_heads, int head_dim) -> Tensor");
+  m.def("micro_lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int lo, float scaling) -> Tensor");
+  m.def("micro_lora_grad(Tensor dy, Tensor x, Tensor u, Tensor a, Tensor b, int lo, float scaling, Tensor(b!)? dx) "
+        "-> (Tensor, Tensor)");
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, float scale, int window) "
+        "-> (Tensor, Tensor)");
+  m.def("row_attention_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, Tensor p, "
+        "float scale, int window) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-// Each kernel's CPU implementation (llama_layers registers its own, in models/csrc/llama_layers.cpp).
+// Each kernel's CPU implementation. All are registered here, none beside its code: torch/library.h and
+// the registration templates cost each source that includes them ~3.5-5 s more to compile (g++ alone,
+// loaded host: 13.7 against 9.1 s for micro_lora.cpp), and a cold build is part of every set-up.
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("paged_attention", &ruvllm::paged_attention);
   m.impl("paged_attention_tiered", &ruvllm::paged_attention_tiered);
@@ -102,4 +141,12 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("silu_and_mul", &ruvllm::silu_and_mul);
   m.impl("qkv_rope_cache", &ruvllm::qkv_rope_cache);
   m.impl("lora_add", &ruvllm::lora_add);
+  m.impl("llama_layers", &ruvllm::llama_layers);
+  m.impl("rms_norm_grad", &ruvllm::rms_norm_grad);
+  m.impl("silu_and_mul_grad", &ruvllm::silu_and_mul_grad);
+  m.impl("qkv_rope_grad", &ruvllm::qkv_rope_grad);
+  m.impl("micro_lora_add_", &ruvllm::micro_lora_add_);
+  m.impl("micro_lora_grad", &ruvllm::micro_lora_grad);
+  m.impl("row_attention", &ruvllm::row_attention);
+  m.impl("row_attention_grad", &ruvllm::row_attention_grad);
 }

@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -144,18 +144,3 @@ at::Tensor qkv_rope_grad(const std::optional<at::Tensor>& dq, const std::optiona
 }
 
 }  // namespace ruvllm
-
-// Registered here, beside csrc/ops.cpp's schemas (a fragment of the same operator library): the
-// learner's own operators, which serving never calls.
-TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm_grad(Tensor dh, Tensor s, Tensor weight, float eps, Tensor? dsum) -> Tensor");
-  m.def("silu_and_mul_grad(Tensor dy, Tensor gate_up) -> Tensor");
-  m.def("qkv_rope_grad(Tensor? dq, Tensor? dk, Tensor? dv, Tensor cos, Tensor sin, int num_heads, "
-        "int num_kv_heads, int head_dim) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
-  m.impl("rms_norm_grad", &ruvllm::rms_norm_grad);
-  m.impl("silu_and_mul_grad", &ruvllm::silu_and_mul_grad);
-  m.impl("qkv_rope_grad", &ruvllm::qkv_rope_grad);
-}

@@ -10,7 +10,7 @@
 // float32.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
@@ -122,15 +122,3 @@ std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const a
 }
 
 }  // namespace ruvllm
-
-// The learner's own operators (a fragment of csrc/ops.cpp's library; serving never calls them).
-TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
-  m.def("micro_lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int lo, float scaling) -> Tensor");
-  m.def("micro_lora_grad(Tensor dy, Tensor x, Tensor u, Tensor a, Tensor b, int lo, float scaling, Tensor(b!)? dx) "
-        "-> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
-  m.impl("micro_lora_add_", &ruvllm::micro_lora_add_);
-  m.impl("micro_lora_grad", &ruvllm::micro_lora_grad);
-}

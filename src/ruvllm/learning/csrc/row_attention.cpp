@@ -18,7 +18,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
-#include <torch/library.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -176,16 +176,3 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_atten
 }
 
 }  // namespace ruvllm
-
-// The learner's own operators (a fragment of csrc/ops.cpp's library; serving never calls them).
-TORCH_LIBRARY_FRAGMENT(TORCH_EXTENSION_NAME, m) {
-  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, float scale, int window) "
-        "-> (Tensor, Tensor)");
-  m.def("row_attention_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, Tensor p, "
-        "float scale, int window) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
-  m.impl("row_attention", &ruvllm::row_attention);
-  m.impl("row_attention_grad", &ruvllm::row_attention_grad);
-}

@@ -20,7 +20,7 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/gelu.h>
-#include <torch/library.h>
+#include "llama_layers.h"
 
 #include <optional>
 #include <tuple>
@@ -180,7 +180,3 @@ at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::T
 }
 
 }  // namespace ruvllm
-
-// Registered here, beside its definition, where csrc/ops.cpp registers the other kernels: its
-// signature (26 arguments) is then written once. The schema stays in ops.cpp, with every operator's.
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("llama_layers", &ruvllm::llama_layers); }
