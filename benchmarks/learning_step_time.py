@@ -42,6 +42,15 @@ docs/learning.md.
 --update's arms include the default as session 17 left it (--kernel-rev's kernel, the element-wise
 backward and LoRA pieces in torch ops, causal_attention) against the tree's, alternating event by event.
 
+--update --candidates-ahead: the default alone against itself with the sampled softmax's drawn
+candidates drawn and gathered in the step and its exact candidates found in the step (the learner
+before session 18's helper-47), where the default makes the draws ahead in the background pass
+(learning/candidates.py) and finds the exact ones once a pair (Prepared.exact): each arm its own pool
+of the same seed, alternating event by event. The other --update arms draw in the step.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --update --candidates-ahead \
+        --contexts frozen --threads 1 --steps 16
+
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
 form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
 softmax), the KL term's forward (two everyday completions, one by one as before and batched with
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import subprocess
@@ -129,6 +139,9 @@ def _update(args: argparse.Namespace) -> None:
     def one_by_one(layers, lora, anchors, drawn, gen):  # noqa: ANN001, ANN202
         return sum(kl_to_base(layers, lora, a, drawn, gen) for a in anchors) / len(anchors)
 
+    def exact_in_step(instant, rows, labels, negatives=None, exact=None):  # noqa: ANN001, ANN202
+        return InstantLearner._logits(instant, rows, labels, negatives)
+
     everyday = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
                 "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=32)
@@ -169,6 +182,8 @@ def _update(args: argparse.Namespace) -> None:
                 context, ahead, old, drawn = arm
                 tenant, out = asked[arm]
                 learner.instant.candidates = pools[arm]
+                if not drawn:  # before: the exact candidates found in the step too, not once a pair
+                    learner.instant._logits = functools.partial(exact_in_step, learner.instant)
                 instant = dataclasses.replace(base.instant, context=context)
                 learner.config = dataclasses.replace(base, instant=instant)
                 learner.instant.config = instant
@@ -177,6 +192,7 @@ def _update(args: argparse.Namespace) -> None:
                 with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None):
                     result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
                 learner_module.kl_mean = kl_mean
+                learner.instant.__dict__.pop("_logits", None)
                 step[arm].append(result.step_ms)
                 publish[arm].append(result.publish_ms)
                 if not ahead:  # the learner before: the term always in the step, never computed ahead

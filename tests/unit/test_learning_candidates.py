@@ -106,7 +106,7 @@ def _dropped_logits(head: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor
 @pytest.mark.parametrize("score", [1.0, -1.0])
 def test_candidates_made_ahead_give_the_loss_and_gradient_of_a_fresh_draw(layers: LearnedLayers,
                                                                           score: float) -> None:
-    """Steps alternately on ready batches (fill_candidates) and on draws made in the step: each
+    """Steps on ready batches (fill_candidates) and on draws made in the step: each
     step's draw is the generator's next, as before, and the masked softmax's loss and gradient are the
     ones of the softmax that dropped the clashing draws (64 of 512 with ~36 exact tokens: clashes)."""
     from ruvllm.learning.instant import feedback_loss
@@ -114,6 +114,8 @@ def test_candidates_made_ahead_give_the_loss_and_gradient_of_a_fresh_draw(layers
     cfg = InstantConfig(layers=1, candidates=64, hard_negatives=8, seed=3, candidates_ahead=2)
     learner = InstantLearner(layers, cfg)
     prep = learner.prepare(PROMPT, TARGET)
+    assert prep.exact is not None and torch.equal(prep.exact.ids, torch.unique(torch.cat([torch.tensor(TARGET),
+                                                                                          prep.negatives])))
     labels = torch.tensor(TARGET)
     gen = torch.Generator().manual_seed(3)
     clashes = 0
@@ -125,7 +127,8 @@ def test_candidates_made_ahead_give_the_loss_and_gradient_of_a_fresh_draw(layers
         drawn = torch.randint(0, layers.head.shape[0], (64,), generator=gen)
         clashes += int(torch.isin(drawn, prep.negatives).sum() + torch.isin(drawn, labels).sum())
         rows = base_rows.clone().requires_grad_(True)
-        logits, index = learner._logits(rows, labels, prep.negatives)
+        # (the exact candidates found once at prepare, or in the step)
+        logits, index = learner._logits(rows, labels, prep.negatives, prep.exact if i % 2 else None)
         loss = feedback_loss(logits, index, score)
         (grad,) = torch.autograd.grad(loss, rows)
         ref_rows = base_rows.clone().requires_grad_(True)

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,19 @@ class Prepared:
     embedding: torch.Tensor | None = None
     # the base model's top tokens at the target's rows, always among the sampled softmax's candidates
     negatives: torch.Tensor | None = None
+    # the sampled softmax's exact candidates (the target's and `negatives`' tokens), found once: the
+    # same for every step on this pair (InstantLearner._exact)
+    exact: Exact | None = None
+
+
+class Exact(NamedTuple):
+    """The sampled softmax's exact candidates of one (target, negatives): their token ids, sorted
+    and unique; each target token's index among them; and a vocabulary-wide table of them, in which
+    the step looks its drawn tokens up."""
+
+    ids: torch.Tensor
+    index: torch.Tensor
+    hit: torch.Tensor
 
 
 @dataclass
@@ -133,6 +147,8 @@ class InstantLearner:
                 logits[torch.arange(len(target)), torch.tensor(target)] = float("-inf")
                 k = min(self.config.hard_negatives, logits.shape[1])
                 prep.negatives = torch.unique(logits.topk(k, dim=1).indices)
+            if self.config.estimate_rest:
+                prep.exact = self._exact(torch.tensor(target), prep.negatives)
             prep.seconds = time.perf_counter() - t
         return prep
 
@@ -161,7 +177,7 @@ class InstantLearner:
         taken = 0
         while True:
             t0 = time.perf_counter()
-            logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives)
+            logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives, prep.exact)
             if score >= 0:
                 nll = F.cross_entropy(logits, index, reduction="none")
                 loss = nll.mean() * max(score, 1e-3)
@@ -210,7 +226,7 @@ class InstantLearner:
         losses = []
         for out, (p, s) in zip(outs, events):
             rows = out if p.frozen else out[p.prompt_len - 1:p.prompt_len - 1 + len(p.target)]
-            logits, index = self._logits(rows, torch.tensor(p.target), p.negatives)
+            logits, index = self._logits(rows, torch.tensor(p.target), p.negatives, p.exact)
             losses.append(feedback_loss(logits, index, s))
         own = [float(value.detach()) for value in losses]
         loss = torch.stack(losses).mean()
@@ -257,11 +273,19 @@ class InstantLearner:
         gamma = self.config.fisher_gamma
         state.fisher = sq if state.fisher is None else [gamma * f + (1 - gamma) * s for f, s in zip(state.fisher, sq)]
 
-    def _logits(self, rows: torch.Tensor, labels: torch.Tensor,
-                negatives: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _exact(self, labels: torch.Tensor, negatives: torch.Tensor | None) -> Exact:
+        ids, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
+                                    return_inverse=True)
+        # (the drawn tokens are looked up in a vocabulary-wide table, ~35 us, where torch.isin sorts)
+        hit = torch.zeros(self.layers.head.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
+        return Exact(ids, inverse[:len(labels)], hit)
+
+    def _logits(self, rows: torch.Tensor, labels: torch.Tensor, negatives: torch.Tensor | None = None,
+                exact: Exact | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over the candidates and each label's index among them: the labels, the hard
         `negatives`, and `candidates` tokens drawn uniformly (with `estimate_rest`, each drawn one's
-        logit raised by log(rest / drawn), so that together they weigh as the rest of the vocabulary)."""
+        logit raised by log(rest / drawn), so that together they weigh as the rest of the vocabulary).
+        `exact`: the exact candidates of these labels and negatives found ahead (Prepared.exact)."""
         head = self.layers.head
         c = self.config
         n, vocab = c.candidates, head.shape[0]
@@ -272,20 +296,18 @@ class InstantLearner:
             fixed = labels if negatives is None else torch.cat([labels, negatives])
             cands, inverse = torch.unique(torch.cat([fixed, drawn.tokens]), return_inverse=True)
             return rows @ head.index_select(0, cands).t(), inverse[:len(labels)]
-        exact, inverse = torch.unique(labels if negatives is None else torch.cat([labels, negatives]),
-                                      return_inverse=True)
+        if exact is None:
+            exact = self._exact(labels, negatives)
         # A drawn token that is an exact one is not a candidate twice: its column is masked out (a
         # -inf logit: no weight in the softmax, a zero gradient), which is the softmax over the exact
         # ones and the other drawn ones in order, as when such tokens were dropped from the draw
         # before gathering, while the drawn rows stay the one block gathered ahead (candidates.py).
-        # (the exact ones found by a vocabulary-wide table looked up: ~35 us, where torch.isin sorts)
-        hit = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, exact, True)
-        clash = hit.index_select(0, drawn.tokens)
+        clash = exact.hit.index_select(0, drawn.tokens)
         kept = n - int(clash.sum())
-        bias = torch.full((n,), math.log((vocab - len(exact)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
+        bias = torch.full((n,), math.log((vocab - len(exact.ids)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
         # each drawn one's logit raised by log(rest / drawn): together they weigh as the rest
-        return torch.cat([rows @ head.index_select(0, exact).t(), rows @ drawn.rows.t() + bias], dim=1), \
-            inverse[:len(labels)]
+        return torch.cat([rows @ head.index_select(0, exact.ids).t(), rows @ drawn.rows.t() + bias], dim=1), \
+            exact.index
 
 
 def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora], torch.Tensor] | None,

@@ -447,12 +447,10 @@ class Learner:
         time) run without the learner's lock, on a copy of the micro-LoRA taken under it, so a
         feedback request never waits for them; only the pull and the publish hold the lock."""
         c = self.config.instant
-        # The next steps' drawn candidates first (a few ms; their own lock, never the learner's): a
-        # step coming while the pass is still busy finds them ready.
-        self.instant.fill_candidates()
         if c.ewc_lambda <= 0:
             with self._lock:
                 pending, self._pending = self._pending, {}
+            self.instant.fill_candidates()  # the next steps' drawn candidates (candidates.py)
             for scope in pending:
                 self._ahead(scope)
             return {}
@@ -477,6 +475,11 @@ class Learner:
                 samples = self._fisher_samples(tenant)
                 if samples:
                     draws[tenant] = (self.instant.fisher_sample(copy, samples), time.perf_counter() - t)
+        # The next steps' drawn candidates (a few ms, under the pool's own lock, never the learner's):
+        # after the Fisher's draws, which take theirs from the same pool in turn (as they drew from
+        # the steps' generator before), and before the pull waits for the lock, so that a step coming
+        # while the pass is still busy finds them ready.
+        self.instant.fill_candidates()
         published = {}
         with self._lock:
             self._busy = set()
@@ -604,7 +607,7 @@ class Learner:
             for forms, score in events:
                 for prep in forms:
                     logits, index = self.instant._logits(self.instant._rows(prep, lora), torch.tensor(prep.target),
-                                                         prep.negatives)
+                                                         prep.negatives, prep.exact)
                     loss = feedback_loss(logits, index, score)
                     total = total + (loss if len(events) == 1 else loss / len(events))
             return total
