@@ -149,10 +149,15 @@ def _update(args: argparse.Namespace) -> None:
     # one before it on the default method
     # (..., the drawn candidates made ahead): the arms before session 18's helper-47 draw them in the
     # step; --candidates-ahead: the default against itself with them drawn in the step, alone
-    if args.candidates_ahead:
-        arms = [(context, True, False, drawn) for context in args.contexts.split(",") for drawn in (False, True)]
+    # (..., the learned layers as one C++ call each way): --whole: the default against itself with
+    # them as autograd's graph (session 18's learner), alone; every other arm takes the call
+    if args.whole:
+        arms = [(context, True, False, True, whole) for context in args.contexts.split(",")
+                for whole in (False, True)]
+    elif args.candidates_ahead:
+        arms = [(context, True, False, drawn, True) for context in args.contexts.split(",") for drawn in (False, True)]
     else:
-        arms = [(context, ahead, old, ahead and not old) for context in args.contexts.split(",")
+        arms = [(context, ahead, old, ahead and not old, True) for context in args.contexts.split(",")
                 for ahead, old in ((False, False), (True, True), (True, False))]
     matmuls = {True: _kernel_at(args.kernel_rev), False: None}
     from ruvllm.cpu_build import kernels
@@ -166,9 +171,11 @@ def _update(args: argparse.Namespace) -> None:
         # kept ahead where the arm draws them in the step, so no arm takes another's batches
         pools = {arm: CandidatePool(learner.layers.head, base.instant.seed,
                                     base.instant.candidates_ahead if arm[3] else 0) for arm in arms}
+        plan = learner.layers._whole
         for arm in arms:
-            context, ahead, old, drawn = arm
-            tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}{'-drawn' if drawn else ''}"
+            context, ahead, old, drawn, whole = arm
+            tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}{'-drawn' if drawn else ''}" \
+                     f"{'' if whole else '-graph'}"
             llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
                      tenant=tenant)
             asked[arm] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
@@ -179,8 +186,9 @@ def _update(args: argparse.Namespace) -> None:
         loads = []
         for i in range(args.steps):
             for arm in arms if i % 2 == 0 else arms[::-1]:
-                context, ahead, old, drawn = arm
+                context, ahead, old, drawn, whole = arm
                 tenant, out = asked[arm]
+                learner.layers._whole = plan if whole and not old else None
                 learner.instant.candidates = pools[arm]
                 if not drawn:  # before: the exact candidates found in the step too, not once a pair
                     learner.instant._logits = functools.partial(exact_in_step, learner.instant)
@@ -213,6 +221,8 @@ def _update(args: argparse.Namespace) -> None:
         what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
         what += f" (session 17: the kernel at {args.kernel_rev}, the rest in torch ops)" if arm[2] else ""
         what += " / made ahead (the default)" if arm[3] else " / drawn in the step"
+        what += "" if arm[2] else " / the learned layers one C++ call each way (the default)" if arm[4] \
+            else " / the learned layers as autograd's graph (session 18)"
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -321,7 +331,7 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     lora18 = "+ micro-LoRA pieces in C++ (session 18's default)"
 
     def layers_as(ops17: bool, attention17: bool, lora17: bool) -> LearnedLayers:
-        layers = LearnedLayers(model, n, ops=_session17_ops(kernels()) if ops17 else None)
+        layers = LearnedLayers(model, n, ops=_session17_ops(kernels()) if ops17 else None, whole=False)
         if attention17:
             layers._ext = None  # (its attention: causal_attention's torch ops, as before session 18)
         if lora17:
@@ -333,7 +343,8 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
             backward18: layers_as(False, True, True),
             attention18: layers_as(False, False, True),
             lora18: layers_as(False, False, False),
-            "session 18 (the default, the kernels as built in the tree)": LearnedLayers(model, n)}
+            "session 18 (the kernels as built in the tree)": LearnedLayers(model, n, whole=False),
+            "session 19, the default (the learned layers one C++ call each way)": LearnedLayers(model, n)}
     # The quantized matmul built alone (as benchmarks/quant_matmul_rows.py --compare-with does) for the
     # arms that compare its source: as it was at --kernel-rev, and as it is in the tree. Alone, both
     # old and new: the same source ran its 4-bit path up to 7% apart built alone and built into the
@@ -557,6 +568,40 @@ def _matmul(fn):  # noqa: ANN001, ANN202
         cpu_matmul.matmul = kept
 
 
+def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+    """--whole: the update's own step (frozen context, packed weights, no KL term) with the learned
+    layers as one C++ call each way (learning/whole_layers.py, the default) against the autograd
+    path (session 18's learner, LearnedLayers(whole=False)), arms alternating step by step, each its
+    own tenant of the same seed; wall time, and the thread's CPU time (the step's own work under load)."""
+    model = load_learning_model(src)[0]
+    n = InstantConfig().layers
+    arms = {"the learned layers as autograd's graph (session 18)": LearnedLayers(model, n, whole=False),
+            "one C++ call each way (session 19, the default)": LearnedLayers(model, n)}
+    runs = {}
+    for name, layers in arms.items():
+        learner = InstantLearner(layers, InstantConfig())
+        runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
+    loads = []
+    for i in range(args.steps):
+        for name in arms if i % 2 == 0 else list(arms)[::-1]:
+            learner, prep, state = runs[name]
+            t, c = time.perf_counter(), time.thread_time()
+            learner.step(state, prep, 1.0)
+            times[name].append((time.perf_counter() - t) * 1000)
+            cpu[name].append((time.thread_time() - c) * 1000)
+        loads.append(os.getloadavg()[0])
+    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
+          f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {len(prompt)} + target "
+          f"{len(target)} tokens")
+    print("| the step | p50 | p90 | CPU p50 (this thread) |")
+    print("|---|---|---|---|")
+    for name, v in times.items():
+        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
+              f"{statistics.median(cpu[name][2:]):.1f} ms |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24)
@@ -570,6 +615,9 @@ def main() -> None:
     ap.add_argument("--candidates-ahead", action="store_true",
                     help="--update: the default with the drawn candidates made ahead against drawn in the step")
     ap.add_argument("--phases", action="store_true", help="per-phase timers of a step with the KL term in it")
+    ap.add_argument("--whole", action="store_true",
+                    help="the frozen step (with --update: the whole update) with the learned layers as one C++ call "
+                         "each way against autograd's graph of them, alternating")
     ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
     ap.add_argument("--kernel-rev", default="7a2d421",
                     help="--cut and --update: an arm with the quantized matmul's source at this git revision "
@@ -593,6 +641,8 @@ def main() -> None:
         return _phases(src, prompt, target, args)
     if args.cut:
         return _cut(src, prompt, target, args)
+    if args.whole:
+        return _whole(src, prompt, target, args)
     models = {"float32": load_learning_model(src, packed=False)[0], "packed": load_learning_model(src)[0]}
     arms: dict[str, InstantLearner] = {}
     for context in args.contexts.split(","):

@@ -12,6 +12,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../models/csrc/llama_layers.h"
 
@@ -77,6 +78,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_atten
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
     int64_t window);
+// learning/csrc/learned_layers.cpp
+std::vector<at::Tensor> learned_layers_forward(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
+                                               at::IntArrayRef kinds, at::IntArrayRef groups,
+                                               const at::Tensor& final_norm, at::TensorList cos, at::TensorList sin,
+                                               const c10::List<std::optional<at::Tensor>>& context,
+                                               at::IntArrayRef windows, at::TensorList lora, at::IntArrayRef lora_at,
+                                               double scale, double eps, double scaling, int64_t num_heads,
+                                               int64_t num_kv_heads, int64_t head_dim);
+std::vector<at::Tensor> learned_layers_backward(
+    const at::Tensor& dout, at::TensorList kept, const c10::List<std::optional<at::Tensor>>& weights,
+    at::IntArrayRef kinds, at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& transposed,
+    at::IntArrayRef t_groups, const at::Tensor& final_norm, at::TensorList cos, at::TensorList sin,
+    const c10::List<std::optional<at::Tensor>>& context, at::IntArrayRef windows, at::TensorList lora,
+    at::IntArrayRef lora_at, double scale, double eps, double scaling, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim);
 }  // namespace ruvllm
 
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -122,6 +138,14 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "-> (Tensor, Tensor)");
   m.def("row_attention_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, Tensor p, "
         "float scale, int window) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The learned layers' whole forward (the activations the backward reads kept) and backward.
+  m.def("learned_layers_forward(Tensor h, Tensor?[] weights, int[] kinds, int[] groups, Tensor final_norm, "
+        "Tensor[] cos, Tensor[] sin, Tensor?[] context, int[] windows, Tensor[] lora, int[] lora_at, float scale, "
+        "float eps, float scaling, int num_heads, int num_kv_heads, int head_dim) -> Tensor[]");
+  m.def("learned_layers_backward(Tensor dout, Tensor[] kept, Tensor?[] weights, int[] kinds, int[] groups, "
+        "Tensor?[] transposed, int[] t_groups, Tensor final_norm, Tensor[] cos, Tensor[] sin, Tensor?[] context, "
+        "int[] windows, Tensor[] lora, int[] lora_at, float scale, float eps, float scaling, int num_heads, "
+        "int num_kv_heads, int head_dim) -> Tensor[]");
 }
 
 // Each kernel's CPU implementation. All are registered here, none beside its code: torch/library.h and
@@ -149,4 +173,6 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("micro_lora_grad", &ruvllm::micro_lora_grad);
   m.impl("row_attention", &ruvllm::row_attention);
   m.impl("row_attention_grad", &ruvllm::row_attention_grad);
+  m.impl("learned_layers_forward", &ruvllm::learned_layers_forward);
+  m.impl("learned_layers_backward", &ruvllm::learned_layers_backward);
 }

@@ -24,6 +24,7 @@ from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.learning.fused_ops import learner_ops
 from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear, transposed_q8
 from ruvllm.learning.row_attention import row_attention
+from ruvllm.learning.whole_layers import whole_forward, whole_plan
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -134,13 +135,17 @@ class LearnedLayers:
     """The last `n` decoder layers, the final norm and the output embedding, run with autograd in
     float32 over hidden states entering the first of them (packed weights stay packed)."""
 
-    def __init__(self, model: LlamaForCausalLM, n: int, backward: str = "int8", ops: LayerOps | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, n: int, backward: str = "int8", ops: LayerOps | None = None,
+                 whole: bool = True) -> None:
         """`backward` ("int8" or "float32"): how the input gradient runs through packed weights, the
         engine's integer kernel over a transposed 8-bit copy of each learned projection made here
         (packed_linear.transposed_q8: one byte a weight, ~15 MB on the default model), or the float32
         kernel over the served codes (no copy). Float weights: F.linear's backward either way.
         `ops`: the layers' element-wise ops; default our kernels as one autograd node each
-        (learning/fused_ops.py) where they build, else the torch reference (layers/ops.py)."""
+        (learning/fused_ops.py) where they build, else the torch reference (layers/ops.py).
+        `whole`: with the default ops, a pass over one sequence runs every learned layer as one C++
+        call each way where they apply (learning/whole_layers.py; False: the autograd path, its
+        reference, always)."""
         from ruvllm.cpu_build import kernels
 
         cfg = model.cfg
@@ -158,6 +163,7 @@ class LearnedLayers:
         self._projections = {id(module): (i, fused) for i in self.layers for fused in FUSED
                              if (module := getattr(model.layers[i], f"{fused}_proj", None)) is not None}
         self._transposed = self._transpose_all() if backward == "int8" else {}
+        self._whole = whole_plan(model, self.layers, self._transposed) if whole and ext is not None else None
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
                 context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -169,6 +175,9 @@ class LearnedLayers:
         rows from it on are returned, [T - keep_from, H], and the last layer computes no more of
         the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
+        if self._whole is not None and self._ext is not None and keep_kv is None and (keep_from <= 0 or context is not None) \
+                and not h.requires_grad:  # (the whole layers' call gives no gradient of h)
+            return whole_forward(self.model, self._whole, self._ext, self.layers, h, positions, lora, context)
         model, linear = self.model, self._linear_for(lora)
         run = self._run(linear, None if context is None else dict(zip(self.layers, context)), keep_kv)
         if keep_from <= 0 or keep_kv is not None or context is not None:

@@ -1,0 +1,122 @@
+"""The learned layers as one C++ call each way (learning/whole_layers.py, issue 37 item 1, session 19)
+against the autograd path they replace (LearnedLayers(whole=False): one node a projection, norm,
+RoPE split, attention), on the default model's packed weights: the same kernels in the same order,
+so the rows are bitwise the autograd path's and the micro-LoRA's gradients its sums in its order;
+an instant step leaves the same weights; and where the call does not apply (float weights, a
+layer with q/k norms or its own family's form) the autograd path runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ruvllm.cpu_build import kernels
+from ruvllm.learning.config import InstantConfig
+from ruvllm.learning.instant import InstantLearner
+from ruvllm.learning.tail import LearnedLayers, hidden_before
+from tests.lora_fixtures import nonzero_b
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="our C++ kernels do not build here")
+
+PROMPT = [1, 9690, 198, 2683, 314, 260, 3575, 282, 34106, 47, 2, 198]
+TARGET = [504, 3575, 282, 34106, 314, 2]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from ruvllm.learning.tail import load_learning_model
+    from ruvllm.loader.source import resolve_model
+
+    return load_learning_model(resolve_model(None))[0]
+
+
+def _rows_and_grads(layers: LearnedLayers, context: str, seed: int = 3):  # noqa: ANN202
+    learner = InstantLearner(layers, InstantConfig(context=context, candidates=0))
+    state = learner.new_tenant(seed=seed)
+    nonzero_b(state.lora, 0.05)
+    prep = learner.prepare(PROMPT, TARGET)
+    rows = learner._rows(prep, state.lora)
+    loss = F.cross_entropy(rows @ layers.head.t(), torch.tensor(TARGET))
+    return rows.detach(), torch.autograd.grad(loss, state.lora.parameters())
+
+
+@pytest.mark.parametrize("backward", ["int8", "float32"])
+def test_the_whole_layers_are_the_autograd_path(model, backward: str) -> None:  # noqa: ANN001
+    whole = LearnedLayers(model, InstantConfig().layers, backward)
+    graph = LearnedLayers(model, InstantConfig().layers, backward, whole=False)
+    assert whole._whole is not None and graph._whole is None
+    (rows_w, grads_w), (rows_g, grads_g) = _rows_and_grads(whole, "frozen"), _rows_and_grads(graph, "frozen")
+    assert torch.equal(rows_w, rows_g)  # the same kernels on the same operands
+    assert len(grads_w) == len(grads_g) == 2 * len(InstantConfig().targets) * InstantConfig().layers
+    for a, b in zip(grads_w, grads_g):
+        assert b.norm() > 0
+        assert (a - b).norm() <= 1e-5 * b.norm()
+
+
+def test_a_sequence_without_a_context_and_the_rows_without_gradients(model) -> None:  # noqa: ANN001
+    """A whole sequence (the Fisher's samples: no kept K/V, attention over its own rows) and a pass
+    under no_grad (the hard negatives') take the call too, with the autograd path's rows."""
+    whole, graph = LearnedLayers(model, 2), LearnedLayers(model, 2, whole=False)
+    lora = InstantLearner(whole, InstantConfig(layers=2)).new_tenant(seed=4).lora
+    nonzero_b(lora, 0.05)
+    ids = PROMPT + TARGET
+    h = hidden_before(model, ids, whole.first)
+    outs, grads = [], []
+    for layers in (whole, graph):
+        out = layers.forward(h, torch.arange(len(ids)), lora)
+        outs.append(out.detach())
+        grads.append(torch.autograd.grad(out.square().sum(), lora.parameters()))
+        with torch.no_grad():
+            assert torch.equal(layers.forward(h, torch.arange(len(ids)), lora), out.detach())
+    assert torch.equal(*outs)
+    for a, b in zip(*grads):
+        assert (a - b).norm() <= 1e-5 * b.norm()
+
+
+def test_a_step_leaves_the_weights_the_autograd_step_leaves(model) -> None:  # noqa: ANN001
+    config = InstantConfig(candidates=0)
+    results = []
+    for whole in (True, False):
+        learner = InstantLearner(LearnedLayers(model, config.layers, whole=whole), config)
+        state = learner.new_tenant(seed=6)
+        prep = learner.prepare(PROMPT, TARGET)
+        losses = [learner.step(state, prep, score).loss for score in (1.0, -1.0, 1.0)]
+        results.append((losses, [p.detach().clone() for p in state.lora.parameters()]))
+    (losses_w, params_w), (losses_g, params_g) = results
+    assert losses_w == pytest.approx(losses_g, rel=1e-5)
+    for a, b in zip(params_w, params_g):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-8
+
+
+def test_where_the_call_does_not_apply_the_autograd_path_runs(tmp_path) -> None:  # noqa: ANN001
+    """Float weights have no packed codes for the call: the plan is None and the layers learn through
+    autograd as before (the tiny model's float layers)."""
+    from ruvllm.loader.source import resolve_model
+    from ruvllm.quantize.awq_writer import load_float_model
+    from tests.engine_fixtures import write_tiny_model
+
+    layers = LearnedLayers(load_float_model(resolve_model(str(write_tiny_model(tmp_path / "base"))), 512)[0], 1)
+    assert layers._whole is None
+    learner = InstantLearner(layers, InstantConfig(layers=1, candidates=0))
+    state = learner.new_tenant(seed=1)
+    nonzero_b(state.lora, 0.05)
+    prep = learner.prepare([5, 80, 23, 311, 42], [7, 8])
+    out = learner._rows(prep, state.lora)
+    assert out.grad_fn is not None and "WholeLayers" not in type(out.grad_fn).__name__
+
+
+def test_the_call_refuses_arguments_out_of_its_layout(model) -> None:  # noqa: ANN001
+    """A wrong layout is a RuntimeError from the call's checks, not a read out of bounds."""
+    layers = LearnedLayers(model, 2)
+    plan = layers._whole
+    h = torch.zeros(3, model.cfg.hidden_size)
+    rope = model.rope.for_positions(torch.arange(3))
+    cos, sin = [rope[0].contiguous()] * 2, [rope[1].contiguous()] * 2
+    with pytest.raises(RuntimeError, match="slots a layer"):
+        kernels().learned_layers_forward(h, plan.weights[:-1], plan.kinds, plan.groups, plan.final_norm, cos, sin,
+                                         [None] * 4, plan.windows, [], [], plan.scale, plan.eps, 1.0, *plan.heads)
+    with pytest.raises(RuntimeError, match="lora_at"):
+        kernels().learned_layers_forward(h, plan.weights, plan.kinds, plan.groups, plan.final_norm, cos, sin,
+                                         [None] * 4, plan.windows, [torch.zeros(2, 576), torch.zeros(576, 2)],
+                                         [5, 0, 0], plan.scale, plan.eps, 1.0, *plan.heads)
