@@ -51,6 +51,16 @@ of the same seed, alternating event by event. The other --update arms draw in th
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --update --candidates-ahead \
         --contexts frozen --threads 1 --steps 16
 
+--whole: the update's own step (frozen, packed, no KL term) as session 19 left it (the learned layers
+one C++ call each way, learning/whole_layers.py; the sampled softmax's logits one node of our C++,
+learning/sampled_logits.py) against session 18's (autograd's graph of the layers, torch's products),
+alternating step by step; with --candidates-ahead, the drawn candidates gathered before each step
+and the caches flushed (64 MB written) between, as the background pass and serving leave them.
+--update --whole: the same two through the Learner (the default method), event by event.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 1 --steps 60
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --update --whole --contexts frozen --threads 1
+
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
 form; arms alternating): the feedback's forward (its rows through the learned layers, the sampled
 softmax), the KL term's forward (two everyday completions, one by one as before and batched with
@@ -171,7 +181,7 @@ def _update(args: argparse.Namespace) -> None:
         # kept ahead where the arm draws them in the step, so no arm takes another's batches
         pools = {arm: CandidatePool(learner.layers.head, base.instant.seed,
                                     base.instant.candidates_ahead if arm[3] else 0) for arm in arms}
-        plan = learner.layers._whole
+        plan = learner.layers._whole  # (restored after the arms: the learner as it runs)
         for arm in arms:
             context, ahead, old, drawn, whole = arm
             tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}{'-drawn' if drawn else ''}" \
@@ -189,6 +199,8 @@ def _update(args: argparse.Namespace) -> None:
                 context, ahead, old, drawn, whole = arm
                 tenant, out = asked[arm]
                 learner.layers._whole = plan if whole and not old else None
+                if not whole:  # session 18's sampled softmax: every drawn column, torch's products
+                    learner.instant._logits = functools.partial(_session18_logits, learner.instant)
                 learner.instant.candidates = pools[arm]
                 if not drawn:  # before: the exact candidates found in the step too, not once a pair
                     learner.instant._logits = functools.partial(exact_in_step, learner.instant)
@@ -356,6 +368,8 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
+        if not layers._whole:  # (the sessions before 19: every drawn column, torch's products)
+            learner._logits = functools.partial(_session18_logits, learner)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     times: dict[str, list[float]] = {name: [] for name in arms}
     cpu: dict[str, list[float]] = {name: [] for name in arms}
@@ -568,6 +582,31 @@ def _matmul(fn):  # noqa: ANN001, ANN202
         cpu_matmul.matmul = kept
 
 
+def _session18_logits(instant: InstantLearner, rows, labels, negatives=None, exact=None):  # noqa: ANN001, ANN202
+    """InstantLearner._logits as session 18 left it (for the before arms): every drawn candidate its
+    own column, the exact ones' head rows gathered in each step, torch's products."""
+    import math
+
+    head, n = instant.layers.head, instant.config.candidates
+    drawn = instant.candidates.take(n)
+    exact = exact or instant._exact(labels, negatives)
+    clash = exact.hit.index_select(0, drawn.tokens)
+    kept = n - int(clash.sum())
+    bias = torch.full((n,), math.log((head.shape[0] - len(exact.ids)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
+    return torch.cat([rows @ head.index_select(0, exact.ids).t(), rows @ drawn.rows.t() + bias], dim=1), exact.index
+
+
+_JUNK: list[torch.Tensor] = []
+
+
+def _evict() -> None:
+    """Write 64 MB, as serving's traffic between the background pass and an update does: what was
+    gathered ahead is read back from memory, not from the caches."""
+    if not _JUNK:
+        _JUNK.append(torch.zeros(16 << 20))
+    _JUNK[0].add_(1.0)
+
+
 def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
     """--whole: the update's own step (frozen context, packed weights, no KL term) with the learned
     layers as one C++ call each way (learning/whole_layers.py, the default) against the autograd
@@ -575,11 +614,13 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
     own tenant of the same seed; wall time, and the thread's CPU time (the step's own work under load)."""
     model = load_learning_model(src)[0]
     n = InstantConfig().layers
-    arms = {"the learned layers as autograd's graph (session 18)": LearnedLayers(model, n, whole=False),
-            "one C++ call each way (session 19, the default)": LearnedLayers(model, n)}
+    arms = {"session 18: the learned layers as autograd's graph, torch's products": LearnedLayers(model, n, whole=False),
+            "session 19: one C++ call each way, our logits (the default)": LearnedLayers(model, n)}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
+        if not layers._whole:  # session 18's sampled softmax: every drawn column, torch's products
+            learner._logits = functools.partial(_session18_logits, learner)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     times: dict[str, list[float]] = {name: [] for name in arms}
     cpu: dict[str, list[float]] = {name: [] for name in arms}
@@ -587,6 +628,9 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
     for i in range(args.steps):
         for name in arms if i % 2 == 0 else list(arms)[::-1]:
             learner, prep, state = runs[name]
+            if args.candidates_ahead:  # the drawn candidates gathered ahead, as the background pass does
+                learner.fill_candidates()
+                _evict()
             t, c = time.perf_counter(), time.thread_time()
             learner.step(state, prep, 1.0)
             times[name].append((time.perf_counter() - t) * 1000)

@@ -42,7 +42,8 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp",
            _ROOT / "lora" / "csrc" / "lora_add.cpp",
            _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp",
-           _ROOT / "learning" / "csrc" / "micro_lora.cpp", _ROOT / "learning" / "csrc" / "learned_layers.cpp")
+           _ROOT / "learning" / "csrc" / "micro_lora.cpp", _ROOT / "learning" / "csrc" / "learned_layers.cpp",
+           _ROOT / "learning" / "csrc" / "sampled_logits.cpp")
 # Headers the sources include: hashed into the build's name with them, so an edit to one rebuilds.
 HEADERS = (_ROOT / "models" / "csrc" / "llama_layers.h",)
 

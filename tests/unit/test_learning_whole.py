@@ -120,3 +120,41 @@ def test_the_call_refuses_arguments_out_of_its_layout(model) -> None:  # noqa: A
         kernels().learned_layers_forward(h, plan.weights, plan.kinds, plan.groups, plan.final_norm, cos, sin,
                                          [None] * 4, plan.windows, [torch.zeros(2, 576), torch.zeros(576, 2)],
                                          [5, 0, 0], plan.scale, plan.eps, 1.0, *plan.heads)
+
+
+@pytest.mark.parametrize("shape", [(12, 576, 310, 2048), (5, 72, 7, 33), (1, 8, 1, 1)],
+                         ids=["the default model's step", "odd counts", "one of each"])
+@pytest.mark.parametrize("masked", [1, 0, "all"])
+def test_the_pooled_drawn_candidates_give_the_full_softmaxs_loss_and_gradient(shape: tuple[int, int, int, int],
+                                                                             masked: int | str) -> None:
+    """learning/sampled_logits.py: the drawn candidates' columns pooled into their log-sum-exp (our
+    C++) against every column as its own logit (torch), masked columns left out: the same
+    cross-entropy and unlikelihood over the exact candidates, and the same gradient of the rows."""
+    from ruvllm.learning.instant import feedback_loss
+    from ruvllm.learning.sampled_logits import sampled_logits
+
+    t, h, m, n = shape
+    g = torch.Generator().manual_seed(7)
+    exact, drawn = torch.randn(m, h, generator=g), torch.randn(n, h, generator=g) * 0.5
+    mask = torch.zeros(n, dtype=torch.bool)
+    if masked == "all":
+        mask[:] = True
+    elif masked:
+        mask[n // 2] = True
+    rows, index = torch.randn(t, h, generator=g), torch.arange(t) % m
+    for score in (1.0, -1.0):
+        results = []
+        for pooled in (True, False):
+            x = rows.clone().requires_grad_()
+            if pooled:
+                logits = sampled_logits(x, exact, drawn, 2.5, mask, kernels())
+                assert logits.shape == (t, m + 1)
+            else:
+                logits = torch.cat([x @ exact.t(), (x @ drawn.t() + 2.5).masked_fill(mask, float("-inf"))], dim=1)
+            loss = feedback_loss(logits, index, score)
+            loss.backward()
+            results.append((float(loss), x.grad))
+        (loss_p, grad_p), (loss_r, grad_r) = results
+        assert loss_p == pytest.approx(loss_r, rel=1e-5, abs=1e-6)
+        assert torch.isfinite(grad_p).all()
+        assert (grad_p - grad_r).norm() <= 1e-5 * grad_r.norm() + 1e-7

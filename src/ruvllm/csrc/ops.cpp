@@ -93,6 +93,9 @@ std::vector<at::Tensor> learned_layers_backward(
     const c10::List<std::optional<at::Tensor>>& context, at::IntArrayRef windows, at::TensorList lora,
     at::IntArrayRef lora_at, double scale, double eps, double scaling, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim);
+// learning/csrc/sampled_logits.cpp
+std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::Tensor& drawn, const at::Tensor& bias,
+                                              const at::Tensor& masked);
 }  // namespace ruvllm
 
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -146,6 +149,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor?[] transposed, int[] t_groups, Tensor final_norm, Tensor[] cos, Tensor[] sin, Tensor?[] context, "
         "int[] windows, Tensor[] lora, int[] lora_at, float scale, float eps, float scaling, int num_heads, "
         "int num_kv_heads, int head_dim) -> Tensor[]");
+  // The sampled softmax's drawn candidates pooled: each row's log-sum-exp over them and its gradient.
+  m.def("drawn_pool(Tensor rows, Tensor drawn, Tensor bias, Tensor masked) -> (Tensor, Tensor)");
 }
 
 // Each kernel's CPU implementation. All are registered here, none beside its code: torch/library.h and
@@ -175,4 +180,5 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("row_attention_grad", &ruvllm::row_attention_grad);
   m.impl("learned_layers_forward", &ruvllm::learned_layers_forward);
   m.impl("learned_layers_backward", &ruvllm::learned_layers_backward);
+  m.impl("drawn_pool", &ruvllm::drawn_pool);
 }

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ruvllm.learning.candidates import CandidatePool
 from ruvllm.learning.config import InstantConfig
+from ruvllm.learning.sampled_logits import sampled_logits
 from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
 
 
@@ -51,12 +52,13 @@ class Prepared:
 
 class Exact(NamedTuple):
     """The sampled softmax's exact candidates of one (target, negatives): their token ids, sorted
-    and unique; each target token's index among them; and a vocabulary-wide table of them, in which
-    the step looks its drawn tokens up."""
+    and unique; each target token's index among them; a vocabulary-wide table of them, in which
+    the step looks its drawn tokens up; and their head rows, gathered once (a contiguous copy)."""
 
     ids: torch.Tensor
     index: torch.Tensor
     hit: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass
@@ -102,6 +104,9 @@ class InstantLearner:
         # the sampled softmax's drawn candidates, a batch a step: made ahead by the learner's
         # background pass (Learner.consolidate: fill_candidates), else drawn in the step (candidates.py)
         self.candidates = CandidatePool(layers.head, config.seed, config.candidates_ahead)
+        # the sampled softmax's drawn candidates pooled by our C++ (learning/sampled_logits.py; None:
+        # torch's ops): the kernels where the learned layers run them
+        self.logits_ext = layers._ext
 
     def fill_candidates(self) -> int:
         """Draw and gather the next steps' candidates now, off the feedback's path (the pool's
@@ -278,13 +283,14 @@ class InstantLearner:
                                     return_inverse=True)
         # (the drawn tokens are looked up in a vocabulary-wide table, ~35 us, where torch.isin sorts)
         hit = torch.zeros(self.layers.head.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
-        return Exact(ids, inverse[:len(labels)], hit)
+        return Exact(ids, inverse[:len(labels)], hit, self.layers.head.index_select(0, ids))
 
     def _logits(self, rows: torch.Tensor, labels: torch.Tensor, negatives: torch.Tensor | None = None,
                 exact: Exact | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over the candidates and each label's index among them: the labels, the hard
         `negatives`, and `candidates` tokens drawn uniformly (with `estimate_rest`, each drawn one's
-        logit raised by log(rest / drawn), so that together they weigh as the rest of the vocabulary).
+        logit raised by log(rest / drawn), so that together they weigh as the rest of the vocabulary;
+        then the drawn ones are one pooled column, their log-sum-exp, after the exact ones).
         `exact`: the exact candidates of these labels and negatives found ahead (Prepared.exact)."""
         head = self.layers.head
         c = self.config
@@ -298,16 +304,17 @@ class InstantLearner:
             return rows @ head.index_select(0, cands).t(), inverse[:len(labels)]
         if exact is None:
             exact = self._exact(labels, negatives)
-        # A drawn token that is an exact one is not a candidate twice: its column is masked out (a
-        # -inf logit: no weight in the softmax, a zero gradient), which is the softmax over the exact
-        # ones and the other drawn ones in order, as when such tokens were dropped from the draw
-        # before gathering, while the drawn rows stay the one block gathered ahead (candidates.py).
+        # A drawn token that is an exact one is not a candidate twice: it is masked out (no weight in
+        # the softmax, a zero gradient), which is the softmax over the exact ones and the other drawn
+        # ones, as when such tokens were dropped from the draw before gathering, while the drawn rows
+        # stay the one block gathered ahead (candidates.py).
         clash = exact.hit.index_select(0, drawn.tokens)
         kept = n - int(clash.sum())
-        bias = torch.full((n,), math.log((vocab - len(exact.ids)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
-        # each drawn one's logit raised by log(rest / drawn): together they weigh as the rest
-        return torch.cat([rows @ head.index_select(0, exact.ids).t(), rows @ drawn.rows.t() + bias], dim=1), \
-            exact.index
+        # each drawn one's logit raised by log(rest / drawn): together they weigh as the rest. The
+        # targets are all exact candidates, so the drawn ones enter the losses only through the
+        # softmax's normalizer: one pooled column, their log-sum-exp (learning/sampled_logits.py)
+        bias = math.log((vocab - len(exact.ids)) / max(kept, 1))
+        return sampled_logits(rows, exact.rows, drawn.rows, bias, clash, self.logits_ext), exact.index
 
 
 def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora], torch.Tensor] | None,

@@ -1,0 +1,162 @@
+// The sampled softmax's drawn candidates pooled in one pass (issue 37 item 1, session 19): for each
+// of the learner's rows r_t, over the drawn candidates' head rows D [n, H] (one contiguous block
+// gathered ahead, learning/candidates.py) with their logits l_tj = r_t . D_j + bias_j (masked ones
+// left out),
+//   lse_t = log sum_j exp(l_tj)   and   S_t = sum_j softmax_j(l_t) D_j,
+// which is d lse_t / d r_t: the backward is dlse_t S_t, with no second read of D.
+//
+// Why: the step's losses (cross-entropy toward a target, unlikelihood away from it) read the drawn
+// candidates only through the softmax's normalizer (the targets are all exact candidates), so the
+// drawn columns can be one pooled logit, lse_t, beside the exact ones (learning/sampled_logits.py).
+// As torch ops that was rows D^T forward and dlogits D backward: the 4.7 MB block (2,048 rows of 576
+// floats) read twice a step from memory (gathered by the background pass, evicted since), at ~3.5
+// GB/s on this VM ~1.4 ms each, and BLAS's packing does not pay at a dozen rows. Here each row of D
+// is read once, into L1, for every learner row's dot product and its weighted sum: a running max
+// keeps exp's arguments at or under 0 (S and the sum rescaled when the max rises, as an online
+// softmax does).
+//
+// Rows are split between the threads; each row's sums run over the candidates in order, in float32,
+// whatever the threads or the other rows. Checked against torch's log-sum-exp and autograd by
+// tests/unit/test_learning_whole.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// out[c] = r . w[c] for C rows of w, H inputs (H % 8 == 0).
+template <int C>
+inline void dots(const float* r, const float* w, int64_t H, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < H; k += 8) {
+    const __m256 rv = _mm256_loadu_ps(r + k);
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(rv, _mm256_loadu_ps(w + c * H + k), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+#else
+  for (int c = 0; c < C; ++c) {
+    float s = 0.f;
+    for (int64_t k = 0; k < H; ++k) s += r[k] * w[c * H + k];
+    out[c] = s;
+  }
+#endif
+}
+
+// s[k] = s[k] * scale + sum_j p[j] w[j, k] for J rows of w (scale applied first, in the same pass).
+template <int J>
+inline void accumulate(float* s, float scale, const float* p, const float* w, int64_t H) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 pv[J];
+  for (int j = 0; j < J; ++j) pv[j] = _mm256_set1_ps(p[j]);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t k = 0; k < H; k += 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(s + k), sc);
+    for (int j = 0; j < J; ++j) acc = _mm256_fmadd_ps(pv[j], _mm256_loadu_ps(w + j * H + k), acc);
+    _mm256_storeu_ps(s + k, acc);
+  }
+#else
+  for (int64_t k = 0; k < H; ++k) {
+    float acc = s[k] * scale;
+    for (int j = 0; j < J; ++j) acc += p[j] * w[j * H + k];
+    s[k] = acc;
+  }
+#endif
+}
+
+constexpr int64_t kBlock = 8;  // candidates a pass of the rows (8 rows of D: 18 KB of L1 at H = 576)
+
+// One block of J candidates (J <= kBlock) for rows [t0, t1): their logits, the running max, sum
+// and weighted sum of each row.
+template <int J>
+void block(const float* r, int64_t t0, int64_t t1, const float* w, const float* bias, const bool* masked,
+           int64_t H, float* max, float* sum, float* s) {
+  for (int64_t t = t0; t < t1; ++t) {
+    float l[J], p[J];
+    if constexpr (J % 4 == 0) {
+      for (int j = 0; j < J; j += 4) dots<4>(r + t * H, w + j * H, H, l + j);
+    } else {
+      for (int j = 0; j < J; ++j) dots<1>(r + t * H, w + j * H, H, l + j);
+    }
+    float top = max[t];
+    for (int j = 0; j < J; ++j) {
+      l[j] += bias[j];
+      if (!masked[j]) top = std::max(top, l[j]);
+    }
+    // (exp's arguments are at most 0, and finite: -ffast-math assumes no infinities)
+    const float scale = top > max[t] ? std::exp(std::max(max[t] - top, -80.f)) : 1.f;
+    float added = 0.f;
+    for (int j = 0; j < J; ++j) {
+      p[j] = masked[j] ? 0.f : std::exp(std::max(l[j] - top, -80.f));
+      added += p[j];
+    }
+    sum[t] = sum[t] * scale + added;
+    max[t] = top;
+    accumulate<J>(s + t * H, scale, p, w, H);
+  }
+}
+
+}  // namespace
+
+namespace ruvllm {
+
+// (lse [T], S [T, H]): rows [T, H], drawn D [n, H], bias [n], masked [n] (bool: left out). A row
+// with every candidate masked gets lse -1e30 (no weight beside the exact ones) and S 0.
+std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::Tensor& drawn, const at::Tensor& bias,
+                                              const at::Tensor& masked) {
+  for (const at::Tensor* t : {&rows, &drawn})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous(),
+                "rows, drawn: contiguous float32 CPU [rows, H]");
+  const int64_t T = rows.size(0), H = rows.size(1), n = drawn.size(0);
+  TORCH_CHECK(drawn.size(1) == H && H % 8 == 0, "drawn: rows' width, a multiple of 8");
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous(),
+              "bias: float32 [n]");
+  TORCH_CHECK(masked.scalar_type() == at::kBool && masked.dim() == 1 && masked.size(0) == n && masked.is_contiguous(),
+              "masked: bool [n]");
+  at::Tensor lse = at::empty({T}, rows.options()), s = at::empty({T, H}, rows.options());
+  const float *r = rows.const_data_ptr<float>(), *w = drawn.const_data_ptr<float>(), *b = bias.const_data_ptr<float>();
+  const bool* mk = masked.const_data_ptr<bool>();
+  float *lp = lse.mutable_data_ptr<float>(), *sp = s.mutable_data_ptr<float>();
+  std::vector<float> max(T, -FLT_MAX), sum(T, 0.f);
+  std::fill(sp, sp + T * H, 0.f);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    int64_t j = 0;
+    for (; j + kBlock <= n; j += kBlock)
+      block<kBlock>(r, t0, t1, w + j * H, b + j, mk + j, H, max.data(), sum.data(), sp);
+    for (; j < n; ++j) block<1>(r, t0, t1, w + j * H, b + j, mk + j, H, max.data(), sum.data(), sp);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sum[t] > 0.f) {
+        lp[t] = max[t] + std::log(sum[t]);
+        const float inv = 1.f / sum[t];
+        for (int64_t k = 0; k < H; ++k) sp[t * H + k] *= inv;
+      } else {
+        lp[t] = -1e30f;
+      }
+    }
+  });
+  return {lse, s};
+}
+
+}  // namespace ruvllm
