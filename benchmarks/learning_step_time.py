@@ -614,12 +614,14 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
     own tenant of the same seed; wall time, and the thread's CPU time (the step's own work under load)."""
     model = load_learning_model(src)[0]
     n = InstantConfig().layers
-    arms = {"session 18: the learned layers as autograd's graph, torch's products": LearnedLayers(model, n, whole=False),
-            "session 19: one C++ call each way, our logits (the default)": LearnedLayers(model, n)}
+    whole_only = "+ the learned layers one C++ call each way"
+    arms = {"session 18: the learned layers as autograd's graph, every drawn column": LearnedLayers(model, n, whole=False),
+            whole_only: LearnedLayers(model, n),
+            "+ the drawn candidates pooled (session 19, the default)": LearnedLayers(model, n)}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
-        if not layers._whole:  # session 18's sampled softmax: every drawn column, torch's products
+        if not layers._whole or name == whole_only:  # session 18's sampled softmax: every drawn column
             learner._logits = functools.partial(_session18_logits, learner)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     times: dict[str, list[float]] = {name: [] for name in arms}
