@@ -58,7 +58,8 @@ alternating step by step; with --candidates-ahead, the drawn candidates gathered
 and the caches flushed (64 MB written) between, as the background pass and serving leave them.
 --update --whole: the same two through the Learner (the default method), event by event.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 1 --steps 60
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 1 \
+        --steps 60
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --update --whole --contexts frozen --threads 1
 
 --phases: where a step with the KL term in it goes (per-phase timers, packed weights, each context
@@ -356,7 +357,8 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
             attention18: layers_as(False, False, True),
             lora18: layers_as(False, False, False),
             "session 18 (the kernels as built in the tree)": LearnedLayers(model, n, whole=False),
-            "session 19, the default (the learned layers one C++ call each way)": LearnedLayers(model, n)}
+            "session 19, the default (the learned layers one C++ call each way, the drawn candidates pooled)":
+                LearnedLayers(model, n)}
     # The quantized matmul built alone (as benchmarks/quant_matmul_rows.py --compare-with does) for the
     # arms that compare its source: as it was at --kernel-rev, and as it is in the tree. Alone, both
     # old and new: the same source ran its 4-bit path up to 7% apart built alone and built into the
@@ -592,7 +594,8 @@ def _session18_logits(instant: InstantLearner, rows, labels, negatives=None, exa
     exact = exact or instant._exact(labels, negatives)
     clash = exact.hit.index_select(0, drawn.tokens)
     kept = n - int(clash.sum())
-    bias = torch.full((n,), math.log((head.shape[0] - len(exact.ids)) / max(kept, 1))).masked_fill_(clash, float("-inf"))
+    bias = torch.full((n,), math.log((head.shape[0] - len(exact.ids)) / max(kept, 1)))
+    bias.masked_fill_(clash, float("-inf"))
     return torch.cat([rows @ head.index_select(0, exact.ids).t(), rows @ drawn.rows.t() + bias], dim=1), exact.index
 
 
@@ -615,7 +618,8 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
     model = load_learning_model(src)[0]
     n = InstantConfig().layers
     whole_only = "+ the learned layers one C++ call each way"
-    arms = {"session 18: the learned layers as autograd's graph, every drawn column": LearnedLayers(model, n, whole=False),
+    arms = {"session 18: the learned layers as autograd's graph, every drawn column":
+            LearnedLayers(model, n, whole=False),
             whole_only: LearnedLayers(model, n),
             "+ the drawn candidates pooled (session 19, the default)": LearnedLayers(model, n)}
     runs = {}

@@ -31,6 +31,14 @@ def model():
     return load_learning_model(resolve_model(None))[0]
 
 
+@pytest.fixture(scope="module")
+def pair(model):  # noqa: ANN001, ANN201
+    """The default learned layers with the call, and without it (the autograd path): made once (each
+    makes its 15 transposed 8-bit copies)."""
+    n = InstantConfig().layers
+    return LearnedLayers(model, n), LearnedLayers(model, n, whole=False)
+
+
 def _rows_and_grads(layers: LearnedLayers, context: str, seed: int = 3):  # noqa: ANN202
     learner = InstantLearner(layers, InstantConfig(context=context, candidates=0))
     state = learner.new_tenant(seed=seed)
@@ -42,9 +50,9 @@ def _rows_and_grads(layers: LearnedLayers, context: str, seed: int = 3):  # noqa
 
 
 @pytest.mark.parametrize("backward", ["int8", "float32"])
-def test_the_whole_layers_are_the_autograd_path(model, backward: str) -> None:  # noqa: ANN001
-    whole = LearnedLayers(model, InstantConfig().layers, backward)
-    graph = LearnedLayers(model, InstantConfig().layers, backward, whole=False)
+def test_the_whole_layers_are_the_autograd_path(model, pair, backward: str) -> None:  # noqa: ANN001
+    whole, graph = pair if backward == "int8" else (LearnedLayers(model, InstantConfig().layers, backward),
+                                                    LearnedLayers(model, InstantConfig().layers, backward, whole=False))
     assert whole._whole is not None and graph._whole is None
     (rows_w, grads_w), (rows_g, grads_g) = _rows_and_grads(whole, "frozen"), _rows_and_grads(graph, "frozen")
     assert torch.equal(rows_w, rows_g)  # the same kernels on the same operands
@@ -54,11 +62,11 @@ def test_the_whole_layers_are_the_autograd_path(model, backward: str) -> None:  
         assert (a - b).norm() <= 1e-5 * b.norm()
 
 
-def test_a_sequence_without_a_context_and_the_rows_without_gradients(model) -> None:  # noqa: ANN001
+def test_a_sequence_without_a_context_and_the_rows_without_gradients(model, pair) -> None:  # noqa: ANN001
     """A whole sequence (the Fisher's samples: no kept K/V, attention over its own rows) and a pass
     under no_grad (the hard negatives') take the call too, with the autograd path's rows."""
-    whole, graph = LearnedLayers(model, 2), LearnedLayers(model, 2, whole=False)
-    lora = InstantLearner(whole, InstantConfig(layers=2)).new_tenant(seed=4).lora
+    whole, graph = pair
+    lora = InstantLearner(whole, InstantConfig()).new_tenant(seed=4).lora
     nonzero_b(lora, 0.05)
     ids = PROMPT + TARGET
     h = hidden_before(model, ids, whole.first)
@@ -74,11 +82,11 @@ def test_a_sequence_without_a_context_and_the_rows_without_gradients(model) -> N
         assert (a - b).norm() <= 1e-5 * b.norm()
 
 
-def test_a_step_leaves_the_weights_the_autograd_step_leaves(model) -> None:  # noqa: ANN001
+def test_a_step_leaves_the_weights_the_autograd_step_leaves(pair) -> None:  # noqa: ANN001
     config = InstantConfig(candidates=0)
     results = []
-    for whole in (True, False):
-        learner = InstantLearner(LearnedLayers(model, config.layers, whole=whole), config)
+    for layers in pair:
+        learner = InstantLearner(layers, config)
         state = learner.new_tenant(seed=6)
         prep = learner.prepare(PROMPT, TARGET)
         losses = [learner.step(state, prep, score).loss for score in (1.0, -1.0, 1.0)]
@@ -106,20 +114,19 @@ def test_where_the_call_does_not_apply_the_autograd_path_runs(tmp_path) -> None:
     assert out.grad_fn is not None and "WholeLayers" not in type(out.grad_fn).__name__
 
 
-def test_the_call_refuses_arguments_out_of_its_layout(model) -> None:  # noqa: ANN001
+def test_the_call_refuses_arguments_out_of_its_layout(model, pair) -> None:  # noqa: ANN001
     """A wrong layout is a RuntimeError from the call's checks, not a read out of bounds."""
-    layers = LearnedLayers(model, 2)
-    plan = layers._whole
+    plan, n = pair[0]._whole, len(pair[0].layers)
     h = torch.zeros(3, model.cfg.hidden_size)
     rope = model.rope.for_positions(torch.arange(3))
-    cos, sin = [rope[0].contiguous()] * 2, [rope[1].contiguous()] * 2
+    cos, sin = [rope[0].contiguous()] * n, [rope[1].contiguous()] * n
     with pytest.raises(RuntimeError, match="slots a layer"):
         kernels().learned_layers_forward(h, plan.weights[:-1], plan.kinds, plan.groups, plan.final_norm, cos, sin,
-                                         [None] * 4, plan.windows, [], [], plan.scale, plan.eps, 1.0, *plan.heads)
+                                         [None] * 2 * n, plan.windows, [], [], plan.scale, plan.eps, 1.0, *plan.heads)
     with pytest.raises(RuntimeError, match="lora_at"):
         kernels().learned_layers_forward(h, plan.weights, plan.kinds, plan.groups, plan.final_norm, cos, sin,
-                                         [None] * 4, plan.windows, [torch.zeros(2, 576), torch.zeros(576, 2)],
-                                         [5, 0, 0], plan.scale, plan.eps, 1.0, *plan.heads)
+                                         [None] * 2 * n, plan.windows, [torch.zeros(2, 576), torch.zeros(576, 2)],
+                                         [n + 1, 0, 0], plan.scale, plan.eps, 1.0, *plan.heads)
 
 
 @pytest.mark.parametrize("shape", [(12, 576, 310, 2048), (5, 72, 7, 33), (1, 8, 1, 1)],

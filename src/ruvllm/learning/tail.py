@@ -1,6 +1,7 @@
 """The learner's view of the model: the layers below the learned ones run as inference (our own
 layer code, no KV cache, causal attention over the one sequence), the last `n` layers run again in
-PyTorch autograd with a micro-LoRA on chosen projections, so a gradient step touches only them.
+PyTorch autograd with a micro-LoRA on chosen projections, so a gradient step touches only them (on
+packed Llama layers one node of our C++ for all of them: learning/whole_layers.py).
 
 The learner holds its own copy of the model, loaded as the engine serves it (load_learning_model):
 packed weights stay packed (a GGUF's Q4_1 codes), and the learned layers run forward on the
@@ -175,8 +176,10 @@ class LearnedLayers:
         rows from it on are returned, [T - keep_from, H], and the last layer computes no more of
         the rows before than their K/V (learned through). Several sequences at once: forward_many."""
         cfg = self.cfg
-        if self._whole is not None and self._ext is not None and keep_kv is None and (keep_from <= 0 or context is not None) \
-                and not h.requires_grad:  # (the whole layers' call gives no gradient of h)
+        # one sequence whose rows all return: every learned layer one C++ call each way (no graph);
+        # the call gives no gradient of h, and the full context's skipped rows keep the graph
+        whole = self._whole is not None and self._ext is not None and keep_kv is None
+        if whole and (keep_from <= 0 or context is not None) and not h.requires_grad:
             return whole_forward(self.model, self._whole, self._ext, self.layers, h, positions, lora, context)
         model, linear = self.model, self._linear_for(lora)
         run = self._run(linear, None if context is None else dict(zip(self.layers, context)), keep_kv)

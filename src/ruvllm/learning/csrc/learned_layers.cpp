@@ -121,7 +121,8 @@ Args checked(const at::Tensor& h, const Slots& weights, at::IntArrayRef kinds, a
               "kinds, groups: one a linear");
   TORCH_CHECK(static_cast<int64_t>(context.size()) == 2 * n, "context: 2 slots a layer");
   TORCH_CHECK(static_cast<int64_t>(cos.size()) == n && static_cast<int64_t>(sin.size()) == n, "cos, sin: one a layer");
-  TORCH_CHECK(lora.size() % 2 == 0 && lora_at.size() == lora.size() / 2 * 3, "lora: A and B a piece; lora_at: 3 a piece");
+  TORCH_CHECK(lora.size() % 2 == 0 && lora_at.size() == lora.size() / 2 * 3,
+              "lora: A and B a piece; lora_at: 3 a piece");
   TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(),
               "h: a contiguous float32 CPU [T, H] tensor");
   for (int64_t i = 0; i < n * kLinears; ++i) TORCH_CHECK(kinds[i] == 1 || kinds[i] == 2, "kinds: packed int4 or int8");
