@@ -20,5 +20,6 @@ unset PYTHONDONTWRITEBYTECODE
 # Python-bound work; two two-threaded workers would oversubscribe the cores. RUVLLM_TEST_WORKERS
 # sets the count (0: one process, no workers). docs/decisions.md says why.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# --durations: every run's log names its slowest tests, what the 10-minute budget is spent on.
-exec .venv/bin/python -m pytest tests -n "${RUVLLM_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
+# --durations: every run's log names its slowest tests, what the 10-minute budget is spent on;
+# -rs: and every skipped test with its reason, so a skip that appears between two runs is seen.
+exec .venv/bin/python -m pytest tests -n "${RUVLLM_TEST_WORKERS:-2}" --dist loadfile --durations=30 -rs "$@"

@@ -1,9 +1,10 @@
 """Building our C++ CPU kernels (attention/, layers/, quant/csrc; made operators by csrc/ops.cpp) on first use
 with the machine's compiler.
 
-They are one extension: compiling torch's headers is most of a build, so one build serves all. It
-is built once per source version, path and CPU (torch's extension cache, ~28 s on 2 cores; needs a
-C++ compiler, and ninja, which is a dependency), then loaded in well under a second. Callers get
+They are one extension: compiling torch's headers is most of a build, so one build serves all, and
+those headers are precompiled once per environment (csrc/torch_headers.h). It is built once per
+source version, path and CPU (torch's extension cache; needs a C++ compiler, and ninja, which is a
+dependency), then loaded in well under a second. Callers get
 None where it cannot be built, and keep their plain PyTorch paths. Set-up (`python -I
 src/ruvllm/cpu_build.py`) and a first use build with the same command, so either reuses the other's
 build (TORCH_EXTENSIONS_DIR moves the cache).
@@ -45,7 +46,9 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "learning" / "csrc" / "micro_lora.cpp", _ROOT / "learning" / "csrc" / "learned_layers.cpp",
            _ROOT / "learning" / "csrc" / "sampled_logits.cpp")
 # Headers the sources include: hashed into the build's name with them, so an edit to one rebuilds.
-HEADERS = (_ROOT / "models" / "csrc" / "llama_layers.h",)
+# torch_headers.h is every source's torch headers, precompiled once (_precompiled_header).
+PCH_HEADER = _ROOT / "csrc" / "torch_headers.h"
+HEADERS = (_ROOT / "models" / "csrc" / "llama_layers.h", PCH_HEADER)
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:
@@ -74,9 +77,15 @@ def kernels() -> Any:
     name = f"ruvllm_cpu_kernels_{build_tag(SOURCES + HEADERS)}"
     try:
         _use_our_ninja()
-        with _build_lock(Path(_get_build_directory(name, verbose=False))):
-            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with _build_lock(build_dir):
+            # The flags name the precompiled header whether or not it is built now (a change in the
+            # flags would make ninja rebuild every object), by a path from the build folder, where
+            # ninja runs the compiler: a cache moved whole (TORCH_EXTENSIONS_DIR) keeps its flags.
+            header = _precompiled_header(build=not (build_dir / f"{name}.so").exists())
+            load(name=name, sources=[str(s) for s in SOURCES],
+                 extra_cflags=[*CFLAGS, "-include", os.path.relpath(header, build_dir)],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         ops = getattr(torch.ops, name)
         for op in _FAKES:
             getattr(ops, op)  # registered, or raise here (inside the fallback) rather than at a call
@@ -109,6 +118,56 @@ _FAKES: dict[str, Any] = {
     "lora_add": lambda *_: None,
     "apply_token_bitmask": lambda *_: None,
 }
+
+
+def _precompiled_header(build: bool) -> Path:
+    """torch_headers.h, copied into a folder of torch's extension cache named for everything the
+    precompiled form depends on (_pch_setup), with its .gch beside it when `build` (a build is
+    coming) and it is not there yet. gcc takes the .gch for `-include <that copy>` when it was made
+    with the same flags, and parses the header itself otherwise (a missing or stale .gch costs time,
+    never correctness). ~300 MB, ~14 s of CPU, once per environment: every build of the sources
+    (set-up's, each version's, the tests') uses the one .gch."""
+    import subprocess
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    cxx, flags, name = _pch_setup()
+    folder = Path(_get_build_directory(name, verbose=False))
+    header = folder / PCH_HEADER.name
+    if not header.exists():
+        (folder / f"{os.getpid()}.h.tmp").write_bytes(PCH_HEADER.read_bytes())
+        os.replace(folder / f"{os.getpid()}.h.tmp", header)
+    gch = folder / (PCH_HEADER.name + ".gch")
+    if build and not gch.exists():
+        tmp = folder / f"{os.getpid()}.gch.tmp"
+        done = subprocess.run([cxx, "-x", "c++-header", *flags, "-c", str(header), "-o", str(tmp)],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            os.replace(tmp, gch)  # whole or absent, even with two builds at once
+        else:  # the build goes on without it, and fails with the compiler's own words if it must
+            tmp.unlink(missing_ok=True)
+            log.info("no precompiled header (%s)", (done.stderr.strip().splitlines() or ["?"])[-1])
+    return header
+
+
+def _pch_setup() -> tuple[str, list[str], str]:
+    """The compiler, the flags and the cache folder's name of the precompiled header: torch's own
+    flags for a CPU extension (cpp_extension's ninja file) less -DTORCH_EXTENSION_NAME, which every
+    build defines differently (gcc refuses a .gch made under another value of a macro, and accepts
+    one made without it); the name hashes torch's version, the compiler, the flags, the CPU
+    (-march=native) and the header."""
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = os.environ.get("CXX", "c++")
+    flags = ["-DTORCH_API_INCLUDE_EXTENSION_H"]
+    python_include = sysconfig.get_path("include", scheme="posix_prefix")
+    for folder in [*include_paths("cpu"), *([python_include] if python_include else [])]:
+        flags += ["-isystem", folder]
+    flags += ["-fPIC", "-std=c++20", *CFLAGS]
+    tag = hashlib.sha1(repr((torch.__version__, cxx, flags)).encode() + PCH_HEADER.read_bytes())
+    tag.update(build_tag(()).encode())
+    return cxx, flags, f"ruvllm_torch_headers_{tag.hexdigest()[:12]}"
 
 
 def _use_our_ninja() -> None:

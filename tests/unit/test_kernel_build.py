@@ -47,6 +47,16 @@ def _seed(cache: Path) -> None:
     for f in [*objects, env_dir / ".ninja_log", env_dir / ".ninja_deps", env_dir / "build.ninja"]:
         if f.exists() and f.name != left_out:
             shutil.copy2(f, target / f.name)  # mtimes kept: ninja judges by them and by its log
+    # The environment's precompiled torch headers too (~14 s of CPU to make again): linked, 300 MB.
+    pch = env_dir.parent / cpu_build._pch_setup()[2]
+    if (pch / (cpu_build.PCH_HEADER.name + ".gch")).exists():
+        (cache / pch.name).mkdir()
+        for f in pch.iterdir():
+            if not f.name.endswith(".tmp"):
+                try:
+                    os.link(f, cache / pch.name / f.name)
+                except OSError:  # another file system
+                    shutil.copy2(f, cache / pch.name / f.name)
 
 
 def _kill_orphans(cache: Path) -> None:
@@ -139,3 +149,29 @@ def test_a_killed_build_does_not_block_and_setup_and_first_use_share_the_build(t
     assert first.returncode == 0, first.stderr
     assert {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")} == built
     assert not lock.exists()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler: the kernels cannot be built")
+def test_the_sources_compile_with_the_precompiled_torch_headers(tmp_path: Path) -> None:
+    """gcc uses a .gch only when it was made with the build's own flags, and otherwise parses the
+    headers in silence (2.5x the CPU a source): a source compiled with the environment's build
+    flags, read from its ninja file, must find the .gch valid (-Werror=invalid-pch) and use it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if cpu_build.kernels() is None:
+        pytest.fail("the kernels did not build")
+    name = f"ruvllm_cpu_kernels_{cpu_build.build_tag(cpu_build.SOURCES + cpu_build.HEADERS)}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    cflags = next(line.split("=", 1)[1] for line in (build_dir / "build.ninja").read_text().splitlines()
+                  if line.startswith("cflags ="))
+    header = cpu_build._precompiled_header(build=True)  # made by set-up's build; here if that was before it
+    relative = os.path.relpath(header, build_dir)
+    assert f"-include {relative}" in cflags
+    source = tmp_path / "one.cpp"
+    source.write_text("#include <ATen/core/Tensor.h>\nint64_t rows(const at::Tensor& x) { return x.size(0); }\n")
+    done = subprocess.run(f"{os.environ.get('CXX', 'c++')} {cflags} -Werror=invalid-pch -H -c {source} -o {tmp_path / 'one.o'}",
+                          shell=True, capture_output=True, text=True, cwd=build_dir)  # where ninja compiles
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = done.stderr.splitlines()[0]  # -H: "! <file>" is a precompiled header used, "x" one refused
+    assert first.startswith("! ") and (build_dir / first[2:]).resolve() == Path(f"{header}.gch").resolve(), done.stderr[:300]
