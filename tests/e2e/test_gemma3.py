@@ -166,7 +166,11 @@ def test_awq_on_gemma3(float_model: torch.nn.Module, hf_model: torch.nn.Module, 
 
     model = copy.deepcopy(float_model)  # (2 s; a second load took 6-12)
     calib = calibration_ids(long_prompt[1:1025], 2, 256)  # two samples: the [S, L] path
-    probe = torch.tensor([long_prompt[1100:1356]])
+    # The probe is 128 tokens of other text (it was 256): each forward over it is mostly the
+    # 262,144-row head, and four ran over it (4.4 s of CPU each at 256 rows, 2.1 at 128, loaded).
+    # Measured at 128: AWQ's error 0.42 of round-to-nearest's (0.37 at 256, 0.54 at 64) against the
+    # bound of 0.7; the fold's float difference 2.9e-6 of the largest logit against the bound of 1e-4.
+    probe = torch.tensor([long_prompt[1100:1228]])
     with torch.no_grad():  # 256 rows without a <bos> (larger activations): 2.3e-4, 5e-6 of the largest logit
         assert (forward_logits(model, calib[:1]) - hf_model(calib[:1]).logits).abs().max() < 2 * ATOL
     linears = [m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -187,7 +191,7 @@ def test_awq_on_gemma3(float_model: torch.nn.Module, hf_model: torch.nn.Module, 
     awq_fold(model, calib, group_size=32, grid=5, clip=False, search_tokens=256)
     assert (forward_logits(model, probe) - float_logits).abs().max() < 1e-4 * float_logits.abs().max()
     awq = quantized_error()
-    assert awq < 0.7 * rtn, (awq, rtn)  # measured: 0.38 of round-to-nearest's mean squared error
+    assert awq < 0.7 * rtn, (awq, rtn)  # measured: 0.42 of round-to-nearest's mean squared error
 
 
 # --- through the engine --------------------------------------------------------------------------
