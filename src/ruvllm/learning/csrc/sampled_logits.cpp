@@ -143,8 +143,16 @@ std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::
   std::fill(sp, sp + T * H, 0.f);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     int64_t j = 0;
-    for (; j + kBlock <= n; j += kBlock)
+    for (; j + kBlock <= n; j += kBlock) {
+      // the block two ahead asked for now: the rows arrive from memory while these are summed
+      // (the block is cold, read once: latency, not bandwidth, bounds a plain pass)
+      if (j + 3 * kBlock <= n)
+        for (const char *p = reinterpret_cast<const char*>(w + (j + 2 * kBlock) * H),
+                        *end = reinterpret_cast<const char*>(w + (j + 3 * kBlock) * H);
+             p < end; p += 64)
+          __builtin_prefetch(p, 0, 3);
       block<kBlock>(r, t0, t1, w + j * H, b + j, mk + j, H, max.data(), sum.data(), sp);
+    }
     for (; j < n; ++j) block<1>(r, t0, t1, w + j * H, b + j, mk + j, H, max.data(), sum.data(), sp);
     for (int64_t t = t0; t < t1; ++t) {
       if (sum[t] > 0.f) {
