@@ -127,6 +127,10 @@ def test_the_call_refuses_arguments_out_of_its_layout(model, pair) -> None:  # n
         kernels().learned_layers_forward(h, plan.weights, plan.kinds, plan.groups, plan.final_norm, cos, sin,
                                          [None] * 2 * n, plan.windows, [torch.zeros(2, 576), torch.zeros(576, 2)],
                                          [n + 1, 0, 0], plan.scale, plan.eps, 1.0, *plan.heads)
+    with pytest.raises(RuntimeError, match="kept"):
+        kernels().learned_layers_backward(h, [h], plan.weights, plan.kinds, plan.groups, plan.transposed,
+                                          plan.t_groups, plan.final_norm, cos, sin, [None] * 2 * n, plan.windows, [],
+                                          [], plan.scale, plan.eps, 1.0, *plan.heads)
 
 
 @pytest.mark.parametrize("shape", [(12, 576, 310, 2048), (5, 72, 7, 33), (1, 8, 1, 1)],

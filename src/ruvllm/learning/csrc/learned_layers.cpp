@@ -185,6 +185,7 @@ std::vector<at::Tensor> learned_layers_backward(
     const c10::List<std::optional<at::Tensor>>& context, at::IntArrayRef windows, at::TensorList lora,
     at::IntArrayRef lora_at, double scale, double eps, double scaling, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim) {
+  TORCH_CHECK(kept.size() >= 2 + kKept, "kept: learned_layers_forward's list");
   const at::Tensor& h = kept[1 + kS1];
   const Args a = checked(h, weights, kinds, groups, context, windows, lora, lora_at, scale, eps, scaling, num_heads,
                          num_kv_heads, head_dim, cos, sin);
