@@ -26,9 +26,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# -march=native: the CPU's own vector instructions (AVX2, AVX-512, VNNI) are chosen at build time.
+# -march: the instructions the kernels use are chosen at build time, never at run time: the CPU's own
+# (native: AVX2, AVX-512, VNNI where present) unless RUVLLM_KERNEL_ARCH names another gcc target, as
+# scripts/test_isa.sh does to test each path on one machine ("x86-64": the plain C++ paths any x86-64
+# runs; "x86-64-v3": AVX2 and FMA; "sapphirerapids": AVX-512 VNNI as well).
 # -ffast-math lets float loops vectorize; the kernels keep inf and NaN out of them.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+ARCH = os.environ.get("RUVLLM_KERNEL_ARCH", "native")
+CFLAGS = ["-O3", f"-march={ARCH}", "-fopenmp", "-ffast-math"]
 # How long a start waits for another process's build before it runs the PyTorch paths: no build
 # takes 15 minutes, so a holder past this is hung.
 BUILD_WAIT_S = 900.0
@@ -60,7 +64,7 @@ def build_tag(sources: tuple[Path, ...]) -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    h = hashlib.sha1(flags.encode())
+    h = hashlib.sha1(flags.encode() + (b"" if ARCH == "native" else ARCH.encode()))
     for source in sources:
         h.update(str(source.resolve()).encode() + source.read_bytes())
     return h.hexdigest()[:12]
@@ -73,7 +77,8 @@ def kernels() -> Any:
     import torch
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    log.info("loading the C++ kernels (compiled on first use: ~30 s once per version and CPU)")
+    log.info("loading the C++ kernels (compiled on first use: ~30 s once per version and CPU)%s",
+             "" if ARCH == "native" else f" for -march={ARCH}")
     name = f"ruvllm_cpu_kernels_{build_tag(SOURCES + HEADERS)}"
     try:
         _use_our_ninja()
@@ -168,6 +173,18 @@ def _pch_setup() -> tuple[str, list[str], str]:
     tag = hashlib.sha1(repr((torch.__version__, cxx, flags)).encode() + PCH_HEADER.read_bytes())
     tag.update(build_tag(()).encode())
     return cxx, flags, f"ruvllm_torch_headers_{tag.hexdigest()[:12]}"
+
+
+def target_isa(cxx: str | None = None) -> list[str]:
+    """The vector instruction sets the kernels' #if's see under CFLAGS' -march, as the compiler
+    defines them (its preprocessor, ~20 ms): ["avx2", "fma", "f16c", "avx512vnni", ...], or [] for the
+    plain C++ paths. What a build runs, named without loading it."""
+    import subprocess
+
+    macros = subprocess.run([cxx or os.environ.get("CXX", "c++"), "-x", "c++", *CFLAGS, "-dM", "-E", "-"],
+                            input="", capture_output=True, text=True, check=True).stdout
+    wanted = ("AVX2", "FMA", "F16C", "AVX512F", "AVX512VL", "AVX512VNNI", "AVXVNNI", "AVX512BF16", "AMX_TILE")
+    return [name.lower() for name in wanted if f"#define __{name}__ 1" in macros]
 
 
 def _use_our_ninja() -> None:

@@ -175,3 +175,27 @@ def test_the_sources_compile_with_the_precompiled_torch_headers(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     first = done.stderr.splitlines()[0]  # -H: "! <file>" is a precompiled header used, "x" one refused
     assert first.startswith("! ") and (build_dir / first[2:]).resolve() == Path(f"{header}.gch").resolve(), done.stderr[:300]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler: the kernels cannot be built")
+def test_a_native_build_targets_the_vector_instructions_the_cpu_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-march=native takes the CPU's own instructions (a compiler that did not would leave every kernel
+    on its plain C++ path, several times slower, with nothing failing); RUVLLM_KERNEL_ARCH names
+    another target (scripts/test_isa.sh), and the build's name differs with it."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo to compare with")
+    wanted = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile"}
+    native_isa = {name.replace("avx512vnni", "avx512_vnni").replace("avxvnni", "avx_vnni")
+                  for name in cpu_build.target_isa()} if cpu_build.ARCH == "native" else None
+    if native_isa is not None:
+        assert native_isa & wanted == flags & wanted
+    monkeypatch.setattr(cpu_build, "CFLAGS", [f if not f.startswith("-march=") else "-march=x86-64" for f in cpu_build.CFLAGS])
+    assert cpu_build.target_isa() == []  # the plain C++ paths any x86-64 runs
+    sources = cpu_build.SOURCES + cpu_build.HEADERS
+    monkeypatch.setattr(cpu_build, "ARCH", "x86-64")
+    other = cpu_build.build_tag(sources)
+    monkeypatch.setattr(cpu_build, "ARCH", "native")
+    assert cpu_build.build_tag(sources) != other
