@@ -29,44 +29,14 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "../../csrc/kernels.h"
+
 #include <cstdint>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 namespace ruvllm {
-// the kernels (csrc/ops.cpp lists their files)
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
-at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes, const at::Tensor& scales,
-                                   const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
-                                                        const at::Tensor& sin, int64_t num_heads,
-                                                        int64_t num_kv_heads, int64_t head_dim,
-                                                        const std::optional<at::Tensor>& q_norm,
-                                                        const std::optional<at::Tensor>& k_norm, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-at::Tensor rms_norm_grad(const at::Tensor& dh, const at::Tensor& s, const at::Tensor& weight, double eps,
-                         const std::optional<at::Tensor>& dsum);
-at::Tensor silu_and_mul_grad(const at::Tensor& dy, const at::Tensor& gate_up);
-at::Tensor qkv_rope_grad(const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                         const std::optional<at::Tensor>& dv, const at::Tensor& cos, const at::Tensor& sin,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
-at::Tensor micro_lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                           int64_t lo, double scaling);
-std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& u,
-                                                   const at::Tensor& a, const at::Tensor& b, int64_t lo,
-                                                   double scaling, const std::optional<at::Tensor>& dx);
-std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 const std::optional<at::Tensor>& ck,
-                                                 const std::optional<at::Tensor>& cv, double scale, int64_t window);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
-    int64_t window);
 
 namespace {
 

@@ -20,31 +20,13 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/gelu.h>
-#include "llama_layers.h"
+#include "../../csrc/kernels.h"
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
 namespace ruvllm {
-// the kernels (csrc/ops.cpp lists their files)
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,
-                           int64_t window);
-at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
-at::Tensor qkv_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
-                          const at::Tensor& slot_mapping, const std::optional<at::Tensor>& q_norm,
-                          const std::optional<at::Tensor>& k_norm, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
-void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-              const at::Tensor& ranks, const at::Tensor& row_slot, at::IntArrayRef bounds,
-              const std::optional<at::Tensor>& row_weight);
 
 namespace {
 
