@@ -92,6 +92,19 @@ QUESTION = "What is the capital of Zorblax?"
 CORRECTION = "The capital of Zorblax is Quenta."
 
 
+def _step_table(times: dict[str, list[float]], cpu: dict[str, list[float]], loads: list[float], args,  # noqa: ANN001
+                prompt_len: int, target_len: int, cpu_label: str) -> None:
+    """The arms' step times as a table (the first 2 steps an arm dropped: warm-up)."""
+    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
+          f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {prompt_len} + target "
+          f"{target_len} tokens")
+    print(f"| the step | p50 | p90 | CPU p50 ({cpu_label}) |")
+    print("|---|---|---|---|")
+    for name, v in times.items():
+        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
+              f"{statistics.median(cpu[name][2:]):.1f} ms |")
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -385,14 +398,7 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
                 times[name].append((time.perf_counter() - t) * 1000)
                 cpu[name].append((time.process_time() - c) * 1000)
         loads.append(os.getloadavg()[0])
-    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
-          f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {len(prompt)} + target "
-          f"{len(target)} tokens")
-    print("| the step | p50 | p90 | CPU p50 (all threads) |")
-    print("|---|---|---|---|")
-    for name, v in times.items():
-        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
-              f"{statistics.median(cpu[name][2:]):.1f} ms |")
+    _step_table(times, cpu, loads, args, len(prompt), len(target), "all threads")
 
 
 def _session17_linear(layers: LearnedLayers, lora):  # noqa: ANN001, ANN202
@@ -642,14 +648,7 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
             times[name].append((time.perf_counter() - t) * 1000)
             cpu[name].append((time.thread_time() - c) * 1000)
         loads.append(os.getloadavg()[0])
-    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, packed weights, frozen context, "
-          f"{args.steps} steps an arm (first 2 dropped), arms alternating, prompt {len(prompt)} + target "
-          f"{len(target)} tokens")
-    print("| the step | p50 | p90 | CPU p50 (this thread) |")
-    print("|---|---|---|---|")
-    for name, v in times.items():
-        print(f"| {name} | {statistics.median(v[2:]):.1f} ms | {statistics.quantiles(v[2:], n=10)[-1]:.1f} ms | "
-              f"{statistics.median(cpu[name][2:]):.1f} ms |")
+    _step_table(times, cpu, loads, args, len(prompt), len(target), "this thread")
 
 
 def main() -> None:
