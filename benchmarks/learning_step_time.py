@@ -92,6 +92,28 @@ QUESTION = "What is the capital of Zorblax?"
 CORRECTION = "The capital of Zorblax is Quenta."
 
 
+def _time_arms(runs: dict, steps: int, clock, around=None, before=None):  # noqa: ANN001, ANN202
+    """Each arm's (learner, prepared pair, tenant) stepped `steps` times, the arms alternating and their
+    order reversed every other round: the wall and `clock`'s CPU time of each step (ms), and the load
+    average after each round. `before(learner)` runs untimed before a step, `around(name)` is a context
+    the step runs in."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    loads = []
+    for i in range(steps):
+        for name in runs if i % 2 == 0 else list(runs)[::-1]:
+            learner, prep, state = runs[name]
+            if before is not None:
+                before(learner)
+            with around(name) if around is not None else contextlib.nullcontext():
+                t, c = time.perf_counter(), clock()
+                learner.step(state, prep, 1.0)
+                times[name].append((time.perf_counter() - t) * 1000)
+                cpu[name].append((clock() - c) * 1000)
+        loads.append(os.getloadavg()[0])
+    return times, cpu, loads
+
+
 def _step_table(times: dict[str, list[float]], cpu: dict[str, list[float]], loads: list[float], args,  # noqa: ANN001
                 prompt_len: int, target_len: int, cpu_label: str) -> None:
     """The arms' step times as a table (the first 2 steps an arm dropped: warm-up)."""
@@ -386,18 +408,7 @@ def _cut(src, prompt: list[int], target: list[int], args: argparse.Namespace) ->
         if not layers._whole:  # (the sessions before 19: every drawn column, torch's products)
             learner._logits = functools.partial(_session18_logits, learner)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    cpu: dict[str, list[float]] = {name: [] for name in arms}
-    loads = []
-    for i in range(args.steps):
-        for name in arms if i % 2 == 0 else list(arms)[::-1]:
-            learner, prep, state = runs[name]
-            with _matmul(matmuls.get(name)):
-                t, c = time.perf_counter(), time.process_time()
-                learner.step(state, prep, 1.0)
-                times[name].append((time.perf_counter() - t) * 1000)
-                cpu[name].append((time.process_time() - c) * 1000)
-        loads.append(os.getloadavg()[0])
+    times, cpu, loads = _time_arms(runs, args.steps, time.process_time, around=lambda name: _matmul(matmuls.get(name)))
     _step_table(times, cpu, loads, args, len(prompt), len(target), "all threads")
 
 
@@ -634,20 +645,11 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
         if not layers._whole or name == whole_only:  # session 18's sampled softmax: every drawn column
             learner._logits = functools.partial(_session18_logits, learner)
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    cpu: dict[str, list[float]] = {name: [] for name in arms}
-    loads = []
-    for i in range(args.steps):
-        for name in arms if i % 2 == 0 else list(arms)[::-1]:
-            learner, prep, state = runs[name]
-            if args.candidates_ahead:  # the drawn candidates gathered ahead, as the background pass does
-                learner.fill_candidates()
-                _evict()
-            t, c = time.perf_counter(), time.thread_time()
-            learner.step(state, prep, 1.0)
-            times[name].append((time.perf_counter() - t) * 1000)
-            cpu[name].append((time.thread_time() - c) * 1000)
-        loads.append(os.getloadavg()[0])
+    def ahead(learner: InstantLearner) -> None:  # the drawn candidates gathered ahead, as the background pass does
+        learner.fill_candidates()
+        _evict()
+
+    times, cpu, loads = _time_arms(runs, args.steps, time.thread_time, before=ahead if args.candidates_ahead else None)
     _step_table(times, cpu, loads, args, len(prompt), len(target), "this thread")
 
 
