@@ -52,7 +52,7 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
 # Headers the sources include: hashed into the build's name with them, so an edit to one rebuilds.
 # torch_headers.h is every source's torch headers, precompiled once (_precompiled_header).
 PCH_HEADER = _ROOT / "csrc" / "torch_headers.h"
-HEADERS = (_ROOT / "csrc" / "kernels.h", PCH_HEADER)
+HEADERS = (_ROOT / "csrc" / "kernels.h", _ROOT / "csrc" / "vec.h", PCH_HEADER)
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:

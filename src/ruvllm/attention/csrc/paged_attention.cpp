@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../csrc/vec.h"
+
 namespace {
 
 constexpr int64_t kTile = 16;
@@ -59,18 +61,12 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RUVLLM_ATTN_AVX2 1
-inline float hsum8(__m256 acc) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   if (n % 8 == 0) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
     for (int64_t i = 8; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum8(acc);
+    return ruvllm::hsum8(acc);
   }
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
@@ -95,10 +91,10 @@ inline void dot_keys(const float* q, const float* const* keys, int64_t off, int6
       a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
       a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
     }
-    out[t] = hsum8(a0) * scale;
-    out[t + 1] = hsum8(a1) * scale;
-    out[t + 2] = hsum8(a2) * scale;
-    out[t + 3] = hsum8(a3) * scale;
+    out[t] = ruvllm::hsum8(a0) * scale;
+    out[t + 1] = ruvllm::hsum8(a1) * scale;
+    out[t + 2] = ruvllm::hsum8(a2) * scale;
+    out[t + 3] = ruvllm::hsum8(a3) * scale;
   }
   for (; t < count; ++t) out[t] = dot(q, keys[t] + off, n) * scale;
 }

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include "../../csrc/vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -49,15 +50,6 @@ RUVLLM_ONE_COPY float tail_dot(const float* x, const float* w, int64_t k0, int64
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// Inlined into each micro-kernel. -ffast-math would allow the compiler to regroup these adds
-// differently in different micro-kernels; GCC 12 does not (tests/unit/test_dense_linear.py checks
-// every micro-kernel's rows against each other bit for bit, and would catch a compiler that did).
-inline float reduce8(__m256 v) {
-  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
 // y[m, n] for mr input rows and nr weight rows; every (m, n) has its own accumulator.
 template <int mr, int nr>
 void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
@@ -75,7 +67,7 @@ void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) {
-      const float dot = reduce8(acc[i][j]);
+      const float dot = ruvllm::hsum8(acc[i][j]);
       y[i * ldy + j] = K8 == K ? dot : tail_dot(x + i * ldx, w + j * K, K8, K, dot);
     }
 }

@@ -29,21 +29,13 @@
 #include <cstdint>
 #include <tuple>
 #include <vector>
+#include "../../csrc/vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace {
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // out[c] = r . w[c] for C rows of w, H inputs (H % 8 == 0).
 template <int C>
@@ -55,7 +47,7 @@ inline void dots(const float* r, const float* w, int64_t H, float* out) {
     const __m256 rv = _mm256_loadu_ps(r + k);
     for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(rv, _mm256_loadu_ps(w + c * H + k), acc[c]);
   }
-  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+  for (int c = 0; c < C; ++c) out[c] = ruvllm::hsum8(acc[c]);
 #else
   for (int c = 0; c < C; ++c) {
     float s = 0.f;

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <optional>
 #include <vector>
+#include "../../csrc/vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -38,15 +39,6 @@
 #endif
 
 namespace {
-
-#if defined(RUVLLM_LORA_AVX2)
-inline float hsum(__m256 acc) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-#endif
 
 // u[i][jj] = x[i] . a[jj] over K for TR rows and TJ shrink rows at once (the registers hold the
 // TR x TJ sums; each x and a vector is loaded once for all of them). Every (row, shrink row) sum is
@@ -69,7 +61,7 @@ inline void shrink_tile(const float* const* x, const float* const* a, int64_t K,
     }
   }
   for (int i = 0; i < TR; ++i)
-    for (int j = 0; j < TJ; ++j) s[i][j] = hsum(acc[i][j]);
+    for (int j = 0; j < TJ; ++j) s[i][j] = ruvllm::hsum8(acc[i][j]);
 #else
   for (int i = 0; i < TR; ++i)
     for (int j = 0; j < TJ; ++j) s[i][j] = 0.f;
