@@ -132,7 +132,9 @@ def run_cmd(
     from ruvllm.learning.learner import Learner, default_learned_dir
     from ruvllm.loader import load_tokenizer, model_cache, resolve_model
 
-    os.nice(10)
+    # At most nice 10, never lower again: os.nice adds, so a second run in one process (a test's, in
+    # process) went to 19, and the rest of that process (a test worker) with it.
+    os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), 10))
     root = folder.expanduser() if folder is not None else default_learned_dir()
     if not (root / "bank.sqlite3").is_file():
         raise fail(f"{root}: no pattern bank there (no feedback learned yet)")
