@@ -100,6 +100,19 @@ class MicroLora:
         base model's behaviour: A as it is, B zero. EWC++ anchors here."""
         return [t.detach().clone() if i % 2 == 0 else torch.zeros_like(t) for i, t in enumerate(self.parameters())]
 
+    def pieces(self, cfg: ModelConfig, layer: int, fused: str) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """The learned pieces of `layer`'s fused projection `fused` (qkv, gate_up, ...), in column
+        order: (first column, end column, A, B) each. The autograd path and the one-call layers
+        (whole_layers.py) add them in this order."""
+        out, lo = [], 0
+        for t in FUSED[fused]:
+            width = projection_shape(cfg, t)[1]
+            pair = self.weights.get((layer, t))
+            if pair is not None:
+                out.append((lo, lo + width, *pair))
+            lo += width
+        return out
+
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
         pair = self.weights.get((layer, target))
         if pair is None:
@@ -178,7 +191,7 @@ class LearnedLayers:
         cfg = self.cfg
         # one sequence whose rows all return: every learned layer one C++ call each way (no graph);
         # the call gives no gradient of h, and the full context's skipped rows keep the graph
-        whole = self._whole is not None and self._ext is not None and keep_kv is None
+        whole = self._whole is not None and keep_kv is None  # (a plan is made only where the kernels built)
         if whole and (keep_from <= 0 or context is not None) and not h.requires_grad:
             return whole_forward(self.model, self._whole, self._ext, self.layers, h, positions, lora, context)
         model, linear = self.model, self._linear_for(lora)
@@ -259,19 +272,8 @@ class LearnedLayers:
         does both (packed_linear.PackedLoraMatmul); on float weights F.linear, then each learned
         piece's delta added where it lies (no split and concatenation of the whole output)."""
         cfg, transposed = self.cfg, self._transposed
-
-        def pieces(layer: int, fused: str) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-            out, lo = [], 0
-            for t in FUSED[fused]:
-                width = projection_shape(cfg, t)[1]
-                pair = lora.weights.get((layer, t))
-                if pair is not None:
-                    out.append((lo, lo + width, *pair))
-                lo += width
-            return out
-
         # each projection's learned pieces found once for the pass, not at each of its calls
-        by_module = {} if lora is None else {mid: pieces(*where) for mid, where in self._projections.items()}
+        by_module = {} if lora is None else {mid: lora.pieces(cfg, *where) for mid, where in self._projections.items()}
 
         def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             learned = by_module.get(id(module), [])

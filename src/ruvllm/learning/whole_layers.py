@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from ruvllm.lora.peft_adapter import projection_shape
-from ruvllm.lora.slots import FUSED
 from ruvllm.models.llama import DecoderLayer, LlamaForCausalLM
 from ruvllm.quant.linear import QuantLinear
 
@@ -89,15 +87,13 @@ def lora_pieces(cfg: Any, layers: list[int], lora: Any) -> tuple[list[torch.Tens
     (layer's place among `layers`, linear's index in LINEARS, first column) each."""
     tensors: list[torch.Tensor] = []
     at: list[int] = []
+    if lora is None:
+        return tensors, at
     for li, i in enumerate(layers):
         for j, fused in enumerate(LINEARS):
-            lo = 0
-            for t in FUSED[fused]:
-                pair = None if lora is None else lora.weights.get((i, t))
-                if pair is not None:
-                    tensors += list(pair)
-                    at += [li, j, lo]
-                lo += projection_shape(cfg, t)[1]
+            for lo, _, a, b in lora.pieces(cfg, i, fused):
+                tensors += [a, b]
+                at += [li, j, lo]
     return tensors, at
 
 
