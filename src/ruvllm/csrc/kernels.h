@@ -81,6 +81,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_atten
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
     int64_t window);
+// row_attention_grad with the context's dck, dcv computed only where asked (zeros otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad_rows(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
+    int64_t window, bool context_grads);
 // learning/csrc/learned_layers.cpp
 std::vector<at::Tensor> learned_layers_forward(const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
                                                at::IntArrayRef kinds, at::IntArrayRef groups,
@@ -99,4 +104,8 @@ std::vector<at::Tensor> learned_layers_backward(
 // learning/csrc/sampled_logits.cpp
 std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::Tensor& drawn, const at::Tensor& bias,
                                               const at::Tensor& masked);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sampled_loss(const at::Tensor& rows, const at::Tensor& exact,
+                                                            const at::Tensor& drawn, const at::Tensor& bias,
+                                                            const at::Tensor& masked, const at::Tensor& index,
+                                                            double score);
 }  // namespace ruvllm

@@ -69,6 +69,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "int num_kv_heads, int head_dim) -> Tensor[]");
   // The sampled softmax's drawn candidates pooled: each row's log-sum-exp over them and its gradient.
   m.def("drawn_pool(Tensor rows, Tensor drawn, Tensor bias, Tensor masked) -> (Tensor, Tensor)");
+  // The instant step's sampled-softmax loss and its rows' gradient in one call (no autograd graph).
+  m.def("sampled_loss(Tensor rows, Tensor exact, Tensor drawn, Tensor bias, Tensor masked, Tensor index, "
+        "float score) -> (Tensor, Tensor, Tensor)");
 }
 
 // Each kernel's CPU implementation. All are registered here, none beside its code: torch/library.h and
@@ -99,4 +102,5 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("learned_layers_forward", &ruvllm::learned_layers_forward);
   m.impl("learned_layers_backward", &ruvllm::learned_layers_backward);
   m.impl("drawn_pool", &ruvllm::drawn_pool);
+  m.impl("sampled_loss", &ruvllm::sampled_loss);
 }

@@ -200,8 +200,10 @@ std::vector<at::Tensor> learned_layers_backward(
     // the MLP norm's sum is attention's output plus the stream before it: both take ds2
     at::Tensor ds2 = rms_norm_grad(dh2, k[kS2], a.weight(l, kMlpNorm), eps, dres);
     at::Tensor dout_attn = linear_grad(l, 1, ds2, k[kO], true).value();
-    auto [dq, dk, dv, dck, dcv] = row_attention_grad(dout_attn.view({T, num_heads, head_dim}), k[kQ], k[kK], k[kV],
-                                                     a.ctx(l, 0), a.ctx(l, 1), k[kP], scale, windows[l]);
+    // (the kept context takes no gradient here: its dck, dcv are not computed)
+    auto [dq, dk, dv, dck, dcv] = row_attention_grad_rows(dout_attn.view({T, num_heads, head_dim}), k[kQ], k[kK],
+                                                          k[kV], a.ctx(l, 0), a.ctx(l, 1), k[kP], scale, windows[l],
+                                                          false);
     at::Tensor dqkv = qkv_rope_grad(dq, dk, dv, cos[l], sin[l], num_heads, num_kv_heads, head_dim);
     if (l == 0) {  // the stream entering the learned layers takes no gradient: the pieces' alone
       linear_grad(l, 0, dqkv, k[kH1], false);

@@ -28,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../../csrc/vec.h"
+
 namespace {
 
 struct Shape {
@@ -65,6 +67,78 @@ inline int64_t first_key(const Shape& s, int64_t t, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, s.C + t - window + 1) : 0;
 }
 
+// out[j - j0] = a . row(j) for keys j0 <= j < j1, D inputs. Each dot is eight lanes over the inputs in
+// order, then hsum8: the same bits for a key whichever keys share a pass. Four keys a pass keep four
+// independent chains of FMAs in flight: a key at a time, one chain of D / 8 dependent FMAs and its sum
+// made the attention latency-bound (~5 G multiply-adds a second at D = 64; session 20).
+template <typename Row>
+inline void dots(const float* a, Row row, int64_t j0, int64_t j1, int64_t D, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+      const float *r0 = row(j), *r1 = row(j + 1), *r2 = row(j + 2), *r3 = row(j + 3);
+      __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 av = _mm256_loadu_ps(a + d);
+        c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(r0 + d), c0);
+        c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(r1 + d), c1);
+        c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(r2 + d), c2);
+        c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(r3 + d), c3);
+      }
+      out[j - j0] = ruvllm::hsum8(c0);
+      out[j + 1 - j0] = ruvllm::hsum8(c1);
+      out[j + 2 - j0] = ruvllm::hsum8(c2);
+      out[j + 3 - j0] = ruvllm::hsum8(c3);
+    }
+    for (; j < j1; ++j) {
+      const float* r = row(j);
+      __m256 c = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(r + d), c);
+      out[j - j0] = ruvllm::hsum8(c);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* r = row(j);
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += a[d] * r[d];
+    out[j - j0] = dot;
+  }
+}
+
+// out = sum_j w[j - j0] row(j) over keys j0 <= j < j1 in order (out overwritten), D outputs: held in
+// registers 32 at a time across the keys, where a store and reload of out for each key chained them.
+template <typename Row>
+inline void weighted_sum(const float* w, Row row, int64_t j0, int64_t j1, int64_t D, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 32 == 0) {
+    for (int64_t d = 0; d < D; d += 32) {
+      __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps(), o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* r = row(j) + d;
+        const __m256 wj = _mm256_set1_ps(w[j - j0]);
+        o0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), o0);
+        o1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), o1);
+        o2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), o2);
+        o3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 24), o3);
+      }
+      _mm256_storeu_ps(out + d, o0);
+      _mm256_storeu_ps(out + d + 8, o1);
+      _mm256_storeu_ps(out + d + 16, o2);
+      _mm256_storeu_ps(out + d + 24, o3);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* r = row(j);
+    for (int64_t d = 0; d < D; ++d) out[d] += w[j - j0] * r[d];
+  }
+}
+
 }  // namespace
 
 namespace ruvllm {
@@ -84,16 +158,16 @@ std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::
   at::parallel_for(0, s.Hq, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t g = h / s.group;
+      auto krow = [&](int64_t j) { return key_row(ckp, kp, s, j, g); };
+      auto vrow = [&](int64_t j) { return key_row(cvp, vp, s, j, g); };
       for (int64_t t = 0; t < s.T; ++t) {
         const float* qr = qp + (t * s.Hq + h) * s.D;
         float* pr = pp + (h * s.T + t) * s.S;
         const int64_t j0 = first_key(s, t, window), j1 = s.C + t + 1;
+        dots(qr, krow, j0, j1, s.D, pr + j0);
         float m = std::numeric_limits<float>::lowest();  // (-ffast-math: no infinities; a query sees itself)
         for (int64_t j = j0; j < j1; ++j) {
-          const float* kr = key_row(ckp, kp, s, j, g);
-          float dot = 0.f;
-          for (int64_t d = 0; d < s.D; ++d) dot += qr[d] * kr[d];
-          pr[j] = dot * sc;
+          pr[j] *= sc;
           m = std::max(m, pr[j]);
         }
         float sum = 0.f;
@@ -102,13 +176,8 @@ std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::
           sum += pr[j];
         }
         const float inv = 1.f / sum;
-        float* orow = op + (t * s.Hq + h) * s.D;
-        std::fill(orow, orow + s.D, 0.f);
-        for (int64_t j = j0; j < j1; ++j) {
-          pr[j] *= inv;
-          const float* vr = key_row(cvp, vp, s, j, g);
-          for (int64_t d = 0; d < s.D; ++d) orow[d] += pr[j] * vr[d];
-        }
+        for (int64_t j = j0; j < j1; ++j) pr[j] *= inv;
+        weighted_sum(pr + j0, vrow, j0, j1, s.D, op + (t * s.Hq + h) * s.D);
       }
     }
   });
@@ -118,10 +187,12 @@ std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::
 // (dq, dk, dv, dck, dcv) from do [T, Hq, D] and the forward's p: dp_j = do . v_j,
 // ds_j = p_j (dp_j - sum_i p_i dp_i), dq = scale sum_j ds_j k_j, dk_j = scale sum_t ds_j q_t and
 // dv_j = sum_t p_j do_t over the queries (and heads of a K/V head) that see key j, in order.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad(
+// Without `context_grads` the context's dck and dcv are not computed (returned as zeros): the learned
+// layers' frozen context takes none, and its keys are most of the keys (39 of 51 at the step).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad_rows(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
-    int64_t window) {
+    int64_t window, bool context_grads) {
   const Shape s = checked(q, k, v, ck, cv);
   TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == at::kFloat && dout.is_contiguous(),
               "dout: q's shape, contiguous float32");
@@ -140,27 +211,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_atten
   // Threads split K/V heads: each owns its heads' dk, dv rows (and its query heads' dq), so no two
   // threads add into the same row and each sum runs in the same order on any thread.
   at::parallel_for(0, s.Hkv, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> ds(s.S);
+    std::vector<float> dp(s.S), ds(s.S);
     for (int64_t g = g0; g < g1; ++g) {
+      auto krow = [&](int64_t j) { return key_row(ckp, kp, s, j, g); };
+      auto vrow = [&](int64_t j) { return key_row(cvp, vp, s, j, g); };
       for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
         for (int64_t t = 0; t < s.T; ++t) {
           const float *dor = dop + (t * s.Hq + h) * s.D, *qr = qp + (t * s.Hq + h) * s.D;
           const float* pr = pp + (h * s.T + t) * s.S;
           const int64_t j0 = first_key(s, t, window), j1 = s.C + t + 1;
+          dots(dor, vrow, j0, j1, s.D, dp.data());
           float dot_sum = 0.f;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float* vr = key_row(cvp, vp, s, j, g);
-            float dp = 0.f;
-            for (int64_t d = 0; d < s.D; ++d) dp += dor[d] * vr[d];
-            ds[j] = dp;
-            dot_sum += pr[j] * dp;
-          }
-          float* dqr = dqp + (t * s.Hq + h) * s.D;
-          std::fill(dqr, dqr + s.D, 0.f);
-          for (int64_t j = j0; j < j1; ++j) {
-            const float d_s = pr[j] * (ds[j] - dot_sum) * sc;
-            const float* kr = key_row(ckp, kp, s, j, g);
-            for (int64_t d = 0; d < s.D; ++d) dqr[d] += d_s * kr[d];
+          for (int64_t j = j0; j < j1; ++j) dot_sum += pr[j] * dp[j - j0];
+          for (int64_t j = j0; j < j1; ++j) ds[j - j0] = pr[j] * (dp[j - j0] - dot_sum) * sc;
+          weighted_sum(ds.data(), krow, j0, j1, s.D, dqp + (t * s.Hq + h) * s.D);
+          for (int64_t j = context_grads ? j0 : std::max(j0, s.C); j < j1; ++j) {
+            const float d_s = ds[j - j0];
             float* dkr = j < s.C ? dckp + (j * s.Hkv + g) * s.D : dkp + ((j - s.C) * s.Hkv + g) * s.D;
             float* dvr = j < s.C ? dcvp + (j * s.Hkv + g) * s.D : dvp + ((j - s.C) * s.Hkv + g) * s.D;
             for (int64_t d = 0; d < s.D; ++d) {
@@ -173,6 +239,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_atten
     }
   });
   return {dq, dk, dv, dck, dcv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_attention_grad(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& ck, const std::optional<at::Tensor>& cv, const at::Tensor& p, double scale,
+    int64_t window) {
+  return row_attention_grad_rows(dout, q, k, v, ck, cv, p, scale, window, true);
 }
 
 }  // namespace ruvllm

@@ -159,4 +159,139 @@ std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::
   return {lse, s};
 }
 
+
+// The instant step's loss over the sampled softmax and its gradient, without autograd's graph (issue
+// 37 item 1, session 20): the logits [rows . exact_c for the m exact candidates, lse_t of the drawn
+// ones (drawn_pool's)], the loss toward (score >= 0: cross-entropy, times max(score, 1e-3)) or away
+// from (score < 0: unlikelihood, -log(1 - p) with p at most 1 - 1e-6, times -score) each row's label
+// `index` among the exact candidates, averaged over the rows, as instant.py's step and feedback_loss
+// compute it with torch; and the rows' gradient, the logits' gradient through the exact rows and the
+// pooled S_t. Returns (loss [], each row's -log p of its label [T], drows [T, H]).
+//
+// Why: as torch ops and autograd's nodes (the exact product, the cat, the cross-entropy, the mean and
+// their backward nodes, the Python between them) this was ~1-2 ms of the ~10.7 ms step at two threads,
+// all on one thread (docs/learning.md "Session 20"); here it is one call.
+//
+// Threads: the drawn candidates are split in chunks of kChunk, each chunk's running max, sum and S
+// for every row made apart and merged in chunk order, so each thread reads its share of the cold
+// drawn block once (split by rows, both threads read all of it); the chunks do not depend on the
+// thread count, so neither do the bits. The exact candidates and the loss: rows split between the
+// threads, each row's sums over the candidates in order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sampled_loss(const at::Tensor& rows, const at::Tensor& exact,
+                                                            const at::Tensor& drawn, const at::Tensor& bias,
+                                                            const at::Tensor& masked, const at::Tensor& index,
+                                                            double score) {
+  for (const at::Tensor* t : {&rows, &exact, &drawn})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous(),
+                "rows, exact, drawn: contiguous float32 CPU [rows, H]");
+  const int64_t T = rows.size(0), H = rows.size(1), m = exact.size(0), n = drawn.size(0);
+  TORCH_CHECK(exact.size(1) == H && drawn.size(1) == H && H % 8 == 0 && m > 0,
+              "exact, drawn: rows' width, a multiple of 8; at least one exact candidate");
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous(),
+              "bias: float32 [n]");
+  TORCH_CHECK(masked.scalar_type() == at::kBool && masked.dim() == 1 && masked.size(0) == n && masked.is_contiguous(),
+              "masked: bool [n]");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.size(0) == T && index.is_contiguous(),
+              "index: int64 [T], each row's label among the exact candidates");
+  const int64_t* ip = index.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < m, "index: a place among the exact candidates");
+  const float *r = rows.const_data_ptr<float>(), *e = exact.const_data_ptr<float>(), *w = drawn.const_data_ptr<float>();
+  const float* b = bias.const_data_ptr<float>();
+  const bool* mk = masked.const_data_ptr<bool>();
+
+  // 1. the drawn candidates, chunk by chunk: each chunk's max, sum and unnormalized S per row
+  constexpr int64_t kChunk = 1024;
+  const int64_t chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
+  std::vector<float> cmax(chunks * T, -FLT_MAX), csum(chunks * T, 0.f), cs(chunks * T * H, 0.f);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      float *mx = cmax.data() + c * T, *sm = csum.data() + c * T, *sp = cs.data() + c * T * H;
+      int64_t j = lo;
+      for (; j + kBlock <= hi; j += kBlock) {
+        if (j + 3 * kBlock <= hi)  // the block two ahead asked for while this one is summed (drawn_pool's)
+          for (const char *p = reinterpret_cast<const char*>(w + (j + 2 * kBlock) * H),
+                          *end = reinterpret_cast<const char*>(w + (j + 3 * kBlock) * H);
+               p < end; p += 64)
+            __builtin_prefetch(p, 0, 3);
+        block<kBlock>(r, 0, T, w + j * H, b + j, mk + j, H, mx, sm, sp);
+      }
+      for (; j < hi; ++j) block<1>(r, 0, T, w + j * H, b + j, mk + j, H, mx, sm, sp);
+    }
+  });
+
+  at::Tensor nll = at::empty({T}, rows.options()), drows = at::empty({T, H}, rows.options());
+  float *np = nll.mutable_data_ptr<float>(), *dp = drows.mutable_data_ptr<float>();
+  std::vector<float> row_loss(T);
+  const float weight = static_cast<float>(score >= 0 ? std::max(score, 1e-3) : -score) / static_cast<float>(T);
+  // 2. per row: the chunks merged (lse_t, S_t), the exact logits, the softmax, the loss and drows_t
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> logit(m + 1), s(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      float top = -FLT_MAX;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, cmax[c * T + t]);
+      float sum = 0.f;
+      std::fill(s.begin(), s.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float cm = cmax[c * T + t];
+        if (csum[c * T + t] <= 0.f) continue;  // every candidate of the chunk masked
+        const float f = std::exp(std::max(cm - top, -80.f));
+        sum += csum[c * T + t] * f;
+        const float* sc = cs.data() + (c * T + t) * H;
+        for (int64_t k = 0; k < H; ++k) s[k] += sc[k] * f;
+      }
+      float lse = -1e30f;
+      if (sum > 0.f) {
+        lse = top + std::log(sum);
+        const float inv = 1.f / sum;
+        for (int64_t k = 0; k < H; ++k) s[k] *= inv;
+      }
+      const float* rt = r + t * H;
+      int64_t c = 0;
+      for (; c + 4 <= m; c += 4) dots<4>(rt, e + c * H, H, logit.data() + c);
+      for (; c < m; ++c) dots<1>(rt, e + c * H, H, logit.data() + c);
+      logit[m] = lse;
+      float mx = -FLT_MAX;
+      for (int64_t i = 0; i <= m; ++i) mx = std::max(mx, logit[i]);
+      float z = 0.f;
+      for (int64_t i = 0; i <= m; ++i) {
+        logit[i] = std::exp(std::max(logit[i] - mx, -80.f));  // (now each column's unnormalized probability)
+        z += logit[i];
+      }
+      const float inv_z = 1.f / z;
+      for (int64_t i = 0; i <= m; ++i) logit[i] *= inv_z;
+      const int64_t label = ip[t];
+      const float p = logit[label];
+      np[t] = -std::log(std::max(p, 1e-37f));
+      // the logits' gradient, in place: CE (p - onehot) weight; unlikelihood weight p / (1 - p) (onehot - p)
+      // (zero where p is clamped at 1 - 1e-6, as clamp's gradient is)
+      float coef;
+      if (score >= 0) {
+        row_loss[t] = np[t];
+        coef = weight;
+      } else {
+        const float pc = std::min(p, 1.f - 1e-6f);
+        row_loss[t] = -std::log1p(-pc);
+        coef = p < 1.f - 1e-6f ? -weight * p / (1.f - p) : 0.f;
+      }
+      for (int64_t i = 0; i <= m; ++i) logit[i] *= coef;
+      logit[label] -= coef;
+      // drows_t = sum_c g_c exact_c + g_m S_t
+      float* dt = dp + t * H;
+      std::fill(dt, dt + H, 0.f);
+      c = 0;
+      for (; c + 4 <= m; c += 4) accumulate<4>(dt, 1.f, logit.data() + c, e + c * H, H);
+      for (; c < m; ++c) accumulate<1>(dt, 1.f, logit.data() + c, e + c * H, H);
+      const float gm = logit[m];
+      for (int64_t k = 0; k < H; ++k) dt[k] += gm * s[k];
+    }
+  });
+  float total = 0.f;
+  for (int64_t t = 0; t < T; ++t) total += row_loss[t];
+  at::Tensor loss = at::empty({}, rows.options());
+  loss.mutable_data_ptr<float>()[0] = total * weight;
+  return {loss, nll, drows};
+}
+
 }  // namespace ruvllm
+

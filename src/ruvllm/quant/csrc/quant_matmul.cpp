@@ -46,6 +46,7 @@ constexpr int64_t TILE_N = 4;   // weight rows decoded together and reused acros
 // (~2 KB) ahead measured as well as 6 and better than 16.
 constexpr int64_t PF_TILES = 2;
 constexpr int TC8 = 2;  // rows of x a DecodedTile8 pass takes together (3 measured slower: registers spill)
+constexpr int64_t kSerialValues = 1 << 16;  // x's values up to which quantize_rows runs on the caller's thread
 
 // One row of x as int8 blocks: codes, the block's scale (absmax / 127) and the sum of its codes.
 struct QuantRows {
@@ -112,7 +113,10 @@ void quantize_rows(const float* x, int64_t T, int64_t K, QuantRows& out) {
       }
     }
   };
-  if (T == 1) rows(0, 1);  // no parallel region for one row
+  // No parallel region for a few rows: at AVX2's ~0.2 ns a value, the learner's 12 rows of up to 3,072
+  // inputs take ~5 us, about what entering and leaving a region of 2 threads costs, and the learner's
+  // step makes 31 such calls (docs/learning.md "Session 20"). Each row is quantized alone either way.
+  if (T * K <= kSerialValues) rows(0, T);
   else at::parallel_for(0, T, 1, rows);
 }
 
