@@ -57,6 +57,14 @@ learning/sampled_logits.py) against session 18's (autograd's graph of the layers
 alternating step by step; with --candidates-ahead, the drawn candidates gathered before each step
 and the caches flushed (64 MB written) between, as the background pass and serving leave them.
 --update --whole: the same two through the Learner (the default method), event by event.
+Session 20's arm (the default now) beside them: the step with no autograd graph (the learned layers'
+calls by hand, the sampled softmax's loss and gradient one C++ call: InstantLearner._by_hand) and Adam
+as one call of its fused kernel (instant.adam_step); the arms before it take the graph and
+Optimizer.step(). The kernels' own changes of session 20 (the attention, the rows' quantization) are
+in every arm. --since-19: session 19's arm and the default alone.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 2 \
+        --steps 60 --since-19
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 1 \
         --steps 60
@@ -197,13 +205,16 @@ def _update(args: argparse.Namespace) -> None:
     # step; --candidates-ahead: the default against itself with them drawn in the step, alone
     # (..., the learned layers as one C++ call each way): --whole: the default against itself with
     # them as autograd's graph (session 18's learner), alone; every other arm takes the call
+    # (..., whole): 0 the learned layers as autograd's graph (session 18), 1 one C++ call each way
+    # under the loss's graph and Optimizer.step (session 19), 2 no graph and Adam's one call (session
+    # 20, the default)
     if args.whole:
         arms = [(context, True, False, True, whole) for context in args.contexts.split(",")
-                for whole in (False, True)]
+                for whole in ((1, 2) if args.since_19 else (0, 1, 2))]
     elif args.candidates_ahead:
-        arms = [(context, True, False, drawn, True) for context in args.contexts.split(",") for drawn in (False, True)]
+        arms = [(context, True, False, drawn, 2) for context in args.contexts.split(",") for drawn in (False, True)]
     else:
-        arms = [(context, ahead, old, ahead and not old, True) for context in args.contexts.split(",")
+        arms = [(context, ahead, old, ahead and not old, 2) for context in args.contexts.split(",")
                 for ahead, old in ((False, False), (True, True), (True, False))]
     matmuls = {True: _kernel_at(args.kernel_rev), False: None}
     from ruvllm.cpu_build import kernels
@@ -221,7 +232,7 @@ def _update(args: argparse.Namespace) -> None:
         for arm in arms:
             context, ahead, old, drawn, whole = arm
             tenant = f"{context}-{'ahead' if ahead else 'inline'}{'-old' if old else ''}{'-drawn' if drawn else ''}" \
-                     f"{'' if whole else '-graph'}"
+                     f"-{whole}"
             llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
                      tenant=tenant)
             asked[arm] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
@@ -237,6 +248,7 @@ def _update(args: argparse.Namespace) -> None:
                 learner.layers._whole = plan if whole and not old else None
                 if not whole:  # session 18's sampled softmax: every drawn column, torch's products
                     learner.instant._logits = functools.partial(_session18_logits, learner.instant)
+                learner.instant.graphless = whole == 2
                 learner.instant.candidates = pools[arm]
                 if not drawn:  # before: the exact candidates found in the step too, not once a pair
                     learner.instant._logits = functools.partial(exact_in_step, learner.instant)
@@ -245,7 +257,7 @@ def _update(args: argparse.Namespace) -> None:
                 learner.instant.config = instant
                 # the learner before: the completions' KL one by one, no rows shared
                 learner_module.kl_mean = kl_mean if ahead else one_by_one
-                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None):
+                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None), _adam(whole == 2):
                     result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
                 learner_module.kl_mean = kl_mean
                 learner.instant.__dict__.pop("_logits", None)
@@ -269,8 +281,9 @@ def _update(args: argparse.Namespace) -> None:
         what = "computed ahead, batched" if arm[1] else "before: in the step, one by one"
         what += f" (session 17: the kernel at {args.kernel_rev}, the rest in torch ops)" if arm[2] else ""
         what += " / made ahead (the default)" if arm[3] else " / drawn in the step"
-        what += "" if arm[2] else " / the learned layers one C++ call each way (the default)" if arm[4] \
-            else " / the learned layers as autograd's graph (session 18)"
+        what += "" if arm[2] else [" / the learned layers as autograd's graph (session 18)",
+                                   " / the learned layers one C++ call each way, the loss's graph (session 19)",
+                                   " / no graph, Adam one call (session 20, the default)"][arm[4]]
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -601,6 +614,21 @@ def _matmul(fn):  # noqa: ANN001, ANN202
         cpu_matmul.matmul = kept
 
 
+@contextlib.contextmanager
+def _adam(one_call: bool):  # noqa: ANN202
+    """Adam as the step takes it now (instant.adam_step: the fused kernel's one call), or, for the
+    arms of the learner before session 20, through Optimizer.step()."""
+    from ruvllm.learning import instant
+
+    kept = instant.adam_step
+    if not one_call:
+        instant.adam_step = lambda opt: opt.step()
+    try:
+        yield
+    finally:
+        instant.adam_step = kept
+
+
 def _session18_logits(instant: InstantLearner, rows, labels, negatives=None, exact=None):  # noqa: ANN001, ANN202
     """InstantLearner._logits as session 18 left it (for the before arms): every drawn candidate its
     own column, the exact ones' head rows gathered in each step, torch's products."""
@@ -635,21 +663,27 @@ def _whole(src, prompt: list[int], target: list[int], args: argparse.Namespace) 
     model = load_learning_model(src)[0]
     n = InstantConfig().layers
     whole_only = "+ the learned layers one C++ call each way"
-    arms = {"session 18: the learned layers as autograd's graph, every drawn column":
-            LearnedLayers(model, n, whole=False),
-            whole_only: LearnedLayers(model, n),
-            "+ the drawn candidates pooled (session 19, the default)": LearnedLayers(model, n)}
+    session19 = "+ the drawn candidates pooled (session 19)"
+    session20 = "+ no autograd graph (the loss one C++ call), Adam one call (session 20, the default)"
+    arms = {} if args.since_19 else {"session 18: the learned layers as autograd's graph, every drawn column":
+                                     LearnedLayers(model, n, whole=False), whole_only: LearnedLayers(model, n)}
+    arms |= {session19: LearnedLayers(model, n), session20: LearnedLayers(model, n)}
     runs = {}
     for name, layers in arms.items():
         learner = InstantLearner(layers, InstantConfig())
         if not layers._whole or name == whole_only:  # session 18's sampled softmax: every drawn column
             learner._logits = functools.partial(_session18_logits, learner)
+        learner.graphless = name == session20
         runs[name] = learner, learner.prepare(prompt, target), learner.new_tenant(0)
     def ahead(learner: InstantLearner) -> None:  # the drawn candidates gathered ahead, as the background pass does
         learner.fill_candidates()
         _evict()
 
-    times, cpu, loads = _time_arms(runs, args.steps, time.thread_time, before=ahead if args.candidates_ahead else None)
+    def around(name: str):  # noqa: ANN202 (the arms before session 20 step Adam through Optimizer.step)
+        return _adam(name == session20)
+
+    times, cpu, loads = _time_arms(runs, args.steps, time.thread_time, around=around,
+                                   before=ahead if args.candidates_ahead else None)
     _step_table(times, cpu, loads, args, len(prompt), len(target), "this thread")
 
 
@@ -669,6 +703,8 @@ def main() -> None:
     ap.add_argument("--whole", action="store_true",
                     help="the frozen step (with --update: the whole update) with the learned layers as one C++ call "
                          "each way against autograd's graph of them, alternating")
+    ap.add_argument("--since-19", action="store_true",
+                    help="--whole: only session 19's step and the default (session 20's), alternating")
     ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
     ap.add_argument("--kernel-rev", default="7a2d421",
                     help="--cut and --update: an arm with the quantized matmul's source at this git revision "

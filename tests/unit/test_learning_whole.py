@@ -169,3 +169,117 @@ def test_the_pooled_drawn_candidates_give_the_full_softmaxs_loss_and_gradient(sh
         assert loss_p == pytest.approx(loss_r, rel=1e-5, abs=1e-6)
         assert torch.isfinite(grad_p).all()
         assert (grad_p - grad_r).norm() <= 1e-5 * grad_r.norm() + 1e-7
+
+
+def _graph_and_graphless(layers: LearnedLayers, scores: tuple[float, ...], fresh: bool):  # noqa: ANN202
+    """For graphless True then False: each step's loss, the gradients Adam was given, the weights
+    after (`fresh`: each score's step from the same new tenant, else one tenant stepped in turn)."""
+    from ruvllm.learning import instant as instant_module
+
+    runs = []
+    for graphless in (True, False):
+        learner = InstantLearner(layers, InstantConfig())
+        learner.graphless = graphless
+        prep = learner.prepare(PROMPT, TARGET)
+        losses, grads, params, by_hand = [], [], [], []
+        kept, made = instant_module.adam_step, InstantLearner._by_hand
+
+        def record(opt) -> None:  # noqa: ANN001
+            grads.append([p.grad.clone() for group in opt.param_groups for p in group["params"]])
+            kept(opt)
+
+        instant_module.adam_step = record
+        learner._by_hand = lambda *a: by_hand.append(made(learner, *a)) or by_hand[-1]
+        try:
+            state = None
+            for score in scores:
+                if state is None or fresh:
+                    state = learner.new_tenant(seed=8)
+                    nonzero_b(state.lora, 0.05)
+                losses.append(learner.step(state, prep, score).loss)
+                params.append([p.detach().clone() for p in state.lora.parameters()])
+        finally:
+            instant_module.adam_step = kept
+        assert len(by_hand) == len(scores) and all((b is not None) == graphless for b in by_hand)
+        runs.append((losses, grads, params))
+    return runs
+
+
+def test_the_step_without_a_graph_is_the_graphs_step(model, pair) -> None:  # noqa: ANN001
+    """InstantLearner.step's default (session 20): the frozen context through WholePass and the
+    sampled softmax's loss and gradient as one call (sampled_loss), no autograd graph, against the
+    same step through the graph (graphless False), the default's 2,048 drawn candidates (the same
+    draws: each learner's pool of the same seed), toward and away from the target.
+    Each step from the same weights (a difference of float rounding in the weights moves the
+    forward's 8-bit rounding of the activations, and Adam's first steps move each weight by about
+    the learning rate whatever its gradient's size: over several steps the two drift apart by ~1% of
+    the loss, as any change in the order of a sum would make them). With the float32 backward: each
+    loss, the gradients and the weights after the step within float rounding. With the default 8-bit
+    backward, dY is rounded to 8 bits a block on its way down, so a float-rounding difference in the
+    rows' gradient can move a value across a rounding step: the loss within float rounding and the
+    gradients within 5% of their norm (measured at most 1.58% over the four scores, in the lowest
+    learned layers; against the float32 reference the stated tolerance is 10%,
+    test_packed_backward.py)."""
+    scores = (1.0, -1.0, 0.5, -2.0)
+    start = InstantLearner(pair[0], InstantConfig()).new_tenant(seed=8).lora
+    nonzero_b(start, 0.05)
+    start = [p.detach() for p in start.parameters()]
+    exact = LearnedLayers(model, InstantConfig().layers, "float32")
+    (losses_h, grads_h, params_h), (losses_g, grads_g, params_g) = _graph_and_graphless(exact, scores, fresh=True)
+    assert losses_h == pytest.approx(losses_g, rel=1e-5)
+    for step_h, step_g in zip(grads_h, grads_g):
+        for a, b in zip(step_h, step_g):
+            assert b.norm() > 0
+            assert (a - b).norm() <= 1e-4 * b.norm()
+    # (the weights after: Adam's first step moves a weight by lr g / (|g| + eps), so where a gradient
+    # is near eps, ~1e-10 in the lowest layer's here, float rounding moves that weight's step by as
+    # much as itself: Adam on the same gradients is test_learning_adam.py's; here the gradients it is
+    # given, above, and that the by-hand step moved the weights the graph's moved)
+    for after_h, after_g in zip(params_h, params_g):
+        for a, b, before in zip(after_h, after_g, start):
+            assert not torch.equal(a, before) and not torch.equal(b, before)
+
+    (losses_h, grads_h, _), (losses_g, grads_g, _) = _graph_and_graphless(pair[0], scores, fresh=True)
+    worst = []
+    assert losses_h == pytest.approx(losses_g, rel=1e-5)
+    for step_h, step_g in zip(grads_h, grads_g):
+        for a, b in zip(step_h, step_g):
+            assert b.norm() > 0
+            worst.append(float((a - b).norm() / b.norm()))
+    print(f"8-bit backward: the gradients at most {max(worst):.2%} of their norm apart")
+    assert max(worst) <= 5e-2
+
+
+@pytest.mark.parametrize("score", [1.0, 0.0, -1.0, -3.0])
+def test_the_sampled_loss_call_is_the_torch_loss(score: float) -> None:
+    """learning/csrc/sampled_logits.cpp sampled_loss: the loss, each row's -log p of its label and
+    the rows' gradient against sampled_logits and feedback_loss's autograd (every drawn column its
+    own logit in torch), a masked column, odd counts, one chunk and three (kChunk 1,024)."""
+    from ruvllm.learning.instant import feedback_loss
+    from ruvllm.learning.sampled_logits import sampled_logits
+
+    for t, h, m, n in ((12, 576, 310, 2048), (5, 72, 7, 2500), (1, 8, 1, 3)):
+        g = torch.Generator().manual_seed(t)
+        exact, drawn = torch.randn(m, h, generator=g) * 0.3, torch.randn(n, h, generator=g) * 0.3
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 2] = True
+        rows, index = torch.randn(t, h, generator=g), torch.arange(t) % m
+        x = rows.clone().requires_grad_()
+        logits = torch.cat([x @ exact.t(), (x @ drawn.t() + 1.5).masked_fill(mask, float("-inf"))], dim=1)
+        ref = feedback_loss(logits, index, score)
+        ref.backward()
+        nll_ref = -logits.detach().log_softmax(-1).gather(1, index[:, None]).squeeze(1)
+        loss, nll, drows = kernels().sampled_loss(rows, exact, drawn, torch.full((n,), 1.5), mask, index, score)
+        assert float(loss) == pytest.approx(float(ref), rel=1e-5, abs=1e-6)
+        assert torch.allclose(nll, nll_ref, rtol=1e-5, atol=1e-5)
+        assert (drows - x.grad).norm() <= 1e-5 * x.grad.norm() + 1e-7
+        # and the pooled path the autograd step takes gives the same logits' loss
+        assert float(feedback_loss(sampled_logits(rows, exact, drawn, 1.5, mask, kernels()), index, score)) == \
+            pytest.approx(float(ref), rel=1e-5, abs=1e-6)
+
+
+def test_the_sampled_loss_call_refuses_a_label_out_of_place() -> None:
+    rows, exact, drawn = torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="index"):
+        kernels().sampled_loss(rows, exact, drawn, torch.zeros(4), torch.zeros(4, dtype=torch.bool),
+                               torch.tensor([0, 3]), 1.0)

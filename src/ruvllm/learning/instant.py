@@ -13,6 +13,7 @@ docs/learning.md:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -107,6 +108,9 @@ class InstantLearner:
         # the sampled softmax's drawn candidates pooled by our C++ (learning/sampled_logits.py; None:
         # torch's ops): the kernels where the learned layers run them
         self.logits_ext = layers._ext
+        # `step`'s default form with no autograd graph (_by_hand); False: the graph always (its
+        # reference, and the benchmark's arm for the learner before it)
+        self.graphless = True
 
     def fill_candidates(self) -> int:
         """Draw and gather the next steps' candidates now, off the feedback's path (the pool's
@@ -182,25 +186,70 @@ class InstantLearner:
         taken = 0
         while True:
             t0 = time.perf_counter()
-            logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives, prep.exact)
+            by_hand = self._by_hand(state, prep, labels, score, ahead) if extra is None else None
+            if by_hand is not None:
+                last, nll, descend = by_hand
+            else:
+                logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives, prep.exact)
+                if score >= 0:
+                    nll = F.cross_entropy(logits, index, reduction="none")
+                    loss = nll.mean() * max(score, 1e-3)
+                else:
+                    loss = feedback_loss(logits, index, score)
+                last = float(loss.detach())
+                descend = functools.partial(_descend, state, loss, extra, ahead)
             if score >= 0:
-                nll = F.cross_entropy(logits, index, reduction="none")
-                loss = nll.mean() * max(score, 1e-3)
                 done = taken and float(nll.detach().max()) < c.target_nll
             else:
-                loss = feedback_loss(logits, index, score)
                 done = taken > 0  # pushing away has no target to reach: one step
-            last = float(loss.detach())
             first = last if first is None else first
             if done:
                 fb += time.perf_counter() - t0  # (this forward only checked the loss)
                 break
-            t1 = _descend(state, loss, extra, ahead)
+            t1 = descend()
             taken += 1
             fb, opt = fb + t1 - t0, opt + time.perf_counter() - t1
             if taken >= c.steps_per_event:
                 break
         return StepTiming(fb, opt, first, taken, last)
+
+    def _by_hand(self, state: TenantState, prep: Prepared, labels: torch.Tensor, score: float,
+                 ahead: list[torch.Tensor] | None) -> tuple[float, torch.Tensor, Callable[[], float]] | None:
+        """`step`'s forward and loss with no autograd graph, where it applies (the default update: a
+        frozen context through the learned layers' C++ calls, the sampled softmax with the drawn
+        candidates pooled, no extra term; `graphless`): (the loss, each row's -log p of its label,
+        the descent, which runs the layers' backward call, sets each piece's .grad, adds `ahead` and
+        steps Adam, returning when the backward ended). Else None: `step` builds the graph.
+        The loss and every gradient are the graph's up to float rounding (tests/unit/test_learning_
+        whole.py); what it removes is the graph's nodes, their Python and the exact product and
+        cross-entropy as torch ops (docs/learning.md "Session 20")."""
+        c, head, ext = self.config, self.layers.head, self.logits_ext
+        n, vocab = c.candidates, head.shape[0]
+        if not self.graphless or not prep.frozen or not n or n >= vocab or not c.estimate_rest or ext is None \
+                or head.shape[1] % 8 or head.dtype != torch.float32:
+            return None
+        start = prep.prompt_len - 1
+        run = self.layers.whole_pass(prep.h, torch.arange(start, start + len(prep.target)), state.lora, prep.context)
+        if run is None:
+            return None
+        exact = prep.exact if prep.exact is not None else self._exact(labels, prep.negatives)
+        drawn = self.candidates.take(n)  # (as _logits: made ahead, or drawn now)
+        clash = exact.hit.index_select(0, drawn.tokens)
+        bias = math.log((vocab - len(exact.ids)) / max(n - int(clash.sum()), 1))
+        loss, nll, drows = ext.sampled_loss(run.rows, exact.rows.contiguous(), drawn.rows.contiguous(),
+                                            torch.full((n,), bias), clash.contiguous(), exact.index.contiguous(),
+                                            float(score))
+
+        def descend() -> float:
+            state.opt.zero_grad()
+            for p, g in run.backward(drows):
+                p.grad = g
+            _add_grads(state.lora, ahead)
+            t1 = time.perf_counter()
+            adam_step(state.opt)
+            state.steps += 1
+            return t1
+        return float(loss), nll, descend
 
     def step_events(self, state: TenantState, events: list[tuple[Prepared, float]],
                     extra: Callable[[MicroLora], torch.Tensor] | None = None,
@@ -328,9 +377,41 @@ def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora]
     loss.backward()
     _add_grads(state.lora, ahead)
     t1 = time.perf_counter()
-    state.opt.step()
+    adam_step(state.opt)
     state.steps += 1
     return t1
+
+
+def adam_step(opt: torch.optim.Optimizer) -> None:
+    """`opt.step()` for the fused CPU Adam of `new_tenant`, as the one call of its kernel that
+    `step()` ends in (torch.optim.adam's _fused_adam: every step count + 1, then _fused_adam_ over the
+    parameters that have a gradient): the same kernel on the same tensors, so the same bits (tested).
+    Why: at the micro-LoRA's two dozen small tensors the Optimizer.step wrapper around the kernel
+    (hooks, the profiler's record, _init_group, grouping by device, the scalar conversions) is a third
+    of its time: 385 against 264 us of CPU a step (one thread, load 3.2; docs/learning.md "Session
+    20"). Any other optimizer or setting, or a parameter whose state is not yet made (its first
+    step), takes `opt.step()`."""
+    groups = opt.param_groups
+    g = groups[0]
+    if type(opt) is not torch.optim.Adam or len(groups) != 1 or not g["fused"] or g["amsgrad"] or g["maximize"] \
+            or g["capturable"] or g["differentiable"] or g["decoupled_weight_decay"] \
+            or isinstance(g["lr"], torch.Tensor):
+        opt.step()
+        return
+    params = [p for p in g["params"] if p.grad is not None]
+    states = [opt.state.get(p) for p in params]
+    if not params or not all(states) or any(p.grad.is_sparse or p.is_complex() or p.device.type != "cpu"
+                                            for p in params):
+        opt.step()
+        return
+    steps = [s["step"] for s in states]
+    beta1, beta2 = g["betas"]
+    with torch.no_grad():
+        torch._foreach_add_(steps, 1)
+        torch._fused_adam_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=g["lr"], beta1=beta1,
+                           beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+                           grad_scale=None, found_inf=None)
 
 
 def _add_grads(lora: MicroLora, grads: list[torch.Tensor] | None) -> None:

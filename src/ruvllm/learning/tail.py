@@ -25,7 +25,7 @@ from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.learning.fused_ops import learner_ops
 from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear, transposed_q8
 from ruvllm.learning.row_attention import row_attention
-from ruvllm.learning.whole_layers import whole_forward, whole_plan
+from ruvllm.learning.whole_layers import WholePass, whole_forward, whole_plan
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -211,6 +211,15 @@ class LearnedLayers:
         x, residual = layer(x[keep_from:], None if residual is None else residual[keep_from:],
                             rope.for_positions(positions[keep_from:]), tail_run)
         return model.final_norm(x, residual, ops)
+
+    def whole_pass(self, h: torch.Tensor, positions: torch.Tensor, lora: MicroLora | None,
+                   context: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> WholePass | None:
+        """`forward`'s rows of one sequence (all of them) as the learned layers' C++ calls without
+        autograd, with their backward to call by hand (whole_layers.WholePass), where those calls
+        apply (as in `forward`); else None."""
+        if self._whole is None or h.requires_grad:
+            return None
+        return WholePass(self.model, self._whole, self._ext, self.layers, h, positions, lora, context)
 
     def forward_many(self, hs: list[torch.Tensor], positions: list[torch.Tensor], lora: MicroLora | None,
                      contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None],

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from ruvllm.lora.peft_adapter import projection_shape
+from ruvllm.lora.slots import FUSED
 from ruvllm.models.llama import DecoderLayer, LlamaForCausalLM
 from ruvllm.quant.linear import QuantLinear
 
@@ -47,6 +49,9 @@ class WholePlan:
     scale: float
     eps: float
     heads: tuple[int, int, int]  # (Hq, Hkv, D)
+    # each linear's (in LINEARS' order) micro-LoRA targets and their first columns in its fused output
+    # (MicroLora.pieces' widths, worked out once: ~70 us of Python a step where each pass did it)
+    columns: tuple[tuple[tuple[str, int], ...], ...] = ()
 
 
 def whole_plan(model: LlamaForCausalLM, layers: list[int], transposed: dict[int, Any]) -> WholePlan | None:
@@ -77,23 +82,35 @@ def whole_plan(model: LlamaForCausalLM, layers: list[int], transposed: dict[int,
             assert wt is None or not wt.int4, "the transposed copies are 8-bit (transposed_q8)"
             if name == "o":
                 weights.append(getattr(layer, DecoderLayer.MLP_NORM).weight.detach())
+    columns = []
+    for name in LINEARS:
+        lo, spans = 0, []
+        for t in FUSED[name]:
+            spans.append((t, lo))
+            lo += projection_shape(cfg, t)[1]
+        columns.append(tuple(spans))
     return WholePlan(weights, kinds, groups, t_slots, t_groups, model.norm.weight.detach(),
                      [model.windows[i] or 0 for i in layers], [model.windows[i] is None for i in layers],
-                     cfg.attention_scale, cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+                     cfg.attention_scale, cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                     tuple(columns))
 
 
-def lora_pieces(cfg: Any, layers: list[int], lora: Any) -> tuple[list[torch.Tensor], list[int]]:
-    """The micro-LoRA's pieces in the order they are added (layer, linear, column): A and B each, and
-    (layer's place among `layers`, linear's index in LINEARS, first column) each."""
+def lora_pieces(plan: WholePlan, layers: list[int], lora: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """The micro-LoRA's pieces in the order they are added (layer, linear, column), as
+    MicroLora.pieces gives them: A and B each, and (layer's place among `layers`, linear's index in
+    LINEARS, first column) each."""
     tensors: list[torch.Tensor] = []
     at: list[int] = []
     if lora is None:
         return tensors, at
+    weights = lora.weights
     for li, i in enumerate(layers):
-        for j, fused in enumerate(LINEARS):
-            for lo, _, a, b in lora.pieces(cfg, i, fused):
-                tensors += [a, b]
-                at += [li, j, lo]
+        for j, spans in enumerate(plan.columns):
+            for t, lo in spans:
+                pair = weights.get((i, t))
+                if pair is not None:
+                    tensors += pair
+                    at += [li, j, lo]
     return tensors, at
 
 
@@ -122,11 +139,9 @@ class WholeLayers(Function):
         return (None,) * 8 + tuple(grads)
 
 
-def whole_forward(model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: list[int], h: torch.Tensor,
-                  positions: torch.Tensor, lora: Any, context: list[tuple[torch.Tensor, torch.Tensor]] | None
-                  ) -> torch.Tensor:
-    """The final-normed rows [T, H] of one sequence's rows h [T, H] entering `layers` at `positions`,
-    `context` each layer's kept K/V of the positions before (not learned through)."""
+def _call_args(model: LlamaForCausalLM, plan: WholePlan, layers: list[int], positions: torch.Tensor, lora: Any,
+               context: list[tuple[torch.Tensor, torch.Tensor]] | None) -> tuple:
+    """(cos, sin, context, scaling, at, pieces' tensors): what both calls take beside the plan."""
     glob = model.rope.for_positions(positions)
     local = glob if model.local_rope is model.rope else model.local_rope.for_positions(positions)
     ropes = [glob if g else local for g in plan.global_rope]
@@ -135,6 +150,41 @@ def whole_forward(model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: li
     kv: list[torch.Tensor | None] = []
     for i in range(len(layers)):
         kv += [None, None] if context is None else [context[i][0].contiguous(), context[i][1].contiguous()]
-    tensors, at = lora_pieces(model.cfg, layers, lora)
-    scaling = 1.0 if lora is None else lora.scaling
+    tensors, at = lora_pieces(plan, layers, lora)
+    return cos, sin, kv, 1.0 if lora is None else lora.scaling, at, tensors
+
+
+def whole_forward(model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: list[int], h: torch.Tensor,
+                  positions: torch.Tensor, lora: Any, context: list[tuple[torch.Tensor, torch.Tensor]] | None
+                  ) -> torch.Tensor:
+    """The final-normed rows [T, H] of one sequence's rows h [T, H] entering `layers` at `positions`,
+    `context` each layer's kept K/V of the positions before (not learned through)."""
+    cos, sin, kv, scaling, at, tensors = _call_args(model, plan, layers, positions, lora, context)
     return WholeLayers.apply(h.contiguous(), plan, ext, cos, sin, kv, scaling, at, *tensors)
+
+
+class WholePass:
+    """The same two calls without autograd (issue 37 item 1, session 20): `rows` after the forward,
+    `backward(drows)` the micro-LoRA pieces' gradients, each with its parameter. For a step whose
+    loss is also one call (InstantLearner.step's default: instant.py), so that no graph is made at
+    all; WholeLayers stays the node for everything else."""
+
+    def __init__(self, model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: list[int], h: torch.Tensor,
+                 positions: torch.Tensor, lora: Any, context: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        self.plan, self.ext = plan, ext
+        self.cos, self.sin, self.kv, self.scaling, self.at, self.params = _call_args(model, plan, layers, positions,
+                                                                                     lora, context)
+        self.lora = [t.detach() for t in self.params]
+        self.kept = ext.learned_layers_forward(h.detach().contiguous(), plan.weights, plan.kinds, plan.groups,
+                                               plan.final_norm, self.cos, self.sin, self.kv, plan.windows, self.lora,
+                                               self.at, plan.scale, plan.eps, self.scaling, *plan.heads)
+        self.rows = self.kept[0]
+
+    def backward(self, drows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        plan = self.plan
+        grads = self.ext.learned_layers_backward(
+            drows.contiguous(), self.kept, plan.weights, plan.kinds, plan.groups, plan.transposed, plan.t_groups,
+            plan.final_norm, self.cos, self.sin, self.kv, plan.windows, self.lora, self.at, plan.scale, plan.eps,
+            self.scaling, *plan.heads)
+        self.kept = None
+        return list(zip(self.params, grads))
