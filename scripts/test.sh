@@ -22,4 +22,9 @@ unset PYTHONDONTWRITEBYTECODE
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --durations: every run's log names its slowest tests, what the 10-minute budget is spent on;
 # -rs: and every skipped test with its reason, so a skip that appears between two runs is seen.
-exec .venv/bin/python -m pytest tests -n "${RUVLLM_TEST_WORKERS:-2}" --dist loadfile --durations=30 -rs "$@"
+# --no-loadscope-reorder: xdist hands out files by their count of tests, most first, which put the
+# heavy files of a few long tests (e2e's) last, one worker finishing them while the other idled;
+# in path order e2e's come first and unit's many short files fill the end (docs/benchmarks.md,
+# session 20: a replay of one run's per-file times, 56 s between the workers' ends against 6 s).
+exec .venv/bin/python -m pytest tests -n "${RUVLLM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  --durations=30 -rs "$@"
