@@ -622,7 +622,7 @@ def _adam(one_call: bool):  # noqa: ANN202
 
     kept = instant.adam_step
     if not one_call:
-        instant.adam_step = lambda opt: opt.step()
+        instant.adam_step = lambda opt, ext=None: opt.step()
     try:
         yield
     finally:

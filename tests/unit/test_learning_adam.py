@@ -1,11 +1,13 @@
-"""The instant step's Adam as one call of torch's fused kernel (learning/instant.py adam_step, issue
-37 item 1, session 20) against `Optimizer.step()`: the same bits, step after step, and the other
-settings left to `step()`."""
+"""The instant step's Adam as one call (learning/instant.py adam_step, issue 37 item 1, session 20):
+torch's fused kernel called directly, and our C++ over every tensor at once (micro_lora_adam_),
+against `Optimizer.step()`: the same bits, step after step; the other settings left to `step()`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from ruvllm.cpu_build import kernels
 from ruvllm.learning.instant import adam_step
 
 
@@ -26,15 +28,29 @@ def _run(stepper, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, 
     return [p.detach().clone() for p in params] + [t for p in params for t in opt.state[p].values()]
 
 
-def test_the_one_call_is_optimizer_step_to_the_bit() -> None:
+@pytest.mark.parametrize("ours", ["torch's kernel", "our C++"])
+def test_the_one_call_is_optimizer_step_to_the_bit(ours: str) -> None:
+    ext = kernels() if ours == "our C++" else None
+    if ours == "our C++" and ext is None:
+        pytest.skip("our C++ kernels do not build here")
     for kwargs in ({"lr": 1e-2}, {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.01}):
         a, b = _params(1), _params(1)
-        ours = _run(adam_step, a, torch.optim.Adam(a, fused=True, **kwargs))
+        mine = _run(lambda opt: adam_step(opt, ext), a, torch.optim.Adam(a, fused=True, **kwargs))
         theirs = _run(lambda opt: opt.step(), b, torch.optim.Adam(b, fused=True, **kwargs))
-        assert len(ours) == len(theirs) == 4 * len(a)
-        for x, y in zip(ours, theirs):
+        assert len(mine) == len(theirs) == 4 * len(a)
+        for x, y in zip(mine, theirs):
             assert torch.equal(x, y)
-        assert not torch.equal(ours[0], _params(1)[0])  # it moved
+        assert not torch.equal(mine[0], _params(1)[0])  # it moved
+
+
+def test_our_adam_refuses_tensors_out_of_its_layout() -> None:
+    ext = kernels()
+    if ext is None:
+        pytest.skip("our C++ kernels do not build here")
+    p, g = torch.zeros(4), torch.zeros(5)
+    with pytest.raises(RuntimeError, match="size"):
+        ext.micro_lora_adam_([p], [g], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(())], 1e-2, 0.9, 0.999,
+                             1e-8, 0.0)
 
 
 def test_other_optimizers_and_settings_take_optimizer_step() -> None:

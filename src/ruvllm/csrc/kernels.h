@@ -73,6 +73,8 @@ at::Tensor micro_lora_add_(const at::Tensor& y, const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& u,
                                                    const at::Tensor& a, const at::Tensor& b, int64_t lo,
                                                    double scaling, const std::optional<at::Tensor>& dx);
+void micro_lora_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay);
 // learning/csrc/row_attention.cpp
 std::tuple<at::Tensor, at::Tensor> row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& ck,

@@ -55,6 +55,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("micro_lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, int lo, float scaling) -> Tensor");
   m.def("micro_lora_grad(Tensor dy, Tensor x, Tensor u, Tensor a, Tensor b, int lo, float scaling, Tensor(b!)? dx) "
         "-> (Tensor, Tensor)");
+  // One Adam step over the micro-LoRA's tensors (torch's fused CPU Adam's arithmetic), in place.
+  m.def("micro_lora_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] steps, float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, float scale, int window) "
         "-> (Tensor, Tensor)");
   m.def("row_attention_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? ck, Tensor? cv, Tensor p, "
@@ -97,6 +100,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("qkv_rope_grad", &ruvllm::qkv_rope_grad);
   m.impl("micro_lora_add_", &ruvllm::micro_lora_add_);
   m.impl("micro_lora_grad", &ruvllm::micro_lora_grad);
+  m.impl("micro_lora_adam_", &ruvllm::micro_lora_adam_);
   m.impl("row_attention", &ruvllm::row_attention);
   m.impl("row_attention_grad", &ruvllm::row_attention_grad);
   m.impl("learned_layers_forward", &ruvllm::learned_layers_forward);

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -197,7 +197,7 @@ class InstantLearner:
                 else:
                     loss = feedback_loss(logits, index, score)
                 last = float(loss.detach())
-                descend = functools.partial(_descend, state, loss, extra, ahead)
+                descend = functools.partial(_descend, state, loss, extra, ahead, self.logits_ext)
             if score >= 0:
                 done = taken and float(nll.detach().max()) < c.target_nll
             else:
@@ -246,7 +246,7 @@ class InstantLearner:
                 p.grad = g
             _add_grads(state.lora, ahead)
             t1 = time.perf_counter()
-            adam_step(state.opt)
+            adam_step(state.opt, ext)
             state.steps += 1
             return t1
         return float(loss), nll, descend
@@ -285,7 +285,7 @@ class InstantLearner:
         own = [float(value.detach()) for value in losses]
         loss = torch.stack(losses).mean()
         reported = float(loss.detach())
-        t1 = _descend(state, loss, extra, ahead)
+        t1 = _descend(state, loss, extra, ahead, self.logits_ext)
         return StepTiming(t1 - t0, time.perf_counter() - t1, reported, 1, reported, own)
 
     def consolidate(self, state: TenantState, steps: int = 1) -> float:
@@ -367,22 +367,22 @@ class InstantLearner:
 
 
 def _descend(state: TenantState, loss: torch.Tensor, extra: Callable[[MicroLora], torch.Tensor] | None,
-             ahead: list[torch.Tensor] | None) -> float:
+             ahead: list[torch.Tensor] | None, ext: Any | None = None) -> float:
     """One Adam step of the tenant's micro-LoRA down `loss` (plus `extra`'s term, plus the `ahead`
     gradients): step's and step_events' shared end. Returns when the backward ended (perf_counter),
-    where the optimizer's time begins."""
+    where the optimizer's time begins. `ext`: adam_step's."""
     if extra is not None:
         loss = loss + extra(state.lora)
     state.opt.zero_grad()
     loss.backward()
     _add_grads(state.lora, ahead)
     t1 = time.perf_counter()
-    adam_step(state.opt)
+    adam_step(state.opt, ext)
     state.steps += 1
     return t1
 
 
-def adam_step(opt: torch.optim.Optimizer) -> None:
+def adam_step(opt: torch.optim.Optimizer, ext: Any | None = None) -> None:
     """`opt.step()` for the fused CPU Adam of `new_tenant`, as the one call of its kernel that
     `step()` ends in (torch.optim.adam's _fused_adam: every step count + 1, then _fused_adam_ over the
     parameters that have a gradient): the same kernel on the same tensors, so the same bits (tested).
@@ -390,7 +390,9 @@ def adam_step(opt: torch.optim.Optimizer) -> None:
     (hooks, the profiler's record, _init_group, grouping by device, the scalar conversions) is a third
     of its time: 385 against 264 us of CPU a step (one thread, load 3.2; docs/learning.md "Session
     20"). Any other optimizer or setting, or a parameter whose state is not yet made (its first
-    step), takes `opt.step()`."""
+    step), takes `opt.step()`. With `ext` (cpu_build.kernels()), the same arithmetic as our one call
+    over every tensor (learning/csrc/micro_lora.cpp micro_lora_adam_: torch's kernel enters a
+    parallel region a tensor), the same bits (tested)."""
     groups = opt.param_groups
     g = groups[0]
     if type(opt) is not torch.optim.Adam or len(groups) != 1 or not g["fused"] or g["amsgrad"] or g["maximize"] \
@@ -406,6 +408,12 @@ def adam_step(opt: torch.optim.Optimizer) -> None:
         return
     steps = [s["step"] for s in states]
     beta1, beta2 = g["betas"]
+    if ext is not None and 1 - beta1 < 0.5:  # (the lerp form micro_lora_adam_ writes out)
+        with torch.no_grad():
+            ext.micro_lora_adam_(params, [p.grad.contiguous() for p in params], [s["exp_avg"] for s in states],
+                                 [s["exp_avg_sq"] for s in states], steps, float(g["lr"]), float(beta1), float(beta2),
+                                 float(g["eps"]), float(g["weight_decay"]))
+        return
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
         torch._fused_adam_(params, [p.grad for p in params], [s["exp_avg"] for s in states],

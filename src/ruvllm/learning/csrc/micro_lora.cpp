@@ -12,11 +12,16 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -119,6 +124,77 @@ std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const a
   }
   for (int64_t i = 0; i < n * r; ++i) dbp[i] *= s;
   return {da, db};
+}
+
+}  // namespace ruvllm
+
+namespace ruvllm {
+
+// One Adam step over every micro-LoRA tensor in one call (issue 37 item 1, session 20): for each i,
+// step_i += 1, then exp_avg_i, exp_avg_sq_i and param_i updated from grad_i as torch's fused CPU
+// Adam (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAM_MODE::ORIGINAL, no amsgrad, no maximize)
+// computes them, operation for operation in float32 with its double-precision coefficients: the
+// moving average as its lerp (weight 1 - beta1 < 0.5: m + (1 - beta1) (g - m) in one FMA), the
+// squares' average ((1 - beta2) g) g + v beta2 (one FMA), then param + (-lr / bc1) m / (sqrt(v) /
+// sqrt(bc2) + eps); weight decay g + param wd (one FMA). tests/unit/test_learning_adam.py compares
+// the bits with torch's.
+//
+// Why: torch's kernel enters a parallel region for each tensor and its dispatch a dozen times more:
+// over the micro-LoRA's 24 tensors of 32,256 values it took ~0.15-0.25 ms of the step, where these
+// few vector operations a value take tens of microseconds (docs/learning.md "Session 20").
+// (Built without contracting products and sums into FMAs beyond those written, which -ffast-math would
+// allow: the FMAs here are the ones torch's build made, found by comparing the bits.)
+__attribute__((optimize("fp-contract=off", "no-fast-math"))) void micro_lora_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+              "params, grads, exp_avgs, exp_avg_sqs, steps: one each a parameter");
+  for (size_t i = 0; i < n; ++i) {
+    for (const at::Tensor* t : {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i]})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == params[i].numel(),
+                  "params, grads, exp_avgs, exp_avg_sqs: contiguous float32 CPU tensors of the parameter's size");
+    TORCH_CHECK(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1, "steps: float32 counts");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    float* step = steps[i].mutable_data_ptr<float>();
+    *step += 1.f;
+    const double s = *step;
+    const double bc1 = 1 - std::pow(beta1, s), bc2 = 1 - std::pow(beta2, s);
+    const float step_size = static_cast<float>(-(lr / bc1)), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    const float w1 = static_cast<float>(1 - beta1), b2 = static_cast<float>(beta2), w2 = static_cast<float>(1 - beta2);
+    const float wd = static_cast<float>(weight_decay), ep = static_cast<float>(eps);
+    float *p = params[i].mutable_data_ptr<float>(), *m = exp_avgs[i].mutable_data_ptr<float>();
+    float* v = exp_avg_sqs[i].mutable_data_ptr<float>();
+    const float* g = grads[i].const_data_ptr<float>();
+    const int64_t size = params[i].numel();
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d + 8 <= size; d += 8) {
+      __m256 pv = _mm256_loadu_ps(p + d), gv = _mm256_loadu_ps(g + d);
+      if (wd != 0.f) gv = _mm256_fmadd_ps(pv, _mm256_set1_ps(wd), gv);
+      __m256 mv = _mm256_loadu_ps(m + d);
+      // the lerp, as torch's blendv picks it for a weight under 0.5 (the weight 1 - beta1 < 0.5 is
+      // checked by the caller): weight (g - m) + m
+      mv = _mm256_fmadd_ps(_mm256_set1_ps(w1), _mm256_sub_ps(gv, mv), mv);
+      __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(w2), gv), gv,
+                                  _mm256_mul_ps(_mm256_loadu_ps(v + d), _mm256_set1_ps(b2)));
+      _mm256_storeu_ps(m + d, mv);
+      _mm256_storeu_ps(v + d, vv);
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), _mm256_set1_ps(bc2_sqrt)),
+                                         _mm256_set1_ps(ep));
+      pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(step_size), mv), denom));
+      _mm256_storeu_ps(p + d, pv);
+    }
+#endif
+    for (; d < size; ++d) {
+      float gd = g[d];
+      if (wd != 0.f) gd = std::fma(p[d], wd, gd);
+      m[d] = std::fma(w1, gd - m[d], m[d]);
+      v[d] = std::fma(v[d], b2, (w2 * gd) * gd);  // (torch's scalar tail contracts the other product)
+      p[d] += (step_size * m[d]) / (std::sqrt(v[d]) / bc2_sqrt + ep);
+    }
+  }
 }
 
 }  // namespace ruvllm
