@@ -9,19 +9,23 @@ PY=${PYTHON:-python3}
 VENV=${RUVLLM_VENV:-.venv}
 LOCK=${RUVLLM_LOCK:-constraints.txt}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# --no-compile: pip would compile every installed module to bytecode, one file after another (~35 s
-# here, most of it for modules never imported); test.sh and start.sh let Python write the bytecode
-# of what is imported, once, on first import instead (uv compiles nothing unless asked).
-PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-compile)
-[ "$LOCK" = none ] || PIP+=(--constraint "$LOCK")
-# torch is pinned; 2.13.0 CPU installs from local disk here (pip.conf's find-links, which only pip
-# reads). ninja (a dependency) comes with it: the kernels' build below needs it before the rest is
-# installed. uv installs the rest from the same lock: pip unpacked and recorded its ~140 packages one
-# after another (~62 s of CPU, the set-up's longer leg); uv fetches and unpacks them in parallel (~17 s
-# of CPU, 20 s wall from a cold cache; docs/benchmarks.md, session 20).
-"${PIP[@]}" torch==2.13.0 ninja uv
+# uv installs everything, from the lock: pip unpacked and recorded the ~140 packages one after
+# another (~62 s of CPU, the set-up's longer leg, and torch's 20 s before the kernels' build could
+# start); uv fetches and unpacks in parallel (the rest ~17 s of CPU, 20 s wall, torch 9 s, from a
+# cold cache; docs/benchmarks.md, session 20). pip installs uv itself, pinned by the same lock. uv
+# compiles no bytecode: test.sh and start.sh let Python write that of what is imported, on first import.
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 UV=("$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python")
-[ "$LOCK" = none ] || UV+=(--constraint "$LOCK")
+if [ "$LOCK" != none ]; then PIP+=(--constraint "$LOCK"); UV+=(--constraint "$LOCK"); fi
+"${PIP[@]}" uv
+# The machine's pip configuration may name a folder of wheels (find-links; on these machines the CPU
+# build of torch 2.13.0, which no index serves): uv reads only its own settings, so it is handed on.
+for links in "${PIP_FIND_LINKS:-}" "$("$VENV/bin/pip" config get global.find-links 2>/dev/null || true)"; do
+  for link in $links; do UV+=(--find-links "$link"); done
+done
+# torch is pinned (the lock: 2.13.0+cpu). ninja (a dependency) comes with it: the kernels' build
+# below needs both before the rest is installed.
+"${UV[@]}" torch==2.13.0 ninja
 # Our C++ CPU kernels compile (~70 s of CPU, once per version, path and CPU) while uv installs the
 # rest. Where they cannot build, ruvllm runs its PyTorch paths and says so. -I: nothing of src/ruvllm
 # on sys.path, whose modules could shadow the ones torch imports. The build is waited for even when
