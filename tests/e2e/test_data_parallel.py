@@ -61,15 +61,11 @@ def _settle(engine: AsyncEngine) -> None:
 
 
 def test_sixteen_concurrent_over_two_replicas_equal_each_alone(dp_engine: AsyncEngine, llm: LLM) -> None:
-    # 8 new tokens, not 16: the tight pools still preempt (replicas [2, 1] times at 8 tokens, [4, 2] at
-    # 16, the same in two rounds; 32 words at 8 tokens gave [1, 0]), and the 16 requests, together and
-    # each alone, cost half: 6.5 s against 13.6 s of wall together (load ~5; docs/benchmarks.md,
-    # "Suite time, session 20 (helper-51)").
     prompts = novel_prompts(16, words=28)
-    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=8),
-              SamplingParams(temperature=0, max_tokens=8, stop=[".", ","]),
-              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=8, repetition_penalty=1.3)]
+    params = [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16, stop=[".", ","]),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=16, repetition_penalty=1.3)]
     params = [params[i % 4] for i in range(16)]
     queries_before = [r.stats.prefix_queries for r in dp_engine.replicas]
 
