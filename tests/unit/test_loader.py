@@ -330,6 +330,23 @@ def test_hf_missing_shard(tmp_path: Path) -> None:
         iter_weights(resolve_model(tmp_path), torch.float32)
 
 
+def test_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       default_src: ModelSource) -> None:
+    """The loader picks the tokenizer class from the file's architecture, skipping AutoTokenizer's
+    reading of the whole config (tokenizer.py says why): the result must be what AutoTokenizer builds."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path))  # converted here, not read from a cache
+    ours = load_tokenizer(default_src)
+    path = default_src.path
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    assert type(ours) is type(reference)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.chat_template == reference.chat_template
+    assert ours.special_tokens_map == reference.special_tokens_map
+    assert ours.init_kwargs == reference.init_kwargs
+
+
 def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  default_src: ModelSource) -> None:
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path))

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -30,8 +31,8 @@ def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """Built from GGUF metadata by transformers (~5-7 s: it parses the whole vocabulary), then kept as
-    a Hugging Face tokenizer folder in the model cache, so later loads of the same file take ~0.2 s."""
+    """Built from GGUF metadata by transformers (the default model ~1.5 s of CPU, Gemma 3 ~8 s), then
+    kept as a Hugging Face tokenizer folder in the model cache, so later loads take ~0.5 s."""
     cached = _cache_folder(path)
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
@@ -41,7 +42,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             shutil.rmtree(cached, ignore_errors=True)
     try:
         # transformers rebuilds the tokenizer (and usually the chat template) from GGUF metadata.
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tok = _tokenizer_class(path).from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers' GGUF conversion raises assorted types on metadata it cannot use
         raise ModelLoadError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(e)})") from None
     if not getattr(tok, "chat_template", None):
@@ -53,6 +54,34 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     if cached is not None:
         _save(tok, cached)
     return tok
+
+
+def _tokenizer_class(path: Path) -> Any:
+    """The class AutoTokenizer would pick, from the file's architecture alone.
+
+    AutoTokenizer first builds the model's whole config from the file only to learn this class, and
+    for the architectures without a fast config reader in transformers (llama and gemma3 among them)
+    its legacy reader walks every metadata array item and tensor record through numpy: 7.4 s of the
+    default model's 8.9 s of CPU, and most of Gemma 3's 38.5 s (262,144 tokens; measured session 21).
+    The class follows from the model type, which is the GGUF architecture's name; AutoTokenizer stays
+    the path for an architecture transformers does not know, or a folder whose tokenizer_config.json
+    names a class of its own. tests/unit/test_loader.py checks both paths agree on the default model.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from ruvllm.loader.gguf_header import read_header  # lazy: the HF-folder path has no use for it
+
+    architecture = read_header(path).get("general.architecture")
+    if architecture not in CONFIG_MAPPING_NAMES or (path.parent / "tokenizer_config.json").exists():
+        return AutoTokenizer
+    # AutoTokenizer's own rule for a known model type: its registered class, else TokenizersBackend
+    # (llama has none registered). Mistral's own backend has further rules: left to AutoTokenizer.
+    name = TOKENIZER_MAPPING_NAMES.get(architecture)
+    if name == "MistralCommonBackend":
+        return AutoTokenizer
+    return (tokenizer_class_from_name(name) if name else None) or TokenizersBackend
 
 
 def _cache_folder(path: Path) -> Path | None:
