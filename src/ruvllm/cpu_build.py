@@ -90,7 +90,7 @@ def kernels() -> Any:
             header = _precompiled_header(build=not (build_dir / f"{name}.so").exists())
             load(name=name, sources=[str(s) for s in SOURCES],
                  extra_cflags=[*CFLAGS, "-include", os.path.relpath(header, build_dir)],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                 extra_ldflags=["-fopenmp", *_shared_libstdcxx()], is_python_module=False, verbose=False)
         ops = getattr(torch.ops, name)
         for op in _FAKES:
             getattr(ops, op)  # registered, or raise here (inside the fallback) rather than at a call
@@ -101,6 +101,30 @@ def kernels() -> Any:
         log.warning("C++ kernels unavailable, using the PyTorch paths (%s: %s)", type(e).__name__,
                     text.splitlines()[-1] if text else "")
         return None
+
+
+def _shared_libstdcxx() -> list[str]:
+    """The process's own libstdc++ as a link input, where the compiler would link the static one.
+
+    A compiler that finds no libstdc++.so (the lent H200's image sets CXX=/opt/gcc/bin/g++, a g++ 13.3
+    whose -print-file-name=libstdc++.so finds none: session 21, docs/gpu.md) links libstdc++.a into the
+    extension: a second copy of the C++ runtime beside the process's libstdc++.so.6, and the first
+    number formatted into an error message (a TORCH_CHECK's) crashed the process instead of raising
+    (SIGSEGV in that copy's ostream::_M_insert<long>, inside our .so). Named first on the link line,
+    the shared library resolves those symbols and no archive member is pulled (nm: _M_insert<long>
+    undefined in ours, no codecvt defined; the test then passed there). One compiler call: 4.8 ms here."""
+    import subprocess
+
+    try:
+        found = subprocess.run([os.environ.get("CXX", "c++"), "-print-file-name=libstdc++.so"],
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+        maps = Path("/proc/self/maps").read_text()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found):  # the compiler finds the shared library: it links that one itself
+        return []
+    loaded = next((line.split()[-1] for line in maps.splitlines() if "/libstdc++.so" in line), None)
+    return [loaded] if loaded else []
 
 
 # What each operator returns, from its inputs' shapes alone: torch.compile and FakeTensorMode trace

@@ -199,3 +199,19 @@ def test_a_native_build_targets_the_vector_instructions_the_cpu_has(monkeypatch:
     other = cpu_build.build_tag(sources)
     monkeypatch.setattr(cpu_build, "ARCH", "native")
     assert cpu_build.build_tag(sources) != other
+
+
+def test_the_process_libstdcxx_is_linked_where_the_compiler_would_take_the_static_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that finds no libstdc++.so (the H200 image's /opt/gcc/bin/g++, session 21) would
+    link libstdc++.a into the kernels, whose error messages then crashed the process: the process's
+    own libstdc++.so.6 is named on the link line instead. A compiler that finds it links it itself."""
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho libstdc++.so\n")  # what gcc prints for a library it cannot find
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    [lib] = cpu_build._shared_libstdcxx()
+    assert Path(lib).is_file() and Path(lib).name.startswith("libstdc++.so")
+    monkeypatch.delenv("CXX")
+    real = subprocess.run(["c++", "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+    assert (cpu_build._shared_libstdcxx() == []) == os.path.isabs(real)
