@@ -49,8 +49,11 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 def engine(base: Path, adapters: dict[str, Path], **kw: object) -> LLM:
-    llm = LLM(str(base), enable_lora=True, max_loras=kw.pop("max_loras", 6), max_cpu_loras=8, max_lora_rank=8,
-              num_blocks=256, max_num_batched_tokens=256, **kw)
+    # On the CPU wherever a GPU is present too: the C++ layer loop and bitwise batch invariance are
+    # the CPU path's (on an H200, session 21, "auto" chose CUDA, whose rows differ in low bits alone
+    # and batched, and peft's reference logits are on the CPU).
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=kw.pop("max_loras", 6), max_cpu_loras=8,
+              max_lora_rank=8, num_blocks=256, max_num_batched_tokens=256, **kw)
     for name, path in adapters.items():
         llm.load_lora(name, path)
     return llm
