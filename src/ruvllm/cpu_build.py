@@ -44,7 +44,7 @@ SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_att
            _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
            _ROOT / "layers" / "csrc" / "token_mask.cpp",
            _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
-           _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp",
+           _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp", _ROOT / "quant" / "csrc" / "q4k_search.cpp",
            _ROOT / "lora" / "csrc" / "lora_add.cpp",
            _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp",
            _ROOT / "learning" / "csrc" / "micro_lora.cpp", _ROOT / "learning" / "csrc" / "learned_layers.cpp",

@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from ruvllm.cli import main as cli_main
 from ruvllm.config import QuantConfig
+from ruvllm.cpu_build import kernels
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8
-from ruvllm.quant import cpu_matmul
+from ruvllm.quant import cpu_matmul, llamacpp
 from ruvllm.quant.linear import QuantLinear
 from ruvllm.quant.llamacpp import q4_k_blocks, q8_0_blocks, quantize_q4k, quantize_q8
 from ruvllm.quant.plan import final_form, planned_form, quantizes_weights
@@ -222,6 +223,23 @@ def test_q4k_bytes_equal_the_float32_reference() -> None:
         assert np.array_equal(q4_k_blocks(w), reference_q4_k(w.numpy()))
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(11)) * 0.02
     assert np.array_equal(q4_k_blocks(w), reference_q4_k(w.numpy()))
+
+
+@pytest.mark.skipif(kernels() is None, reason="no C++ compiler: the kernels cannot be built")
+def test_q4k_kernel_and_pytorch_search_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ search (quant/csrc/q4k_search.cpp) and the PyTorch statement are one algorithm: the same
+    bytes on gaussian, heavy-tailed, flat, zero and tiny-valued blocks, at a size that is not a whole
+    number of the kernel's 64-sub-block chunks; the reference test above holds the kernel to C's."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(37, 512, generator=g) * 0.02
+    w[1] = -0.5  # flat
+    w[2] = 0.0  # zero
+    w[3, :32] = 0.3
+    w[4] = torch.randn(512, generator=g) ** 3  # heavy tails
+    w[5] = torch.randn(512, generator=g) * 1e-30  # subnormal products
+    fast = q4_k_blocks(w)
+    monkeypatch.setattr(llamacpp, "kernels", lambda: None)
+    assert np.array_equal(fast, q4_k_blocks(w))
 
 
 def test_q4k_decodes_to_what_the_q4_k_blocks_decode_to() -> None:

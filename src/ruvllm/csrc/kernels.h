@@ -50,6 +50,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 // quant/csrc/quant_matmul_grad.cpp
 at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& zeros, int64_t group, bool int4);
+// quant/csrc/q4k_search.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q4k_sub_block_grids(const at::Tensor& x, const at::Tensor& numerators);
 // models/csrc/llama_layers.cpp
 at::Tensor llama_layers(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights,
                         at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList k_caches,

@@ -31,6 +31,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // The learner's backward through quant_matmul: dx = dy . W.
   m.def("quant_matmul_grad_input(Tensor dy, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) "
         "-> Tensor");
+  // Q4_K's sub-block search at load (-q q4k): each sub-block's scale, min and codes.
+  m.def("q4k_sub_block_grids(Tensor x, Tensor numerators) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
@@ -88,6 +90,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("apply_token_bitmask", &ruvllm::apply_token_bitmask);
   m.impl("quant_matmul", &ruvllm::quant_matmul);
   m.impl("quant_matmul_grad_input", &ruvllm::quant_matmul_grad_input);
+  m.impl("q4k_sub_block_grids", &ruvllm::q4k_sub_block_grids);
   m.impl("rms_norm", &ruvllm::rms_norm);
   m.impl("add_rms_norm", &ruvllm::add_rms_norm);
   m.impl("qkv_rope", &ruvllm::qkv_rope);

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from ruvllm.cpu_build import kernels
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8
 from ruvllm.quant.weights import QuantizedWeight
 
@@ -84,6 +85,7 @@ def _candidate_numerators() -> list[torch.Tensor]:
 
 
 _NUMERATORS = _candidate_numerators()
+_NUMERATOR_TENSOR = torch.stack(_NUMERATORS)
 
 
 def _sum_in_order(terms: torch.Tensor) -> torch.Tensor:
@@ -169,6 +171,12 @@ def _search_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _sub_block_grids(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sub-block's (scale, min, codes) for x [S, 32]: our C++ kernel where it is built (the same
+    bits; quant/csrc/q4k_search.cpp says why it exists: 33 s of CPU here for the default model),
+    else the PyTorch statement above, a chunk of sub-blocks at a time."""
+    ext = kernels()
+    if ext is not None:
+        return ext.q4k_sub_block_grids(x.contiguous(), _NUMERATOR_TENSOR)
     parts = [_search_chunk(x[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
     return tuple(torch.cat([p[j] for p in parts]) for j in range(3))  # type: ignore[return-value]
 
