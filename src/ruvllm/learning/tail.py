@@ -25,7 +25,7 @@ from ruvllm.layers.ops import LayerOps, torch_ops
 from ruvllm.learning.fused_ops import learner_ops
 from ruvllm.learning.packed_linear import packed_linear, packed_lora_linear, transposed_q8
 from ruvllm.learning.row_attention import row_attention
-from ruvllm.learning.whole_layers import WholePass, whole_forward, whole_plan
+from ruvllm.learning.whole_layers import WholePass, piece_columns, whole_forward, whole_plan
 from ruvllm.loader import ModelSource, iter_weights, load_model_config
 from ruvllm.lora.peft_adapter import SUBLAYER, projection_shape
 from ruvllm.lora.slots import FUSED
@@ -104,13 +104,11 @@ class MicroLora:
         """The learned pieces of `layer`'s fused projection `fused` (qkv, gate_up, ...), in column
         order: (first column, end column, A, B) each. The autograd path and the one-call layers
         (whole_layers.py) add them in this order."""
-        out, lo = [], 0
-        for t in FUSED[fused]:
-            width = projection_shape(cfg, t)[1]
+        out = []
+        for t, lo, hi in piece_columns(cfg, fused):
             pair = self.weights.get((layer, t))
             if pair is not None:
-                out.append((lo, lo + width, *pair))
-            lo += width
+                out.append((lo, hi, *pair))
         return out
 
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:

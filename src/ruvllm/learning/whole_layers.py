@@ -49,9 +49,22 @@ class WholePlan:
     scale: float
     eps: float
     heads: tuple[int, int, int]  # (Hq, Hkv, D)
-    # each linear's (in LINEARS' order) micro-LoRA targets and their first columns in its fused output
-    # (MicroLora.pieces' widths, worked out once: ~70 us of Python a step where each pass did it)
-    columns: tuple[tuple[tuple[str, int], ...], ...] = ()
+    # each linear's (in LINEARS' order) piece_columns, worked out once: ~70 us of Python a step
+    # where each pass did it
+    columns: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+
+
+def piece_columns(cfg: Any, fused: str) -> tuple[tuple[str, int, int], ...]:
+    """Each target of the fused projection `fused` (qkv, gate_up, ...) with its columns in the fused
+    output, in column order: (target, first column, end column). The one place that order is written:
+    the autograd path (MicroLora.pieces) and the one-call layers (WholePlan.columns) add the pieces in
+    it, and their results are compared (tests/unit/test_learning_whole.py)."""
+    out, lo = [], 0
+    for t in FUSED[fused]:
+        hi = lo + projection_shape(cfg, t)[1]
+        out.append((t, lo, hi))
+        lo = hi
+    return tuple(out)
 
 
 def whole_plan(model: LlamaForCausalLM, layers: list[int], transposed: dict[int, Any]) -> WholePlan | None:
@@ -82,17 +95,10 @@ def whole_plan(model: LlamaForCausalLM, layers: list[int], transposed: dict[int,
             assert wt is None or not wt.int4, "the transposed copies are 8-bit (transposed_q8)"
             if name == "o":
                 weights.append(getattr(layer, DecoderLayer.MLP_NORM).weight.detach())
-    columns = []
-    for name in LINEARS:
-        lo, spans = 0, []
-        for t in FUSED[name]:
-            spans.append((t, lo))
-            lo += projection_shape(cfg, t)[1]
-        columns.append(tuple(spans))
     return WholePlan(weights, kinds, groups, t_slots, t_groups, model.norm.weight.detach(),
                      [model.windows[i] or 0 for i in layers], [model.windows[i] is None for i in layers],
                      cfg.attention_scale, cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-                     tuple(columns))
+                     tuple(piece_columns(cfg, name) for name in LINEARS))
 
 
 def lora_pieces(plan: WholePlan, layers: list[int], lora: Any) -> tuple[list[torch.Tensor], list[int]]:
@@ -106,7 +112,7 @@ def lora_pieces(plan: WholePlan, layers: list[int], lora: Any) -> tuple[list[tor
     weights = lora.weights
     for li, i in enumerate(layers):
         for j, spans in enumerate(plan.columns):
-            for t, lo in spans:
+            for t, lo, _ in spans:
                 pair = weights.get((i, t))
                 if pair is not None:
                     tensors += pair
