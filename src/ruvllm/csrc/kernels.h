@@ -97,14 +97,15 @@ std::vector<at::Tensor> learned_layers_forward(const at::Tensor& h, const c10::L
                                                const c10::List<std::optional<at::Tensor>>& context,
                                                at::IntArrayRef windows, at::TensorList lora, at::IntArrayRef lora_at,
                                                double scale, double eps, double scaling, int64_t num_heads,
-                                               int64_t num_kv_heads, int64_t head_dim);
+                                               int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef sizes,
+                                               at::IntArrayRef after);
 std::vector<at::Tensor> learned_layers_backward(
     const at::Tensor& dout, at::TensorList kept, const c10::List<std::optional<at::Tensor>>& weights,
     at::IntArrayRef kinds, at::IntArrayRef groups, const c10::List<std::optional<at::Tensor>>& transposed,
     at::IntArrayRef t_groups, const at::Tensor& final_norm, at::TensorList cos, at::TensorList sin,
     const c10::List<std::optional<at::Tensor>>& context, at::IntArrayRef windows, at::TensorList lora,
     at::IntArrayRef lora_at, double scale, double eps, double scaling, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim);
+    int64_t head_dim, at::IntArrayRef sizes, at::IntArrayRef after);
 // learning/csrc/sampled_logits.cpp
 std::tuple<at::Tensor, at::Tensor> drawn_pool(const at::Tensor& rows, const at::Tensor& drawn, const at::Tensor& bias,
                                               const at::Tensor& masked);

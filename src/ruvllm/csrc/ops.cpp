@@ -67,11 +67,12 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // The learned layers' whole forward (the activations the backward reads kept) and backward.
   m.def("learned_layers_forward(Tensor h, Tensor?[] weights, int[] kinds, int[] groups, Tensor final_norm, "
         "Tensor[] cos, Tensor[] sin, Tensor?[] context, int[] windows, Tensor[] lora, int[] lora_at, float scale, "
-        "float eps, float scaling, int num_heads, int num_kv_heads, int head_dim) -> Tensor[]");
+        "float eps, float scaling, int num_heads, int num_kv_heads, int head_dim, int[] sizes=[], int[] after=[]) "
+        "-> Tensor[]");
   m.def("learned_layers_backward(Tensor dout, Tensor[] kept, Tensor?[] weights, int[] kinds, int[] groups, "
         "Tensor?[] transposed, int[] t_groups, Tensor final_norm, Tensor[] cos, Tensor[] sin, Tensor?[] context, "
         "int[] windows, Tensor[] lora, int[] lora_at, float scale, float eps, float scaling, int num_heads, "
-        "int num_kv_heads, int head_dim) -> Tensor[]");
+        "int num_kv_heads, int head_dim, int[] sizes=[], int[] after=[]) -> Tensor[]");
   // The sampled softmax's drawn candidates pooled: each row's log-sum-exp over them and its gradient.
   m.def("drawn_pool(Tensor rows, Tensor drawn, Tensor bias, Tensor masked) -> (Tensor, Tensor)");
   // The instant step's sampled-softmax loss and its rows' gradient in one call (no autograd graph).

@@ -215,9 +215,18 @@ class LearnedLayers:
         """`forward`'s rows of one sequence (all of them) as the learned layers' C++ calls without
         autograd, with their backward to call by hand (whole_layers.WholePass), where those calls
         apply (as in `forward`); else None."""
-        if self._whole is None or h.requires_grad:
+        return self.whole_pass_many([h], [positions], lora, [context])
+
+    def whole_pass_many(self, hs: list[torch.Tensor], positions: list[torch.Tensor], lora: MicroLora | None,
+                        contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None],
+                        after: list[int] | None = None) -> WholePass | None:
+        """`forward_many`'s rows of several sequences (each with its positions and context; `after`:
+        each -1 or the earlier sequence whose rows of this pass it continues, as `shared_prefix` does)
+        as the learned layers' C++ calls without autograd, their rows concatenated (whole_layers.
+        WholePass, issue 37 item 3, session 21), where those calls apply; else None."""
+        if self._whole is None or any(h.requires_grad for h in hs):
             return None
-        return WholePass(self.model, self._whole, self._ext, self.layers, h, positions, lora, context)
+        return WholePass(self.model, self._whole, self._ext, self.layers, hs, positions, lora, contexts, after)
 
     def forward_many(self, hs: list[torch.Tensor], positions: list[torch.Tensor], lora: MicroLora | None,
                      contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None],
@@ -229,7 +238,7 @@ class LearnedLayers:
         (their contexts None): at each layer they attend to its rows' K/V, as computed in this pass
         (learned through), before their own. Returns each sequence's final-normed rows. (What a
         backlog's frozen-context events and the KL term's completions need: issue 37 items 1 and 3.)"""
-        model, sizes = self.model, [len(h) for h in hs]
+        model, sizes, ext = self.model, [len(h) for h in hs], self._ext
         scale = self.cfg.attention_scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -237,7 +246,10 @@ class LearnedLayers:
             parts = list(zip(q.split(sizes), k.split(sizes), v.split(sizes), contexts))
             for j, (qs, ks, vs, ctx) in enumerate(parts):
                 before = (parts[0][1], parts[0][2]) if shared_prefix and j else None if ctx is None else ctx[layer]
-                outs.append(causal_attention(qs, ks, vs, scale, model.windows[i], 1, before))
+                # our C++ node where the learner ops run, as a one-sequence pass (_run) attends: the
+                # rows are then bitwise those of the graphless pass (whole_pass_many, session 21)
+                outs.append(causal_attention(qs, ks, vs, scale, model.windows[i], 1, before) if ext is None
+                            else row_attention(qs, ks, vs, scale, model.windows[i], before, ext))
             return torch.cat(outs)
 
         run = LayerRun(self.ops, attend, None, self._linear_for(lora))

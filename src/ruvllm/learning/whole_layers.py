@@ -146,16 +146,18 @@ class WholeLayers(Function):
 
 
 def _call_args(model: LlamaForCausalLM, plan: WholePlan, layers: list[int], positions: torch.Tensor, lora: Any,
-               context: list[tuple[torch.Tensor, torch.Tensor]] | None) -> tuple:
-    """(cos, sin, context, scaling, at, pieces' tensors): what both calls take beside the plan."""
+               contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None]) -> tuple:
+    """(cos, sin, context, scaling, at, pieces' tensors): what both calls take beside the plan, for
+    sequences whose rows' `positions` are concatenated, each with its context (None: none)."""
     glob = model.rope.for_positions(positions)
     local = glob if model.local_rope is model.rope else model.local_rope.for_positions(positions)
     ropes = [glob if g else local for g in plan.global_rope]
     cos = [r[0].contiguous() for r in ropes]
     sin = [r[1].contiguous() for r in ropes]
-    kv: list[torch.Tensor | None] = []
+    kv: list[torch.Tensor | None] = []  # (layer, sequence)'s K/V, layer-major (learned_layers.cpp)
     for i in range(len(layers)):
-        kv += [None, None] if context is None else [context[i][0].contiguous(), context[i][1].contiguous()]
+        for context in contexts:
+            kv += [None, None] if context is None else [context[i][0].contiguous(), context[i][1].contiguous()]
     tensors, at = lora_pieces(plan, layers, lora)
     return cos, sin, kv, 1.0 if lora is None else lora.scaling, at, tensors
 
@@ -165,7 +167,7 @@ def whole_forward(model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: li
                   ) -> torch.Tensor:
     """The final-normed rows [T, H] of one sequence's rows h [T, H] entering `layers` at `positions`,
     `context` each layer's kept K/V of the positions before (not learned through)."""
-    cos, sin, kv, scaling, at, tensors = _call_args(model, plan, layers, positions, lora, context)
+    cos, sin, kv, scaling, at, tensors = _call_args(model, plan, layers, positions, lora, [context])
     return WholeLayers.apply(h.contiguous(), plan, ext, cos, sin, kv, scaling, at, *tensors)
 
 
@@ -173,17 +175,28 @@ class WholePass:
     """The same two calls without autograd (issue 37 item 1, session 20): `rows` after the forward,
     `backward(drows)` the micro-LoRA pieces' gradients, each with its parameter. For a step whose
     loss is also one call (InstantLearner.step's default: instant.py), so that no graph is made at
-    all; WholeLayers stays the node for everything else."""
+    all; WholeLayers stays the node for everything else.
 
-    def __init__(self, model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: list[int], h: torch.Tensor,
-                 positions: torch.Tensor, lora: Any, context: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    Several sequences (session 21): `hs`, `positions` and `contexts` one a sequence, their rows
+    concatenated in `rows` (split them by `sizes`); `after`, one a sequence, -1 or an earlier sequence
+    (after none, without a context) whose rows of this pass it continues, attending to their K/V and
+    learning through them (the KL term's completions after their shared start: anchor.py). A
+    sequence's rows are bitwise those of a pass of it alone (learned_layers.cpp)."""
+
+    def __init__(self, model: LlamaForCausalLM, plan: WholePlan, ext: Any, layers: list[int], hs: list[torch.Tensor],
+                 positions: list[torch.Tensor], lora: Any,
+                 contexts: list[list[tuple[torch.Tensor, torch.Tensor]] | None], after: list[int] | None = None) -> None:
         self.plan, self.ext = plan, ext
-        self.cos, self.sin, self.kv, self.scaling, self.at, self.params = _call_args(model, plan, layers, positions,
-                                                                                     lora, context)
+        self.sizes = [len(h) for h in hs]
+        # one sequence: the call's one-sequence form (sizes and after empty), as session 20 made it
+        self.seqs = ([], []) if len(hs) == 1 else (self.sizes, list(after or [-1] * len(hs)))
+        self.cos, self.sin, self.kv, self.scaling, self.at, self.params = _call_args(
+            model, plan, layers, positions[0] if len(hs) == 1 else torch.cat(positions), lora, contexts)
         self.lora = [t.detach() for t in self.params]
-        self.kept = ext.learned_layers_forward(h.detach().contiguous(), plan.weights, plan.kinds, plan.groups,
-                                               plan.final_norm, self.cos, self.sin, self.kv, plan.windows, self.lora,
-                                               self.at, plan.scale, plan.eps, self.scaling, *plan.heads)
+        h = hs[0].detach().contiguous() if len(hs) == 1 else torch.cat([h.detach() for h in hs])
+        self.kept = ext.learned_layers_forward(h, plan.weights, plan.kinds, plan.groups, plan.final_norm, self.cos,
+                                               self.sin, self.kv, plan.windows, self.lora, self.at, plan.scale,
+                                               plan.eps, self.scaling, *plan.heads, *self.seqs)
         self.rows = self.kept[0]
 
     def backward(self, drows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -191,6 +204,6 @@ class WholePass:
         grads = self.ext.learned_layers_backward(
             drows.contiguous(), self.kept, plan.weights, plan.kinds, plan.groups, plan.transposed, plan.t_groups,
             plan.final_norm, self.cos, self.sin, self.kv, plan.windows, self.lora, self.at, plan.scale, plan.eps,
-            self.scaling, *plan.heads)
+            self.scaling, *plan.heads, *self.seqs)
         self.kept = None
         return list(zip(self.params, grads))
