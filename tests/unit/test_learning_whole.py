@@ -182,14 +182,14 @@ def _graph_and_graphless(layers: LearnedLayers, scores: tuple[float, ...], fresh
         learner.graphless = graphless
         prep = learner.prepare(PROMPT, TARGET)
         losses, grads, params, by_hand = [], [], [], []
-        kept, made = instant_module.adam_step, InstantLearner._by_hand
+        kept, made = instant_module.adam_step, InstantLearner._many_by_hand
 
         def record(opt, ext=None) -> None:  # noqa: ANN001
             grads.append([p.grad.clone() for group in opt.param_groups for p in group["params"]])
             kept(opt, ext)
 
         instant_module.adam_step = record
-        learner._by_hand = lambda *a: by_hand.append(made(learner, *a)) or by_hand[-1]
+        learner._many_by_hand = lambda *a: by_hand.append(made(learner, *a)) or by_hand[-1]
         try:
             state = None
             for score in scores:

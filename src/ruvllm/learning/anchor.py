@@ -82,6 +82,63 @@ def kl_mean(layers: LearnedLayers, lora: MicroLora, anchors: list[BaseAnchor], d
     return sum(_kl_of_rows(layers, out[:-1], a, drawn, generator) for out, a in zip(outs, anchors)) / len(anchors)
 
 
+class KlTerm:
+    """`weight` times the mean KL toward the base over `anchors` (`mean`: kl_mean, or a stand-in of
+    the same arguments), as a step's extra term (Learner._extra): called on a micro-LoRA it is the
+    term in autograd's graph; `InstantLearner`'s graphless step instead runs its completions in its
+    own pass of the learned layers' C++ calls (`sequences`, `rows_grad`: session 21)."""
+
+    def __init__(self, layers: LearnedLayers, anchors: list[BaseAnchor], weight: float, drawn: int,
+                 generator: torch.Generator, mean=None) -> None:  # noqa: ANN001
+        self.layers, self.anchors, self.weight, self.drawn, self.generator = layers, anchors, weight, drawn, generator
+        self.mean = mean or kl_mean
+
+    def __call__(self, lora: MicroLora) -> torch.Tensor:
+        return self.weight * self.mean(self.layers, lora, self.anchors, self.drawn, self.generator)
+
+    def sequences(self, first: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The completions' rows as sequences of one pass (LearnedLayers.whole_pass_many) placed after
+        `first` others: (hs, positions, after), with their shared start once, as kl_mean runs them."""
+        hs = [a.prep.h for a in self.anchors]
+        self._shared = shared = shared_rows(hs) if len(hs) > 1 else 0
+        if not shared:
+            return hs, [torch.arange(len(h)) for h in hs], [-1] * len(hs)
+        return ([hs[0][:shared]] + [h[shared:] for h in hs], [torch.arange(shared)] +
+                [torch.arange(shared, len(h)) for h in hs], [-1] + [first] * len(hs))
+
+    def rows_grad(self, outs: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+        """The term's value and its gradient in each sequence's rows (`sequences`' order), from those
+        rows: the KL over each completion's rows as kl_mean takes it (the same ops, draws and order),
+        differentiated by autograd from the rows alone (a dozen ops over [rows, candidates]: the
+        learned layers' graph is not made). (The drawn candidates pooled into one column, as the
+        instant step's softmax does, was tried: 28.8 against 30.6 ms of CPU for this part at one
+        thread, within the loaded host's noise; not kept. docs/learning.md "Session 21".)"""
+        leaves = [o.detach().requires_grad_() for o in outs]
+        with torch.enable_grad():
+            rows = [torch.cat([leaves[0], own]) for own in leaves[1:]] if self._shared else leaves
+            if len(rows) == 1:
+                total = _kl_of_rows(self.layers, rows[0][:-1], self.anchors[0], self.drawn, self.generator)
+            else:
+                total = sum(_kl_of_rows(self.layers, r[:-1], a, self.drawn, self.generator)
+                            for r, a in zip(rows, self.anchors)) / len(self.anchors)
+            total = self.weight * total
+            grads = torch.autograd.grad(total, leaves)
+        return float(total.detach()), list(grads)
+
+
+def kl_grads(layers: LearnedLayers, lora: MicroLora, term: KlTerm) -> tuple[float, list[torch.Tensor]] | None:
+    """`term`'s value at `lora` and its gradients (in `lora.parameters()` order), the completions' rows
+    through the learned layers' C++ calls with no autograd graph (the background pass's term computed
+    ahead: Learner._ahead), where those calls apply; else None (autograd's graph then: kl_mean)."""
+    hs, positions, after = term.sequences(0)
+    run = layers.whole_pass_many(hs, positions, lora, [None] * len(hs), after)
+    if run is None:
+        return None
+    value, drows = term.rows_grad(list(run.rows.split(run.sizes)))
+    by = {id(p): g for p, g in run.backward(torch.cat(drows))}
+    return value, [by[id(p)] if id(p) in by else torch.zeros_like(p) for p in lora.parameters()]
+
+
 def shared_rows(hs: list[torch.Tensor]) -> int:
     """How many rows all of `hs` begin with alike (the same tokens at the same positions after the
     same tokens: their hidden states equal to within float rounding, which differs with a

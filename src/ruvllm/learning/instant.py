@@ -108,9 +108,12 @@ class InstantLearner:
         # the sampled softmax's drawn candidates pooled by our C++ (learning/sampled_logits.py; None:
         # torch's ops): the kernels where the learned layers run them
         self.logits_ext = layers._ext
-        # `step`'s default form with no autograd graph (_by_hand); False: the graph always (its
+        # `step`'s default form with no autograd graph (_many_by_hand); False: the graph always (its
         # reference, and the benchmark's arm for the learner before it)
         self.graphless = True
+        # the KL term toward the base (anchor.KlTerm) in the same graphless pass, its completions
+        # beside the events' rows (_many_by_hand; session 21); False: in autograd's graph as before
+        self.graphless_kl = True
 
     def fill_candidates(self) -> int:
         """Draw and gather the next steps' candidates now, off the feedback's path (the pool's
@@ -184,11 +187,13 @@ class InstantLearner:
         fb = opt = 0.0
         first = last = None
         taken = 0
+        kl = self._kl_term(extra)
         while True:
             t0 = time.perf_counter()
-            by_hand = self._by_hand(state, prep, labels, score, ahead) if extra is None else None
+            by_hand = self._many_by_hand(state, [(prep, score)], kl, ahead) if extra is None or kl is not None \
+                else None
             if by_hand is not None:
-                last, nll, descend = by_hand
+                (last,), (nll,), descend = by_hand
             else:
                 logits, index = self._logits(self._rows(prep, state.lora), labels, prep.negatives, prep.exact)
                 if score >= 0:
@@ -213,43 +218,77 @@ class InstantLearner:
                 break
         return StepTiming(fb, opt, first, taken, last)
 
-    def _by_hand(self, state: TenantState, prep: Prepared, labels: torch.Tensor, score: float,
-                 ahead: list[torch.Tensor] | None) -> tuple[float, torch.Tensor, Callable[[], float]] | None:
-        """`step`'s forward and loss with no autograd graph, where it applies (the default update: a
-        frozen context through the learned layers' C++ calls, the sampled softmax with the drawn
-        candidates pooled, no extra term; `graphless`): (the loss, each row's -log p of its label,
+    def _kl_term(self, extra: Callable[[MicroLora], torch.Tensor] | None) -> Any:
+        """`extra` where it is the KL term alone (anchor.KlTerm over kl_mean) and `graphless_kl`: the
+        graphless step can run it in its own pass; else None."""
+        from ruvllm.learning.anchor import KlTerm, kl_mean
+
+        if self.graphless_kl and isinstance(extra, KlTerm) and extra.mean is kl_mean:
+            return extra
+        return None
+
+    def _many_by_hand(self, state: TenantState, events: list[tuple[Prepared, float]], kl: Any,
+                      ahead: list[torch.Tensor] | None
+                      ) -> tuple[list[float], list[torch.Tensor], Callable[[], float]] | None:
+        """`step`'s (one event) or `step_events`' forward and loss with no autograd graph, where it
+        applies (the default update: frozen contexts through the learned layers' C++ calls, the
+        sampled softmax with the drawn candidates pooled, no extra term but the KL term `kl`
+        (anchor.KlTerm), `graphless`): (each event's loss, each event's rows' -log p of their labels,
         the descent, which runs the layers' backward call, sets each piece's .grad, adds `ahead` and
-        steps Adam, returning when the backward ended). Else None: `step` builds the graph.
-        The loss and every gradient are the graph's up to float rounding (tests/unit/test_learning_
-        whole.py); what it removes is the graph's nodes, their Python and the exact product and
-        cross-entropy as torch ops (docs/learning.md "Session 20")."""
+        steps Adam, returning when the backward ended). Else None: the step builds the graph.
+        Several events' rows and the KL term's completions (after their shared start) run as
+        sequences of one pass (LearnedLayers.whole_pass_many: each weight read once for all, each
+        sequence attending to its own context; session 21); the loss is the mean of the events' plus
+        the KL term, whose candidates are drawn in the descent, after the events', as the graph's
+        step draws them. The loss and every gradient are the graph's up to float rounding
+        (tests/unit/test_learning_whole.py); what it removes is the graph's nodes, their Python and
+        the exact product and cross-entropy as torch ops (docs/learning.md "Session 20", "Session 21")."""
         c, head, ext = self.config, self.layers.head, self.logits_ext
         n, vocab = c.candidates, head.shape[0]
-        if not self.graphless or not prep.frozen or not n or n >= vocab or not c.estimate_rest or ext is None \
-                or head.shape[1] % 8 or head.dtype != torch.float32:
+        if not self.graphless or not all(p.frozen for p, _ in events) or not n or n >= vocab or not c.estimate_rest \
+                or ext is None or head.shape[1] % 8 or head.dtype != torch.float32:
             return None
-        start = prep.prompt_len - 1
-        run = self.layers.whole_pass(prep.h, torch.arange(start, start + len(prep.target)), state.lora, prep.context)
+        hs, positions, contexts, after = [], [], [], []
+        for p, _ in events:
+            start = p.prompt_len - 1
+            hs.append(p.h)
+            positions.append(torch.arange(start, start + len(p.target)))
+            contexts.append(p.context)
+            after.append(-1)
+        if kl is not None:
+            k_hs, k_positions, k_after = kl.sequences(len(hs))
+            hs, positions, contexts, after = hs + k_hs, positions + k_positions, contexts + [None] * len(k_hs), \
+                after + k_after
+        run = self.layers.whole_pass_many(hs, positions, state.lora, contexts, after)
         if run is None:
             return None
-        exact = prep.exact if prep.exact is not None else self._exact(labels, prep.negatives)
-        drawn = self.candidates.take(n)  # (as _logits: made ahead, or drawn now)
-        clash = exact.hit.index_select(0, drawn.tokens)
-        bias = math.log((vocab - len(exact.ids)) / max(n - int(clash.sum()), 1))
-        loss, nll, drows = ext.sampled_loss(run.rows, exact.rows.contiguous(), drawn.rows.contiguous(),
+        outs = list(run.rows.split(run.sizes)) if len(hs) > 1 else [run.rows]
+        losses, nlls, drows = [], [], []
+        for out, (p, score) in zip(outs, events):
+            exact = p.exact if p.exact is not None else self._exact(torch.tensor(p.target), p.negatives)
+            drawn = self.candidates.take(n)  # (as _logits: made ahead, or drawn now)
+            clash = exact.hit.index_select(0, drawn.tokens)
+            bias = math.log((vocab - len(exact.ids)) / max(n - int(clash.sum()), 1))
+            loss, nll, d = ext.sampled_loss(out.contiguous(), exact.rows.contiguous(), drawn.rows.contiguous(),
                                             torch.full((n,), bias), clash.contiguous(), exact.index.contiguous(),
                                             float(score))
+            losses.append(float(loss))
+            nlls.append(nll)
+            drows.append(d if len(events) == 1 else d / len(events))  # (the events' mean)
 
         def descend() -> float:
+            grads = drows
+            if kl is not None:  # (its candidates drawn now, after the events': the graph's order)
+                grads = grads + kl.rows_grad(outs[len(events):])[1]
             state.opt.zero_grad()
-            for p, g in run.backward(drows):
+            for p, g in run.backward(grads[0] if len(grads) == 1 else torch.cat(grads)):
                 p.grad = g
             _add_grads(state.lora, ahead)
             t1 = time.perf_counter()
             adam_step(state.opt, ext)
             state.steps += 1
             return t1
-        return float(loss), nll, descend
+        return losses, nlls, descend
 
     def step_events(self, state: TenantState, events: list[tuple[Prepared, float]],
                     extra: Callable[[MicroLora], torch.Tensor] | None = None,
@@ -265,6 +304,13 @@ class InstantLearner:
         `ahead`: as `step`'s. Returns the mean first loss (without `extra`'s term) and each event's own
         in `losses`."""
         t0 = time.perf_counter()
+        kl = self._kl_term(extra)
+        by_hand = self._many_by_hand(state, events, kl, ahead) if extra is None or kl is not None else None
+        if by_hand is not None:  # no graph (the default update's frozen events, the KL term beside them)
+            own, _, descend = by_hand
+            reported = float(torch.tensor(own).mean())
+            t1 = descend()
+            return StepTiming(t1 - t0, time.perf_counter() - t1, reported, 1, reported, own)
         # every event's rows through the learned layers in one batch (LearnedLayers.forward_many),
         # each attending to its own context: a full-context event its whole sequence, a frozen one
         # its target rows after its prompt's kept K/V

@@ -24,7 +24,7 @@ import torch
 from ruvllm.errors import AdapterCapacityError, AdapterError
 from ruvllm.learning.config import LearningConfig
 from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, UpdateNotServedError
-from ruvllm.learning.anchor import BaseAnchor, kl_mean, make_anchor
+from ruvllm.learning.anchor import BaseAnchor, KlTerm, kl_grads, kl_mean, make_anchor
 from ruvllm.learning.instant import AheadTerm, InstantLearner, Prepared, TenantState, feedback_loss
 from ruvllm.learning.background import BackgroundLoop
 from ruvllm.learning.bank import PatternBank
@@ -525,9 +525,15 @@ class Learner:
                     return
                 copy = state.lora.copy()
             at = [p.detach().clone() for p in copy.parameters()]
-            term = c.kl_weight * kl_mean(self.layers, copy, anchors, c.candidates, self._ahead_gen)
-            grads = torch.autograd.grad(term, copy.parameters(), allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(copy.parameters(), grads)]
+            term = KlTerm(self.layers, anchors, c.kl_weight, c.candidates, self._ahead_gen, kl_mean)
+            # the completions through the learned layers' C++ calls, no graph (session 21), where
+            # they apply; else autograd's graph of the term
+            by_hand = kl_grads(self.layers, copy, term) if self.instant._kl_term(term) is not None else None
+            if by_hand is not None:
+                grads = by_hand[1]
+            else:
+                grads = torch.autograd.grad(term(copy), copy.parameters(), allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(copy.parameters(), grads)]
             with self._lock:
                 if self._tenants.get(scope) is state:
                     state.ahead = AheadTerm(at, tuple(anchors), grads)
@@ -599,6 +605,8 @@ class Learner:
         c = self.config.instant
         if not anchors and not any(forms for forms, _ in events):
             return None
+        if not any(forms for forms, _ in events):  # the KL term alone: a graphless step can run it (instant.py)
+            return KlTerm(self.layers, anchors, c.kl_weight, c.candidates, self._kl_gen, kl_mean)
 
         def term(lora: MicroLora):
             total = 0.0
