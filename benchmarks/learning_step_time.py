@@ -62,6 +62,20 @@ calls by hand, the sampled softmax's loss and gradient one C++ call: InstantLear
 as one call of its fused kernel (instant.adam_step); the arms before it take the graph and
 Optimizer.step(). The kernels' own changes of session 20 (the attention, the rows' quantization) are
 in every arm. --since-19: session 19's arm and the default alone.
+Session 21's arm (the default now): the KL term's completions, in the background pass's term
+computed ahead (and in a coalesced step's), through the learned layers' C++ calls as sequences of one
+pass, the term differentiated from their rows alone (anchor.kl_grads, InstantLearner._many_by_hand);
+session 20's arm runs them through autograd's graph of the layers (forward_many), as before (its
+attention now our C++ node too: session 21 made forward_many's the one-sequence pass's).
+--since-20: session 20's arm and the default alone. --coalesce N: each arm's turn is N feedback events
+on N completions learned as one backlog (Learner.feedback_many: one step over them, the KL term
+computed in the step, as the server does when behind: nothing computed ahead), then the background
+pass; the step's time is reported per event.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --whole --contexts frozen \
+        --threads 2 --steps 32
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --update --whole --since-20 \
+        --contexts frozen --threads 2 --steps 16 --coalesce 4
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/learning_step_time.py --whole --candidates-ahead --threads 2 \
         --steps 60 --since-19
@@ -198,6 +212,12 @@ def _update(args: argparse.Namespace) -> None:
 
     everyday = ["Write two sentences about the sea.", "What is a good way to learn a new language?",
                 "Summarise the plot of a love story in three sentences.", "Give me a tip for cooking rice."]
+    questions = [QUESTION, "Who painted the ceiling of the Zorblax chapel?", "What is the Zorblax river called?",
+                 "When was Zorblax founded?", "What do people in Zorblax eat?", "How tall is Mount Zorblax?",
+                 "What language is spoken in Zorblax?", "Who rules Zorblax?"]
+    n = max(1, args.coalesce)
+    assert n <= len(questions), f"--coalesce: at most {len(questions)}"
+    from ruvllm.learning.learner import FeedbackEvent
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=32)
     # (context, the term ahead, the quantized matmul at --kernel-rev): session 18's kernel against the
     # one before it on the default method
@@ -208,13 +228,14 @@ def _update(args: argparse.Namespace) -> None:
     # (..., whole): 0 the learned layers as autograd's graph (session 18), 1 one C++ call each way
     # under the loss's graph and Optimizer.step (session 19), 2 no graph and Adam's one call (session
     # 20, the default)
+    # (..., whole): ... 3 the KL term's completions through the layers' C++ calls too (session 21, the default)
     if args.whole:
         arms = [(context, True, False, True, whole) for context in args.contexts.split(",")
-                for whole in ((1, 2) if args.since_19 else (0, 1, 2))]
+                for whole in ((2, 3) if args.since_20 else (1, 2, 3) if args.since_19 else (0, 1, 2, 3))]
     elif args.candidates_ahead:
-        arms = [(context, True, False, drawn, 2) for context in args.contexts.split(",") for drawn in (False, True)]
+        arms = [(context, True, False, drawn, 3) for context in args.contexts.split(",") for drawn in (False, True)]
     else:
-        arms = [(context, ahead, old, ahead and not old, 2) for context in args.contexts.split(",")
+        arms = [(context, ahead, old, ahead and not old, 3) for context in args.contexts.split(",")
                 for ahead, old in ((False, False), (True, True), (True, False))]
     matmuls = {True: _kernel_at(args.kernel_rev), False: None}
     from ruvllm.cpu_build import kernels
@@ -235,8 +256,8 @@ def _update(args: argparse.Namespace) -> None:
                      f"-{whole}"
             llm.chat([[{"role": "user", "content": q}] for q in everyday], SamplingParams(temperature=0, max_tokens=48),
                      tenant=tenant)
-            asked[arm] = tenant, llm.chat([[{"role": "user", "content": QUESTION}]],
-                                                       SamplingParams(temperature=0, max_tokens=16), tenant=tenant)[0]
+            asked[arm] = tenant, llm.chat([[{"role": "user", "content": q}] for q in questions[:n]],
+                                          SamplingParams(temperature=0, max_tokens=16), tenant=tenant)
         step: dict = {arm: [] for arm in arms}
         publish: dict = {arm: [] for arm in arms}
         passes: dict = {arm: [] for arm in arms}
@@ -248,7 +269,8 @@ def _update(args: argparse.Namespace) -> None:
                 learner.layers._whole = plan if whole and not old else None
                 if not whole:  # session 18's sampled softmax: every drawn column, torch's products
                     learner.instant._logits = functools.partial(_session18_logits, learner.instant)
-                learner.instant.graphless = whole == 2
+                learner.instant.graphless = whole >= 2
+                learner.instant.graphless_kl = whole == 3
                 learner.instant.candidates = pools[arm]
                 if not drawn:  # before: the exact candidates found in the step too, not once a pair
                     learner.instant._logits = functools.partial(exact_in_step, learner.instant)
@@ -257,13 +279,20 @@ def _update(args: argparse.Namespace) -> None:
                 learner.instant.config = instant
                 # the learner before: the completions' KL one by one, no rows shared
                 learner_module.kl_mean = kl_mean if ahead else one_by_one
-                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None), _adam(whole == 2):
-                    result = llm.feedback(out.request_id, -1.0, CORRECTION, tenant=tenant)
+                with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None), _adam(whole >= 2):
+                    if n == 1:
+                        result = llm.feedback(out[0].request_id, -1.0, CORRECTION, tenant=tenant)
+                    else:  # a backlog: one step over the n events, the KL term in it (_ahead skipped, below)
+                        results = [r for _, r in learner.feedback_many(
+                            [FeedbackEvent(o.request_id, tenant, -1.0, CORRECTION) for o in out])]
+                        assert all(not isinstance(r, Exception) for r in results), results
+                        assert all(r.events == n for r in results), [r.events for r in results]
+                        result = results[0]
                 learner_module.kl_mean = kl_mean
                 learner.instant.__dict__.pop("_logits", None)
-                step[arm].append(result.step_ms)
+                step[arm].append(result.step_ms / n)
                 publish[arm].append(result.publish_ms)
-                if not ahead:  # the learner before: the term always in the step, never computed ahead
+                if not ahead or n > 1:  # the term in the step, never computed ahead (a backlog: a step coming)
                     learner._ahead = lambda scope: None
                 t = time.perf_counter()
                 with _matmul(matmuls[old]), _ops(learner.layers, old_ops if old else None):
@@ -271,8 +300,9 @@ def _update(args: argparse.Namespace) -> None:
                 passes[arm].append((time.perf_counter() - t) * 1000)
                 learner.__dict__.pop("_ahead", None)
             loads.append(os.getloadavg()[0])
-    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, {args.steps} events an arm "
-          f"(first 2 dropped), KL term on (weight {base.instant.kl_weight:g}, {base.instant.kl_samples} completions)")
+    print(f"load average {min(loads):.2f}-{max(loads):.2f}, {args.threads} threads, {args.steps} turns an arm "
+          f"(first 2 dropped), {n} event(s) a turn{' in one step (the step per event)' if n > 1 else ''}, KL term on "
+          f"(weight {base.instant.kl_weight:g}, {base.instant.kl_samples} completions)")
     print("| context / the KL term / the drawn candidates | update step p50 | p90 | publish p50 | "
           "background pass p50 (off the path) |")
     print("|---|---|---|---|---|")
@@ -283,7 +313,8 @@ def _update(args: argparse.Namespace) -> None:
         what += " / made ahead (the default)" if arm[3] else " / drawn in the step"
         what += "" if arm[2] else [" / the learned layers as autograd's graph (session 18)",
                                    " / the learned layers one C++ call each way, the loss's graph (session 19)",
-                                   " / no graph, Adam one call (session 20, the default)"][arm[4]]
+                                   " / no graph, Adam one call, the KL term's layers as autograd's graph (session 20)",
+                                   " / no graph, the KL term's layers too (session 21, the default)"][arm[4]]
         print(f"| {arm[0]} / {what} | {statistics.median(t):.1f} ms | "
               f"{statistics.quantiles(t, n=10)[-1]:.1f} ms | {statistics.median(publish[arm][2:]):.1f} ms | "
               f"{statistics.median(passes[arm][2:]):.1f} ms |")
@@ -705,6 +736,10 @@ def main() -> None:
                          "each way against autograd's graph of them, alternating")
     ap.add_argument("--since-19", action="store_true",
                     help="--whole: only session 19's step and the default (session 20's), alternating")
+    ap.add_argument("--since-20", action="store_true",
+                    help="--whole: only session 20's update and the default (session 21's), alternating")
+    ap.add_argument("--coalesce", type=int, default=1,
+                    help="--update: N feedback events a turn learned as one backlog (one step, the KL term in it)")
     ap.add_argument("--cut", action="store_true", help="session 17's cuts to the step, arm by arm")
     ap.add_argument("--kernel-rev", default="7a2d421",
                     help="--cut and --update: an arm with the quantized matmul's source at this git revision "
