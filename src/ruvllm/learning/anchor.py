@@ -100,7 +100,7 @@ class KlTerm:
         """The completions' rows as sequences of one pass (LearnedLayers.whole_pass_many) placed after
         `first` others: (hs, positions, after), with their shared start once, as kl_mean runs them."""
         hs = [a.prep.h for a in self.anchors]
-        self._shared = shared = shared_rows(hs) if len(hs) > 1 else 0
+        shared = shared_rows(hs) if len(hs) > 1 else 0
         if not shared:
             return hs, [torch.arange(len(h)) for h in hs], [-1] * len(hs)
         return ([hs[0][:shared]] + [h[shared:] for h in hs], [torch.arange(shared)] +
@@ -115,7 +115,9 @@ class KlTerm:
         thread, within the loaded host's noise; not kept. docs/learning.md "Session 21".)"""
         leaves = [o.detach().requires_grad_() for o in outs]
         with torch.enable_grad():
-            rows = [torch.cat([leaves[0], own]) for own in leaves[1:]] if self._shared else leaves
+            # a shared start came first, as its own sequence (`sequences`): one more than the anchors
+            shared = len(leaves) == len(self.anchors) + 1
+            rows = [torch.cat([leaves[0], own]) for own in leaves[1:]] if shared else leaves
             if len(rows) == 1:
                 total = _kl_of_rows(self.layers, rows[0][:-1], self.anchors[0], self.drawn, self.generator)
             else:
