@@ -357,6 +357,22 @@ def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: py
     text = "café 日本語 <|im_start|>user\nHi<|im_end|>"
     assert second.encode(text) == first.encode(text)
     assert second.chat_template == first.chat_template and second.eos_token_id == first.eos_token_id
+    # read back through the class its tokenizer_config.json names, without AutoTokenizer (tokenizer.py
+    # says why): what AutoTokenizer reads from the same folder
+    from transformers import AutoTokenizer
+
+    from ruvllm.loader.tokenizer import _cached_class
+
+    reference = AutoTokenizer.from_pretrained(str(folders[0]), local_files_only=True)
+    assert _cached_class(folders[0]) is type(second) is type(reference)
+    assert second.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert second.chat_template == reference.chat_template
+    assert second.special_tokens_map == reference.special_tokens_map and second.init_kwargs == reference.init_kwargs
+    other = tmp_path / "other"  # a class of its own, or no readable config: AutoTokenizer's to pick
+    other.mkdir()
+    assert _cached_class(other) is AutoTokenizer
+    (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer"}))
+    assert _cached_class(other) is AutoTokenizer
     (folders[0] / "tokenizer.json").write_text("{broken")
     assert load_tokenizer(default_src).encode(text) == first.encode(text)  # a corrupt cache is rebuilt
     json.loads((folders[0] / "tokenizer.json").read_text())  # the rebuilt cache is valid again

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from ruvllm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     try:
         # local_files_only: a model path must never turn into a Hub download.
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -37,7 +41,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     cached = _cache_folder(path)
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            return _cached_class(cached).from_pretrained(str(cached), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("rebuilding unreadable tokenizer cache %s", cached)
             shutil.rmtree(cached, ignore_errors=True)
@@ -57,6 +61,25 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def _cached_class(folder: Path) -> Any:
+    """The class that saved the cached folder, as AutoTokenizer would pick it from its
+    tokenizer_config.json, imported directly where it is transformers' generic backend (every
+    architecture without a class of its own, the default model's among them): importing AutoTokenizer
+    makes transformers index every model family it has, 0.9 s of CPU in each process that loads a
+    tokenizer (measured session 22, this host). Any other class is left to AutoTokenizer."""
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None  # AutoTokenizer's own error, and the rebuild, as before
+    if name == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def _tokenizer_class(path: Path) -> Any:
     """The class AutoTokenizer would pick, from the file's architecture alone.
 
@@ -68,6 +91,7 @@ def _tokenizer_class(path: Path) -> Any:
     the path for an architecture transformers does not know, or a folder whose tokenizer_config.json
     names a class of its own. tests/unit/test_loader.py checks both paths agree on the default model.
     """
+    from transformers import AutoTokenizer
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
