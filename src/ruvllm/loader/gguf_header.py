@@ -156,12 +156,28 @@ class _Walk:
         if item_type in _SCALARS:
             self.fits(count, struct.calcsize(_SCALARS[item_type]), _MAX_ARRAY_ITEMS, label, "array items")
             self.take(count * struct.calcsize(_SCALARS[item_type]))
+        elif item_type == GGUFValueType.STRING:
+            self.fits(count, _STRING_MIN_BYTES, _MAX_ARRAY_ITEMS, label, "array items")
+            self.skip_strings(count)
         else:
-            min_bytes = _STRING_MIN_BYTES if item_type == GGUFValueType.STRING else _ARRAY_MIN_BYTES
-            self.fits(count, min_bytes, _MAX_ARRAY_ITEMS, label, "array items")
+            self.fits(count, _ARRAY_MIN_BYTES, _MAX_ARRAY_ITEMS, label, "array items")
             for _ in range(count):
                 self.value(item_type, label, keep=False, depth=depth + 1)
         return GGUFArray(item_type, count)
+
+    def skip_strings(self, count: int) -> None:
+        """Past `count` length-prefixed strings, as `string(keep=False)` would walk them one call each
+        (a vocabulary's tokens and merges: 98k strings in the default model, 0.6 s of CPU that way,
+        ~0.1 s this way; session 22), failing the same way where the file ends."""
+        length = struct.Struct(self.order + "Q").unpack_from
+        data, pos, size = self.data, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size:
+                raise self.truncated()
+            pos += 8 + length(data, pos)[0]
+            if pos > size:
+                raise self.truncated()
+        self.pos = pos
 
 
 def read_header(path: Path) -> GGUFHeader:
