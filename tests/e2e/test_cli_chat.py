@@ -19,6 +19,12 @@ import pytest
 
 from tests.server.test_serve_process import _children, _wait_gone
 
+
+def _maps(pid: int, library: str) -> bool:
+    """Whether process `pid` has `library` mapped (Linux /proc)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return library in f.read()
+
 RUVLLM = Path(sys.executable).with_name("ruvllm")
 PROMPT = ">>> "
 # Colour, cursor and bracketed-paste sequences, and the carriage returns of the terminal's line endings.
@@ -102,6 +108,10 @@ def test_chat_session_through_a_terminal(term: Terminal) -> None:
         return shown
 
     say("What is the capital of France?", "Paris")
+    # the front needs no tensor and runs without torch: the model is the core process's (loader/
+    # gguf_file.py reads configs without it; docs/decisions.md, session 22)
+    (core,) = _children(term.proc.pid)
+    assert _maps(core, "libtorch_cpu") and not _maps(term.proc.pid, "libtorch_cpu")
     say("/help", "/clear")
     say("/system You answer briefly.", "system prompt set")
     say("/temp 0.5", r"temperature 0\.5")

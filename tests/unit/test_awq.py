@@ -10,7 +10,8 @@ import torch
 from ruvllm.config import ModelConfig
 from ruvllm.quantize.awq import calibration_ids, clip_weight, fake_quantize, output_mse, search_scale
 from ruvllm.quantize.awq_writer import check_awq_shapes
-from ruvllm.quant.checkpoints import CheckpointQuant, awq_pack, awq_parts, awq_unpack, to_quantized
+from ruvllm.quant.checkpoint_scheme import CheckpointQuant
+from ruvllm.quant.checkpoints import awq_pack, awq_parts, awq_unpack, to_quantized
 from ruvllm.quant.rtn import quantize_int4_checkpoint
 from tests.e2e.test_checkpoint_quant import AWQ_ORDER, _pack
 

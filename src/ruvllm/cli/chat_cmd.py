@@ -206,10 +206,12 @@ def chat(
     session.params()  # validate the sampling flags before spending seconds on loading the model
 
     from ruvllm.engine.async_engine import AsyncEngine
-    from ruvllm.device import resolve_device
+    from ruvllm.device import check_device_name
     from ruvllm.loader.model_cache import resolve_cli_model
 
-    resolve_device(engine.get("device") or "auto")  # a bad --device fails before any model is looked for
+    # a bad --device fails before any model is looked for (its spelling here, as `serve` checks it;
+    # whether the device exists is for the core process, which loads torch: this one runs without it)
+    check_device_name(engine.get("device") or "auto")
     config = engine.to_config(resolve_cli_model(model, cache_dir), **({"enable_lora": True} if lora else {}))
     with console.status("loading model…"):
         async_engine = AsyncEngine.launch(config)

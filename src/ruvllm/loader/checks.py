@@ -30,7 +30,7 @@ from ruvllm.errors import CorruptModelError, ModelLoadError
 from ruvllm.loader import gguf_file, hf_folder
 from ruvllm.loader.gguf_header import GGUFArray, read_header
 from ruvllm.loader.safetensors_header import read_safetensors_header
-from ruvllm.quant.checkpoints import CheckpointQuant, checkpoint_quant
+from ruvllm.quant.checkpoint_scheme import CheckpointQuant, checkpoint_quant
 
 if TYPE_CHECKING:
     from ruvllm.loader import ModelSource
@@ -161,7 +161,7 @@ def _check_hf(folder: Path) -> ModelConfig:
         missing_in = single
     stored: dict[str, _Stored] = {}
     for name, file, shape in listed:
-        # The loader's own skips (hf_folder._generate, LlamaForCausalLM.load_weights).
+        # The loader's own skips (hf_weights._generate, LlamaForCausalLM.load_weights).
         if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         key = name.removeprefix("model.")

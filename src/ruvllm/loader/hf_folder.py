@@ -1,22 +1,18 @@
-"""Hugging Face checkpoint folders: config.json plus safetensors weights (single file or sharded)."""
+"""Hugging Face checkpoint folders: config.json plus safetensors weights (single file or sharded):
+the config, the index and the weight files, without torch (hf_weights.py reads the tensors)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import torch
-from safetensors import SafetensorError, safe_open
 
 from ruvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ruvllm.errors import CorruptModelError, ModelLoadError, NotAModelError, UnsupportedArchitectureError
 from ruvllm.loader.limits import check_config, flag, real_number, whole_number
-from ruvllm.loader.safetensors_header import read_safetensors_header
-from ruvllm.quant.checkpoints import assemble, checkpoint_quant
-from ruvllm.quant.weights import QuantizedWeight
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -241,7 +237,7 @@ def read_index(folder: Path) -> dict[str, Path]:
     return {name: folder / file for name, file in weight_map.items()}
 
 
-def _shards(folder: Path) -> dict[Path, list[str] | None]:
+def shards(folder: Path) -> dict[Path, list[str] | None]:
     """Weight files to read, each with the tensor names it must hold (None: all it has)."""
     if (folder / INDEX_FILE).is_file():
         shards: dict[Path, list[str] | None] = {}
@@ -256,58 +252,4 @@ def _shards(folder: Path) -> dict[Path, list[str] | None]:
 
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files holding the weights, in the order they are read."""
-    return list(_shards(folder))
-
-
-def iter_weights(folder: Path, dtype: torch.dtype,
-                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(Hugging Face name, tensor) one at a time, so peak memory stays near one tensor.
-
-    config.json, the shard list and each shard's header (truncation) are checked eagerly; tensor
-    data is read lazily. GPTQ/AWQ checkpoints yield each quantized layer as `<layer>.weight`: a
-    QuantizedWeight with keep_quantized, else its exact float values in dtype.
-    """
-    config = load_config(folder)
-    scheme = checkpoint_quant(read_config_json(folder), str(folder / CONFIG_FILE))
-    shards = _shards(folder)
-    for file in shards:
-        if not file.is_file():
-            raise CorruptModelError(f"{file}: listed in {INDEX_FILE} but missing")
-        read_safetensors_header(file)  # bounded and checked: a cut file fails here, naming the tensor
-    raw_dtype = None if scheme is not None else dtype  # quantized parts keep their integer types
-    stream = _generate(shards, config.tie_word_embeddings, raw_dtype)
-    if scheme is None:
-        return stream
-    return _cast_dense(_drop_zero_biases(assemble(stream, scheme, str(folder), keep_quantized), config), dtype)
-
-
-def _drop_zero_biases(stream: Iterator[tuple[str, Any]], config: ModelConfig) -> Iterator[tuple[str, Any]]:
-    """GPTQ exporters write an all-zero bias for every layer; ours has biases only on q/k/v of
-    models with attention_bias. A zero bias is a no-op, so those are dropped, not refused."""
-    for name, tensor in stream:
-        if name.endswith(".bias") and isinstance(tensor, torch.Tensor) and not tensor.any():
-            qkv = name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
-            if not (qkv and config.attention_bias):
-                continue
-        yield name, tensor
-
-
-def _cast_dense(stream: Iterator[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
-    for name, tensor in stream:
-        yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(dtype)
-
-
-def _generate(
-    shards: dict[Path, list[str] | None], tied: bool, dtype: torch.dtype | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for file, names in shards.items():
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in names if names is not None else list(f.keys()):
-                    # Tied checkpoints sometimes still store lm_head; callers use embed_tokens for it.
-                    if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    tensor = f.get_tensor(name)
-                    yield name, tensor if dtype is None else tensor.to(dtype)
-        except SafetensorError as e:
-            raise CorruptModelError(f"{file}: unreadable safetensors file ({e})") from None
+    return list(shards(folder))

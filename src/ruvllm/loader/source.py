@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from ruvllm.config import ModelConfig
 from ruvllm.errors import ModelNotFoundError, NotAModelError
-from ruvllm.loader import gguf_file, hf_folder
+from ruvllm.loader import hf_folder
 from ruvllm.loader.checks import check_model, check_tokenizer
 from ruvllm.loader.default_model import default_model_path
 from ruvllm.loader.gguf_header import GGUF_MAGIC
-from ruvllm.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
+
+    from ruvllm.quant.weights import QuantizedWeight
 
 __all__ = [
     "ModelSource",
@@ -93,9 +93,15 @@ def iter_weights(src: ModelSource, dtype: torch.dtype,
     When the model ties its embeddings, no lm_head.weight is yielded: use embed_tokens.
     keep_quantized: GGUF tensors with a packed kernel, and GPTQ/AWQ layers, come as QuantizedWeight.
     """
+    # torch and the tensor readers only here: resolving, checking and reading a model's config (what an
+    # API front does) need neither
     if src.format == "gguf":
-        return gguf_file.iter_weights(src.path, dtype, keep_quantized)
-    return hf_folder.iter_weights(src.path, dtype, keep_quantized)
+        from ruvllm.loader import gguf_weights
+
+        return gguf_weights.iter_weights(src.path, dtype, keep_quantized)
+    from ruvllm.loader import hf_weights
+
+    return hf_weights.iter_weights(src.path, dtype, keep_quantized)
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:

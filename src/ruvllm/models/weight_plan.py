@@ -171,7 +171,7 @@ def file_tensors(src: ModelSource) -> list[FileTensor]:
 
 
 def _gguf_tensors(path: Path) -> list[FileTensor]:
-    from ruvllm.loader import gguf_file
+    from ruvllm.loader import gguf_file, gguf_weights
     from ruvllm.loader.gguf_header import read_header
     from ruvllm.quant.gguf_blocks import INT4_GGUF_TYPES, KEPT_GGUF_TYPES
 
@@ -183,9 +183,9 @@ def _gguf_tensors(path: Path) -> list[FileTensor]:
         if name is None:  # rope_freqs.weight: folded into the config
             continue
         packed = None
-        if t.tensor_type in KEPT_GGUF_TYPES and len(t.shape) == 2:  # as gguf_file.iter_weights keeps them
+        if t.tensor_type in KEPT_GGUF_TYPES and len(t.shape) == 2:  # as gguf_weights.iter_weights keeps them
             packed = ("int4" if t.tensor_type in INT4_GGUF_TYPES else "int8", 32)  # gguf_blocks: groups of 32
-        elif gguf_file.requantized(t):
+        elif gguf_weights.requantized(t):
             packed = ("int8", 32)
         out.append(FileTensor(name, t.shape, packed))
     return out
@@ -194,7 +194,7 @@ def _gguf_tensors(path: Path) -> list[FileTensor]:
 def _safetensors_tensors(folder: Path) -> list[FileTensor]:
     from ruvllm.loader import hf_folder
     from ruvllm.loader.safetensors_header import read_safetensors_header
-    from ruvllm.quant.checkpoints import checkpoint_quant
+    from ruvllm.quant.checkpoint_scheme import checkpoint_quant
 
     config = hf_folder.load_config(folder)
     scheme = checkpoint_quant(hf_folder.read_config_json(folder), str(folder))
@@ -202,7 +202,7 @@ def _safetensors_tensors(folder: Path) -> list[FileTensor]:
              for name, entry in read_safetensors_header(file).items()}
     out = []
     for name, (_file, shape) in where.items():
-        # the same skips as hf_folder.iter_weights
+        # the same skips as hf_weights.iter_weights
         if (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
         prefix, _, leaf = name.rpartition(".")

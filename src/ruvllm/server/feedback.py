@@ -8,18 +8,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
 from ruvllm.engine.generation import GenerationService
-from ruvllm.learning.learner import FeedbackEvent, FeedbackResult
 from ruvllm.server.backlog import Backlog
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.errors import APIError
 from ruvllm.server.generation import ServerState, state
 from ruvllm.server.tenants import named_by_user, tenant_of
+
+if TYPE_CHECKING:  # the learner (and torch) are imported by a server that learns, not by every server
+    from ruvllm.learning.learner import FeedbackEvent, FeedbackResult
 
 router = APIRouter()
 
@@ -42,6 +44,9 @@ class Feedback:
                  nice: int) -> None:
         self.cfg, self.limiter = cfg, RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
         # one update thread; the events waiting for it are learned together, each tenant's coalesced
+        from ruvllm.learning import learner
+
+        self._event = learner.FeedbackEvent
         self.updates: Backlog[FeedbackEvent, FeedbackResult] = Backlog(service.feedback_many, nice)
         self.waiting = 0  # feedback requests in the update thread or queued for it (the event loop alone counts)
         self.deep = DeepTrigger(cfg, model, learned_dir) if cfg.deep_every else None
@@ -58,8 +63,8 @@ class Feedback:
                                 "try again later", None, "rate_limit_exceeded")
         self.waiting += 1
         try:
-            result = await asyncio.wrap_future(self.updates.submit(FeedbackEvent(body.id, who, body.score,
-                                                                                 body.correction)))
+            result = await asyncio.wrap_future(self.updates.submit(self._event(body.id, who, body.score,
+                                                                               body.correction)))
         finally:
             self.waiting -= 1
         if self.deep is not None:
