@@ -44,9 +44,6 @@ class Feedback:
                  nice: int) -> None:
         self.cfg, self.limiter = cfg, RateLimiter(cfg.feedback_rate, cfg.feedback_burst)
         # one update thread; the events waiting for it are learned together, each tenant's coalesced
-        from ruvllm.learning import learner
-
-        self._event = learner.FeedbackEvent
         self.updates: Backlog[FeedbackEvent, FeedbackResult] = Backlog(service.feedback_many, nice)
         self.waiting = 0  # feedback requests in the update thread or queued for it (the event loop alone counts)
         self.deep = DeepTrigger(cfg, model, learned_dir) if cfg.deep_every else None
@@ -61,10 +58,12 @@ class Feedback:
         if self.waiting >= self.cfg.max_waiting_updates:  # the update thread is behind: say so, queue nothing
             raise APIError(429, f"learning is behind: {self.waiting} feedback events wait for their update; "
                                 "try again later", None, "rate_limit_exceeded")
+        from ruvllm.learning import learner  # imported at the server's start when it learns (its Learner)
+
+        event = learner.FeedbackEvent(body.id, who, body.score, body.correction)
         self.waiting += 1
         try:
-            result = await asyncio.wrap_future(self.updates.submit(self._event(body.id, who, body.score,
-                                                                               body.correction)))
+            result = await asyncio.wrap_future(self.updates.submit(event))
         finally:
             self.waiting -= 1
         if self.deep is not None:

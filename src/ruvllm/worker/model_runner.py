@@ -50,7 +50,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     instead (the default 1 GiB pool: 0.9 s of CPU per engine, measured session 22, and all of it
     resident at once), and a pool is mostly untouched until long contexts or many sequences fill
     it. The contents are zeros either way. The tensor keeps the mapping alive; freeing it unmaps."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
