@@ -3,7 +3,8 @@ aggregate throughput through `ruvllm serve --learn` (the embedded default model)
 and with feedback offered at --rate events a second (each an instant update and a new adapter
 version for its tenant), alternating round by round; once per --learn-batch value (issue 37 item
 3: 1 is one step an event, more coalesces a backlog), the batch arms alternating too (A B B A ...,
-a server each: one model-sized process at a time).
+a server each: one model-sized process at a time); with --arm NAME=SRC, several source trees
+alternate the same way (an A/B of the learner in one run).
 
 The streams are the default tenant's (no adapter). The feedback is --learners other tenants', on one
 completion each, with a correction, offered open-loop: each event is posted at its time whatever the
@@ -14,7 +15,10 @@ term's text, paid once).
 "Absorbed" counts the events answered 200 while the streams ran, over the streams' time; "refused"
 the 429s (learning behind: more than 32 waiting); "after" those answered once the streams had ended
 (the backlog draining on a machine no longer serving). The step, publish and answer times are the
-absorbed events'. The machine's load average is printed beside it.
+absorbed events'. "Cores used" is each server part's CPU seconds a second while the streams ran
+(/proc: the engine core process, the front's own threads, the front's learning threads by their
+names), in the plain rounds and in those with feedback; "learning CPU an event" is the learning
+threads' CPU over the events absorbed. The machine's load average is printed beside it.
 
     .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 --batches 1,4 [--nice 0]
 
@@ -50,10 +54,10 @@ EVERYDAY = ["Write two sentences about the sea.", "What is a good way to learn a
 CORRECTION = "The capital of Zorblax is Quenta."
 
 
-def start(tmp: str, keys: Path, nice: int, batch: int) -> tuple[object, str]:
-    return start_server(Path(tmp) / f"w{batch}.sqlite3", "--learn", "--api-keys", str(keys), "--feedback-rate",
-                        "100", "--learned-dir", f"{tmp}/learned{batch}", "--learn-nice", str(nice),
-                        "--learn-batch", str(batch))
+def start(tmp: str, keys: Path, nice: int, batch: int, arm: int, src: str | None) -> tuple[object, str]:
+    return start_server(Path(tmp) / f"w{arm}-{batch}.sqlite3", "--learn", "--api-keys", str(keys), "--feedback-rate",
+                        "100", "--learned-dir", f"{tmp}/learned{arm}-{batch}", "--learn-nice", str(nice),
+                        "--learn-batch", str(batch), src=src)
 
 
 def learner_key(i: int) -> dict[str, str]:
@@ -137,16 +141,55 @@ async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio
         await asyncio.gather(*tasks)  # (the backlog drains before the next round starts)
 
 
-async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[str]) -> tuple[float, float, Feedback]:
-    """A round: (tokens a second, the streams' seconds, the feedback's counts)."""
+async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[str], front: int | None = None
+              ) -> tuple[float, float, Feedback, dict[str, float]]:
+    """A round: (tokens a second, the streams' seconds, the feedback's counts, each server part's
+    CPU seconds while the streams ran)."""
+    before = cpu_split(front) if front else {}
     stop = asyncio.Event()
     fb = Feedback()
     task = asyncio.create_task(feedback_offered(url, rids, rate, stop, fb)) if rate else None
     tokens, secs = await streams(url, n, gen_len)
+    after = cpu_split(front) if front else {}
     stop.set()
     if task is not None:
         await task
-    return tokens / secs, secs, fb
+    return tokens / secs, secs, fb, {k: after[k] - before[k] for k in before}
+
+
+def _ticks(stat: str) -> int:
+    """utime + stime from a /proc stat line (the fields after the name's closing parenthesis)."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_split(front: int) -> dict[str, float]:
+    """CPU seconds so far of the server's parts: its learning threads (named by
+    learning.background.learning_thread), the rest of the front, and the engine core (the front's
+    child processes, whole)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    learning = 0
+    for task in Path(f"/proc/{front}/task").iterdir():
+        try:
+            if task.joinpath("comm").read_text().startswith(("ruvllm-learn", "ruvllm-consol")):
+                learning += _ticks(task.joinpath("stat").read_text())
+        except OSError:
+            pass  # the thread ended
+    total = _ticks(Path(f"/proc/{front}/stat").read_text())
+    core = 0
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == front:
+            core += _ticks(stat)
+    return {"learning": learning / tick, "front": (total - learning) / tick, "core": core / tick}
+
+
+def used(cpus: list[dict[str, float]], secs: list[float], part: str) -> float:
+    """A server part's CPU seconds a second (cores) over rounds."""
+    return sum(c[part] for c in cpus) / sum(secs)
 
 
 def p50(xs: list[float]) -> float:
@@ -223,6 +266,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4", help="--learn-batch values, one server each")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the batch values (alternating order)")
     ap.add_argument("--nice", type=int, default=10, help="ruvllm serve --learn-nice")
+    ap.add_argument("--arm", action="append", metavar="NAME=SRC",
+                    help="a source tree to serve (PYTHONPATH=SRC); several alternate server by server, each at every "
+                         "--batches value (default: this tree)")
     ap.add_argument("--absorb", type=int, default=0, help="the learner alone: a backlog of this many events")
     ap.add_argument("--threads", type=int, default=1, help="(--absorb) the learner's PyTorch threads")
     ap.add_argument("--contexts", default=None, help="(--absorb) the instant step's context forms to alternate "
@@ -232,29 +278,39 @@ def main() -> None:
     if args.absorb:
         absorb(args, batches)
         return
-    results: dict[int, dict] = {b: {"plain": [], "learning": [], "fb": [], "secs": [], "load": []} for b in batches}
+    arms = [tuple(a.split("=", 1)) for a in args.arm] if args.arm else [("", None)]
+    servers = [(i, name, src, b) for i, (name, src) in enumerate(arms) for b in batches]
+    results: dict[tuple, dict] = {server: {"plain": [], "learning": [], "fb": [], "secs": [], "load": [],
+                                           "cpu_plain": [], "cpu_learning": [], "secs_plain": []}
+                                  for server in servers}
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text("key-default default\n" + "".join(f"key-learner{i} learner{i}\n"
                                                          for i in range(args.learners)))
         for rep in range(args.repeats):
-            for batch in batches if rep % 2 == 0 else batches[::-1]:
-                proc, url = start(tmp, keys, args.nice, batch)
+            for server in servers if rep % 2 == 0 else servers[::-1]:
+                arm, name, src, batch = server
+                proc, url = start(tmp, keys, args.nice, batch, arm, src)
                 try:
                     asyncio.run(run(url, 4, 8, None, []))  # warm-up
                     rids = [asyncio.run(learner_setup(url, i)) for i in range(args.learners)]
-                    r = results[batch]
+                    r = results[server]
                     for k in range(args.rounds):
                         for rate in ([None, args.rate] if k % 2 == 0 else [args.rate, None]):
                             r["load"].append(os.getloadavg()[0])
-                            tps, secs, fb = asyncio.run(run(url, args.streams, args.gen_len, rate, rids))
+                            tps, secs, fb, cpu = asyncio.run(run(url, args.streams, args.gen_len, rate, rids,
+                                                                 proc.pid))
                             if rate:
                                 r["learning"].append(tps)
                                 r["fb"].append(fb)
                                 r["secs"].append(secs)
+                                r["cpu_learning"].append(cpu)
                             else:
                                 r["plain"].append(tps)
-                            print(f"batch {batch} {'feedback' if rate else 'plain'}: {tps:.1f} tok/s"
+                                r["cpu_plain"].append(cpu)
+                                r["secs_plain"].append(secs)
+                            print(f"{name + ', ' if name else ''}batch {batch} {'feedback' if rate else 'plain'}: "
+                                  f"{tps:.1f} tok/s"
                                   + (f", {fb.absorbed}/{fb.offered} absorbed in {secs:.0f} s ({fb.refused} refused)"
                                      if rate else "") + f", load {os.getloadavg()[0]:.1f}", flush=True)
                 finally:
@@ -263,17 +319,18 @@ def main() -> None:
     table = Table(title=f"Serving while learning: default model, {args.streams} streams x {args.gen_len} tokens, "
                         f"feedback offered at {args.rate:g}/s by {args.learners} tenants, learning at nice "
                         f"{args.nice}; {args.rounds} rounds a kind x {args.repeats} servers a batch")
-    for col in ("learn batch", "no feedback, tok/s", "with feedback, tok/s", "kept (medians)", "events/s offered",
+    for col in (*(("arm",) if args.arm else ()), "learn batch", "no feedback, tok/s", "with feedback, tok/s", "kept (medians)", "events/s offered",
                 "events/s absorbed", "refused (429) / after", "events a step", "step / publish p50 (ms)",
-                "answer p50 / p99 (ms)",
-                "load avg"):
+                "answer p50 / p99 (ms)", "cores used: core / front / learning, plain -> with feedback",
+                "learning CPU an event (ms)", "load avg"):
         table.add_column(col, justify="right")
-    for batch in batches:
-        r = results[batch]
+    for server in servers:
+        _, name, _, batch = server
+        r = results[server]
         fbs: list[Feedback] = r["fb"]
         lat = sorted(x for f in fbs for x in f.latency_ms)
         table.add_row(
-            str(batch), " / ".join(f"{x:.1f}" for x in r["plain"]), " / ".join(f"{x:.1f}" for x in r["learning"]),
+            *((name,) if args.arm else ()), str(batch), " / ".join(f"{x:.1f}" for x in r["plain"]), " / ".join(f"{x:.1f}" for x in r["learning"]),
             f"{p50(r['learning']) / p50(r['plain']):.2f}x",
             f"{sum(f.offered for f in fbs) / sum(r['secs']):.2f}",
             f"{sum(f.absorbed for f in fbs) / sum(r['secs']):.2f}",
@@ -281,6 +338,9 @@ def main() -> None:
             f"{events_a_step([x for f in fbs for x in f.per_step]):.2f}",
             f"{p50([x for f in fbs for x in f.step_ms]):.0f} / {p50([x for f in fbs for x in f.publish_ms]):.0f}",
             f"{p50(lat):.0f} / {lat[min(len(lat) - 1, int(0.99 * len(lat)))]:.0f}" if lat else "-",
+            " / ".join(f"{used(r['cpu_plain'], r['secs_plain'], k):.2f} -> {used(r['cpu_learning'], r['secs'], k):.2f}"
+                       for k in ("core", "front", "learning")),
+            f"{1000 * sum(c['learning'] for c in r['cpu_learning']) / max(1, sum(f.absorbed for f in fbs)):.0f}",
             f"{min(r['load']):.1f}-{max(r['load']):.1f}")
     Console().print(table)
 

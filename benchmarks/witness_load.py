@@ -52,12 +52,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`ruvllm serve` (the embedded default model) in a session of its own, once /health answers."""
+def start_server(log: Path, *flags: str, src: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`ruvllm serve` (the embedded default model) in a session of its own, once /health answers.
+    `src`: another source tree to run (PYTHONPATH=src; an A/B arm), else this one."""
     port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)} if src else None
     proc = subprocess.Popen([sys.executable, "-m", "ruvllm.cli.main", "serve", "--port", str(port), "--witness-log",
                              str(log), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

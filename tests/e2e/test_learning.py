@@ -5,6 +5,7 @@ feedback is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -193,6 +194,52 @@ def test_consolidation_holds_the_micro_lora_near_where_it_started(base: Path, tm
         assert learner.adapter_for("acme") == f"learned:acme:v{len(sources)}"
         moved[lam] = sum(float((p - a).norm()) for p, a in zip(state.lora.parameters(), state.anchor))
     assert moved[1e6] < 0.5 * moved[0.0]
+
+
+def test_a_pass_leaves_its_publish_to_the_update_coming(base: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Under a backlog the background pass pulls a scope whose update is coming but does not publish
+    it: that update's version serves the pulled weights. If the update fails, the next pass publishes
+    them; a backlog whose results stop being taken leaves nothing coming."""
+    from ruvllm.learning.learner import FeedbackEvent
+
+    llm = learning_llm(base, tmp_path, ewc_lambda=1e6, fisher_every=1)
+    learner = llm.learner
+    learner.config = dataclasses.replace(learner.config, update_batch=1)
+    llm.generate([[11, 12, 13, 14, 15, 16]], GREEDY, tenant="acme")  # its everyday text (the Fisher's)
+    asked = llm.generate([PROMPT], GREEDY, tenant="acme")[0]
+    events = [FeedbackEvent(asked.request_id, "acme", 1.0, "t7 t7 t7 t7")] * 3
+
+    def sources() -> list[str]:
+        return [v.source for v in learner.policy.versions("acme")]
+
+    backlog = learner.feedback_many(events)
+    first = next(backlog)[1]
+    assert learner._coming == {"acme": 2}  # two updates of one event each still to come
+    state = learner._tenants["acme"]
+    before = [p.detach().clone() for p in state.lora.parameters()]
+    assert learner.consolidate() == {}  # pulled, not published
+    assert any(not torch.equal(a, p) for a, p in zip(before, state.lora.parameters()))
+    assert sources() == ["instant"] and learner.adapter_for("acme") == first.version
+    pulled = [p.detach().clone() for p in state.lora.parameters()]
+    real_step, failed = learner.instant.step, []
+
+    def step_once_failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a step that fails")
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(learner.instant, "step", step_once_failing)
+    assert isinstance(next(backlog)[1], RuntimeError)
+    assert learner._coming == {"acme": 1} and learner._pending == {"acme": 0}
+    backlog.close()  # the caller stops taking results: the last update is no longer coming
+    assert learner._coming == {}
+    assert all(torch.equal(a, p) for a, p in zip(pulled, state.lora.parameters()))  # the failed step changed nothing
+    assert list(learner.consolidate()) == ["acme"]  # the pulled weights served by the next pass (no more pull)
+    assert sources() == ["instant", "background"]
+    assert all(torch.equal(a, p) for a, p in zip(pulled, state.lora.parameters()))
+    # with nothing coming, a pass after an update publishes as it always did
+    llm.feedback(asked.request_id, 1.0, "t7 t7 t7 t7", tenant="acme")
+    assert list(learner.consolidate()) == ["acme"] and sources()[-2:] == ["instant", "background"]
 
 
 def test_the_fisher_is_drawn_without_the_learner_lock(base: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001

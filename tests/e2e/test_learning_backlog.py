@@ -1,7 +1,7 @@
 """A backlog of feedback coalesced (issue 37 item 3), through the real server on the tiny model: the
 events that wait while the update thread is busy are learned each tenant's in fewer steps than
 events, every event answered with its own loss and version and witnessed, the background loop's
-counts by events as before, another tenant's outputs bitwise the same; and the server's steps are
+pull counted by events as before (its Fisher by updates), another tenant's outputs bitwise the same; and the server's steps are
 bitwise what `InstantLearner.step` (a lone event) and `step_events` (several) give run by hand on the
 same events."""
 
@@ -107,8 +107,10 @@ def test_a_backlog_is_learned_in_fewer_steps_each_event_answered(lora_llm: LLM, 
             assert learner._tenants[tenant].steps == len(by_version) == len(learner.policy.versions(tenant))
         assert [len(e) for e in steps["acme"].values()] == [1, 3, 1]  # the first alone (`step`), then 3 and 1
         assert [len(e) for e in steps["globex"].values()] == [3]
-        # the background loop's counts go by events, as when each event was a step
+        # the background loop's pull counts by events, as when each event was a step; its Fisher's
+        # refresh by updates (the weights move once an update)
         assert learner._pending == {"acme": 5, "globex": 3}
+        assert {t: learner._tenants[t].since_fisher for t in steps} == {"acme": 3, "globex": 1}
 
         assert _complete(running, "initech", ASKED["acme"][0])[1:] == other_before  # bitwise
 

@@ -1,5 +1,5 @@
-"""The learning threads' lower CPU priority: a thread's own nice value on Linux, the rest of the
-process untouched."""
+"""The learning threads' lower CPU priority (a thread's own nice value on Linux, the rest of the
+process untouched) and their names as the OS shows them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ruvllm.learning.background import BackgroundLoop, lower_thread_priority
+from ruvllm.learning.background import BackgroundLoop, learning_thread
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
@@ -18,16 +18,20 @@ def test_only_the_calling_thread_is_lowered() -> None:
     if before >= 19:
         pytest.skip("this process already runs at the lowest priority")
     target = min(19, before + 5)
-    seen: list[int] = []
+    seen: list[object] = []
 
     def work() -> None:
-        lower_thread_priority(target)
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        learning_thread("ruvllm-test-learning-thread", target)
+        tid = threading.get_native_id()
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+        seen.append(open(f"/proc/self/task/{tid}/comm").read().strip())
 
     t = threading.Thread(target=work)
     t.start()
     t.join()
-    assert seen == [target] and os.getpriority(os.PRIO_PROCESS, 0) == before
+    # the OS keeps 15 bytes of a thread's name
+    assert seen == [target, "ruvllm-test-lea"] and os.getpriority(os.PRIO_PROCESS, 0) == before
+    assert open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip() != "ruvllm-test-lea"
 
 
 def test_the_background_loop_runs_after_a_notice_and_stops() -> None:

@@ -4,6 +4,7 @@ pull never lengthen a feedback request."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -13,10 +14,17 @@ from typing import Callable
 _log = logging.getLogger(__name__)
 
 
-def lower_thread_priority(nice: int) -> None:
-    """Give the calling thread a lower CPU priority (Linux: a thread's nice value is its own), so
-    that on a machine with few cores learning takes what serving leaves rather than half of it.
-    Elsewhere, or without permission, it stays as it is."""
+def learning_thread(name: str, nice: int) -> None:
+    """Set up the calling thread as one that learns: its name as the OS shows it (`top -H`, `ps -L`,
+    perf; what benchmarks/learning_cost.py reads to tell the learner's CPU from serving's), and a
+    lower CPU priority (Linux: a thread's nice value is its own), so that on a machine with few
+    cores learning takes what serving leaves rather than half of it. Elsewhere, or without
+    permission, each stays as it is."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME (Linux; 15 bytes)
+    except (OSError, AttributeError):
+        pass
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
     try:
@@ -44,7 +52,7 @@ class BackgroundLoop:
         self._thread.join()
 
     def _run(self) -> None:
-        lower_thread_priority(self.nice)
+        learning_thread("ruvllm-consol", self.nice)
         last = 0.0
         while True:
             self._wake.wait()

@@ -54,10 +54,11 @@ class InstantConfig(Checked):
     # EWC++, applied by the background loop (learning/background.py): the penalty lambda * sum F
     # (theta - theta*)^2, theta* the micro-LoRA's starting point (the base model's behaviour) and F
     # an online diagonal Fisher of the LM loss on the tenant's own recent completions, refreshed
-    # after `fisher_every` events (F <- gamma F + (1 - gamma) g^2). lambda 0: off.
+    # after `fisher_every` updates (F <- gamma F + (1 - gamma) g^2; an update is one event's step, or
+    # one step over a coalesced backlog's events). lambda 0: off.
     # The default model's micro-LoRA Fisher is tiny (median 6e-9 a coordinate; docs/learning.md).
     ewc_lambda: float = setting(3e6, "EWC++'s lambda (0: off).", minimum=0, cli=False)
-    fisher_every: int = setting(5, "Events between Fisher refreshes.", minimum=1, cli=False)
+    fisher_every: int = setting(5, "Instant updates between Fisher refreshes.", minimum=1, cli=False)
     fisher_samples: int = setting(4, "Completions per Fisher refresh.", minimum=1, cli=False)
     fisher_gamma: float = setting(0.5, "The Fisher's decay.", minimum=0, maximum=1, cli=False)
     # A KL term toward the base model in the step (learning/anchor.py; issue 37, item 2): KL(base ||

@@ -94,7 +94,7 @@ class TenantState:
     anchor: list[torch.Tensor]  # theta*: the base model's behaviour (MicroLora.base_point; EWC++)
     fisher: list[torch.Tensor] | None = None  # the online diagonal Fisher, per parameter
     steps: int = 0
-    since_fisher: int = 0  # feedback events since the Fisher was last refreshed
+    since_fisher: int = 0  # instant updates (step or step_events calls) since the Fisher was last refreshed
     ahead: AheadTerm | None = None  # the KL term's gradients computed after the last change (learner.py)
 
 

@@ -112,7 +112,7 @@ class Learner:
         self._loads = threading.RLock()
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()  # at most prepared_keep, least recent first
         self._anchors: OrderedDict[tuple, BaseAnchor] = OrderedDict()  # the KL term's, bounded alike
-        self._pending: dict[str, int] = {}  # instant updates since each tenant's last consolidation
+        self._pending: dict[str, int] = {}  # feedback events learned since each tenant's last consolidation
         self._kl_gen = torch.Generator().manual_seed(self.config.instant.seed + 1)  # the KL term's drawn tokens
         # (and those of the term computed ahead, on the background thread: a generator of its own)
         self._ahead_gen = torch.Generator().manual_seed(self.config.instant.seed + 2)
@@ -124,6 +124,11 @@ class Learner:
         self._ahead_lock = threading.Lock()
         self._ahead_busy: dict[str, threading.Event] = {}
         self._stepping: dict[str, int] = {}
+        # Each scope's updates that a backlog (feedback_many) has queued and not yet begun: the
+        # background pass does not publish a scope whose update is coming, whose version will serve
+        # the pass's pull too (session 23: under a backlog the pass's publish, an engine round trip
+        # of ~340 ms beside 32 streams, held the lock every update waits for).
+        self._coming: dict[str, int] = {}
         self._lock = threading.Lock()  # one update at a time; the server asks from worker threads, never its event loop
         with self._lock:
             self._sync()  # what served each tenant before a restart serves it again
@@ -315,16 +320,27 @@ class Learner:
             queues.setdefault(checked.scope, []).append((i, checked))
         # (with more steps an event until its own target is reached, which has no batched form: one at a time)
         size = self.config.update_batch if self.config.instant.steps_per_event == 1 else 1
-        while queues:
-            for scope in list(queues):
-                chunk, queues[scope] = queues[scope][:size], queues[scope][size:]
-                if not queues[scope]:
-                    del queues[scope]
-                try:
-                    results: list[FeedbackResult | Exception] = list(self._learn([c for _, c in chunk]))
-                except Exception as exc:  # noqa: BLE001  # the step failed: every event in it gets the error
-                    results = [exc] * len(chunk)
-                yield from ((i, r) for (i, _), r in zip(chunk, results))
+        self._expect({scope: -(-len(q) // size) for scope, q in queues.items()})
+        try:
+            while queues:
+                for scope in list(queues):
+                    chunk, queues[scope] = queues[scope][:size], queues[scope][size:]
+                    if not queues[scope]:
+                        del queues[scope]
+                    try:
+                        results: list[FeedbackResult | Exception] = list(self._learn([c for _, c in chunk]))
+                    except Exception as exc:  # noqa: BLE001  # the step failed: every event in it gets the error
+                        results = [exc] * len(chunk)
+                    yield from ((i, r) for (i, _), r in zip(chunk, results))
+        finally:  # (also when the caller stops taking results: what was not begun is no longer coming)
+            self._expect({scope: -(-len(q) // size) for scope, q in queues.items()}, -1)
+
+    def _expect(self, updates: dict[str, int], sign: int = 1) -> None:
+        with self._ahead_lock:
+            for scope, n in updates.items():
+                self._coming[scope] = self._coming.get(scope, 0) + sign * n
+                if not self._coming[scope]:
+                    del self._coming[scope]
 
     def _check(self, event: FeedbackEvent) -> _Checked:
         """The event's completion, target, score and scope, or the error (typed) that refuses it."""
@@ -375,11 +391,23 @@ class Learner:
         scope, tenant = chunk[0].scope, chunk[0].tenant
         with self._ahead_lock:
             self._stepping[scope] = self._stepping.get(scope, 0) + 1
+            if scope in self._coming:  # (an update of feedback_many's: begun now)
+                self._coming[scope] -= 1
+                if not self._coming[scope]:
+                    del self._coming[scope]
             busy = self._ahead_busy.get(scope)
         try:
             if busy is not None:
                 busy.wait()  # its term, at the weights this step starts from, is nearly done
             return self._learn_locked(chunk, scope, tenant)
+        except Exception:
+            # A pull the background pass left to this update's version (consolidate) is served by
+            # the next pass instead (a pass of no events pulls nothing more).
+            with self._lock:
+                self._pending.setdefault(scope, 0)
+            if self._background is not None:
+                self._background.notify()
+            raise
         finally:
             with self._ahead_lock:
                 self._stepping[scope] -= 1
@@ -430,6 +458,7 @@ class Learner:
                 raise UpdateNotServedError(f"the update could not be served: {exc}") from exc
             publish_ms = (time.perf_counter() - t) * 1000
             self._pending[scope] = self._pending.get(scope, 0) + len(chunk)
+            state.since_fisher += 1
         if self._background is not None:
             self._background.notify()
         step_ms = (timing.forward_backward + timing.optimizer) * 1000
@@ -438,8 +467,8 @@ class Learner:
     # --- the background loop ------------------------------------------------------------------------
     def consolidate(self) -> dict[str, str]:
         """Consolidate each tenant's instant updates since the last call under EWC++: refresh its
-        Fisher when `fisher_every` events have passed (or it has none yet), pull its micro-LoRA
-        toward the base once per instant step, and serve the result as a new version. Returns
+        Fisher when `fisher_every` updates have passed (or it has none yet), pull its micro-LoRA
+        toward the base once per feedback event, and serve the result as a new version. Returns
         {tenant: version} for those published (a tenant without completions of its own has no
         Fisher yet: unchanged).
 
@@ -461,7 +490,10 @@ class Learner:
                 state = self._tenants.get(tenant)
                 if state is None:
                     continue
-                state.since_fisher += events
+                # The Fisher is the curvature at the weights, which move once an update: a backlog's
+                # update over several events refreshes it as often as one update an event would
+                # (docs/learning.md, session 23: refreshed by events it was 30% of the learner's CPU
+                # under a backlog). The pull stays once per event.
                 refresh = state.fisher is None or state.since_fisher >= c.fisher_every
                 if refresh:
                     state.since_fisher = 0
@@ -492,6 +524,10 @@ class Learner:
                 if state.fisher is None:
                     continue
                 kept = self.instant.consolidate(state, events)
+                with self._ahead_lock:
+                    coming = tenant in self._coming or tenant in self._stepping
+                if coming:  # the update coming serves the pulled weights (its version's weights)
+                    continue
                 published[tenant] = self._publish(tenant, state.lora, "background", {
                     "kept": kept, "steps": state.steps, "fisher_ms": fisher_s * 1000})
         for tenant, *_ in jobs:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-from ruvllm.learning.background import lower_thread_priority
+from ruvllm.learning.background import learning_thread
 
 E = TypeVar("E")
 R = TypeVar("R")
@@ -53,7 +53,7 @@ class Backlog(Generic[E, R]):
         self._thread.join()
 
     def _run(self) -> None:
-        lower_thread_priority(self._nice)
+        learning_thread("ruvllm-learn", self._nice)
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:
