@@ -7,11 +7,14 @@ a server each: one model-sized process at a time); with --arm NAME=SRC, several 
 alternate the same way (an A/B of the learner in one run).
 
 The streams are the default tenant's (no adapter). The feedback is --learners other tenants', on one
-completion each, with a correction, offered open-loop: each event is posted at its time whatever the
-others' answers (a closed loop that waits for each answer never lets a backlog form), the tenants in
-turn. Each first asks four everyday questions (the background loop's Fisher and the KL term's text),
-and one event is learned before the rounds (its first-event costs: preparing the pair and the KL
-term's text, paid once).
+completion each (its (prompt, correction) pair prepared once and kept: the learner's cost an event
+without the preparation), or with --distinct N each event on a completion of its own (each paying
+its pair's preparation, the base model below the learned layers over the prompt and correction, as
+distinct feedback does), with a correction, offered open-loop: each event is posted at its time
+whatever the others' answers (a closed loop that waits for each answer never lets a backlog form),
+the tenants in turn. Each also asks four everyday questions (the background loop's Fisher and the KL
+term's text), and one event is learned before the rounds (its first-event costs: the KL term's text,
+paid once).
 "Absorbed" counts the events answered 200 while the streams ran, over the streams' time; "refused"
 the 429s (learning behind: more than 32 waiting); "after" those answered once the streams had ended
 (the backlog draining on a machine no longer serving). The step, publish and answer times are the
@@ -78,22 +81,29 @@ async def streams(url: str, n: int, gen_len: int) -> tuple[int, float]:
         return sum(tokens), time.perf_counter() - t
 
 
-async def learner_setup(url: str, i: int) -> str:
-    """A feedback tenant's completions before the rounds: four everyday questions (its traffic,
-    what the background loop's Fisher and the KL term are made of) and the one its feedback corrects."""
+async def learner_setup(url: str, i: int, distinct: int) -> list[str]:
+    """A feedback tenant's completions before the rounds: the one its feedback corrects (or, with
+    `distinct`, that many questions, each event then on a completion of its own), then four everyday
+    questions (its traffic, what the background loop's Fisher and the KL term are made of: asked
+    last, so they stay its most recent untaught completions). Returns the completions' ids."""
     async with httpx.AsyncClient(timeout=900, headers=learner_key(i)) as client:
+        async def ask(content: str) -> str:
+            r = await client.post(url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 16,
+                "temperature": 0})
+            return r.json()["id"]
+        questions = [f"Question {k}: what is the capital of Zorblax?" for k in range(distinct)] if distinct \
+            else ["What is the capital of Zorblax?"]
+        rids = list(await asyncio.gather(*(ask(q) for q in questions)))
         for q in EVERYDAY:
             await client.post(url + "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 32, "temperature": 0})
-        r = await client.post(url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of Zorblax?"}],
-            "max_tokens": 16, "temperature": 0})
-        rid = r.json()["id"]
-        # one event learned before the rounds: its pair prepared, the KL term's text ready (both kept),
-        # so that no round pays a tenant's first-event costs
-        r = await client.post(url + "/v1/feedback", json={"id": rid, "score": 1, "correction": CORRECTION})
+        # one event learned before the rounds (on a completion of its own when distinct): the KL
+        # term's text ready, the first pair prepared, so that no round pays a tenant's first-event costs
+        first = rids.pop() if distinct else rids[0]
+        r = await client.post(url + "/v1/feedback", json={"id": first, "score": 1, "correction": CORRECTION})
         r.raise_for_status()
-        return rid
+        return rids
 
 
 @dataclass
@@ -108,13 +118,14 @@ class Feedback:
     per_step: list[int] = field(default_factory=list)
 
 
-async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio.Event, fb: Feedback) -> None:
-    """Post an event every 1/rate s, the tenants in turn, none waiting for another's answer."""
+async def feedback_offered(url: str, rids: list[list[str]], rate: float, stop: asyncio.Event, fb: Feedback) -> None:
+    """Post an event every 1/rate s, the tenants in turn, each on its tenant's next completion (its
+    one completion again, unless distinct), none waiting for another's answer."""
     async with httpx.AsyncClient(timeout=900) as client:
-        async def one(i: int) -> None:
+        async def one(i: int, rid: str) -> None:
             t = time.perf_counter()
             r = await client.post(url + "/v1/feedback", headers=learner_key(i),
-                                  json={"id": rids[i], "score": 1, "correction": CORRECTION})
+                                  json={"id": rid, "score": 1, "correction": CORRECTION})
             if r.status_code == 200:
                 body = r.json()
                 if stop.is_set():  # the backlog drained once serving stopped: not what learning under load does
@@ -132,7 +143,15 @@ async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio
         tasks = []
         t0 = time.perf_counter()
         while not stop.is_set():
-            tasks.append(asyncio.create_task(one(fb.offered % len(rids))))
+            i = fb.offered % len(rids)
+            ids = rids[i]
+            if len(ids) == 1:
+                rid = ids[0]
+            elif ids:
+                rid = ids.pop(0)
+            else:
+                raise RuntimeError("every distinct completion has had its event: raise --distinct")
+            tasks.append(asyncio.create_task(one(i, rid)))
             fb.offered += 1
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, t0 + fb.offered / rate - time.perf_counter()))
@@ -141,7 +160,7 @@ async def feedback_offered(url: str, rids: list[str], rate: float, stop: asyncio
         await asyncio.gather(*tasks)  # (the backlog drains before the next round starts)
 
 
-async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[str], front: int | None = None
+async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[list[str]], front: int | None = None
               ) -> tuple[float, float, Feedback, dict[str, float]]:
     """A round: (tokens a second, the streams' seconds, the feedback's counts, each server part's
     CPU seconds while the streams ran)."""
@@ -269,6 +288,10 @@ def main() -> None:
     ap.add_argument("--arm", action="append", metavar="NAME=SRC",
                     help="a source tree to serve (PYTHONPATH=SRC); several alternate server by server, each at every "
                          "--batches value (default: this tree)")
+    ap.add_argument("--distinct", type=int, default=0, metavar="N",
+                    help="each event on a completion of its own (N a tenant, asked before the rounds; each event "
+                         "then pays its pair's preparation, as distinct feedback does); default: one completion "
+                         "a tenant, its pair prepared once")
     ap.add_argument("--absorb", type=int, default=0, help="the learner alone: a backlog of this many events")
     ap.add_argument("--threads", type=int, default=1, help="(--absorb) the learner's PyTorch threads")
     ap.add_argument("--contexts", default=None, help="(--absorb) the instant step's context forms to alternate "
@@ -293,7 +316,7 @@ def main() -> None:
                 proc, url = start(tmp, keys, args.nice, batch, arm, src)
                 try:
                     asyncio.run(run(url, 4, 8, None, []))  # warm-up
-                    rids = [asyncio.run(learner_setup(url, i)) for i in range(args.learners)]
+                    rids = [asyncio.run(learner_setup(url, i, args.distinct)) for i in range(args.learners)]
                     r = results[server]
                     for k in range(args.rounds):
                         for rate in ([None, args.rate] if k % 2 == 0 else [args.rate, None]):
@@ -317,7 +340,8 @@ def main() -> None:
                     os.killpg(proc.pid, signal.SIGINT)
                     proc.wait(timeout=120)
     table = Table(title=f"Serving while learning: default model, {args.streams} streams x {args.gen_len} tokens, "
-                        f"feedback offered at {args.rate:g}/s by {args.learners} tenants, learning at nice "
+                        f"feedback offered at {args.rate:g}/s by {args.learners} tenants"
+                        f"{f' on distinct completions' if args.distinct else ' on one completion each'}, learning at nice "
                         f"{args.nice}; {args.rounds} rounds a kind x {args.repeats} servers a batch")
     for col in (*(("arm",) if args.arm else ()), "learn batch", "no feedback, tok/s", "with feedback, tok/s", "kept (medians)", "events/s offered",
                 "events/s absorbed", "refused (429) / after", "events a step", "step / publish p50 (ms)",
