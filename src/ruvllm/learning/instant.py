@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 from ruvllm.learning.candidates import CandidatePool
 from ruvllm.learning.config import InstantConfig
-from ruvllm.learning.prefix_states import PrefixStates
 from ruvllm.learning.sampled_logits import sampled_logits
-from ruvllm.learning.tail import LearnedLayers, MicroLora
+from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
 
 
 @dataclass
@@ -106,9 +105,6 @@ class InstantLearner:
         # the sampled softmax's drawn candidates, a batch a step: made ahead by the learner's
         # background pass (Learner.consolidate: fill_candidates), else drawn in the step (candidates.py)
         self.candidates = CandidatePool(layers.head, config.seed, config.candidates_ahead)
-        # the layers below the learned ones over an event's prompt and correction, run from a prefix
-        # (the chat template's header, a system prompt) kept from earlier events (prefix_states.py)
-        self.prefixes = PrefixStates(layers.model, layers.first)
         # the sampled softmax's drawn candidates pooled by our C++ (learning/sampled_logits.py; None:
         # torch's ops): the kernels where the learned layers run them
         self.logits_ext = layers._ext
@@ -144,7 +140,7 @@ class InstantLearner:
         with a frozen context the prompt's K/V through the learned layers."""
         t = time.perf_counter()
         ids = prompt + target
-        h = self.prefixes.hidden(ids)  # (hidden_before's rows, from a kept shared prefix)
+        h = hidden_before(self.layers.model, ids, self.layers.first)
         embedding = h[:len(prompt)].mean(dim=0)
         context = None
         frozen = (context_mode or self.config.context) == "frozen"
