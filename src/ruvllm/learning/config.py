@@ -107,9 +107,10 @@ class LearningConfig(Checked):
     # each tenant's are learned in one step over up to this many (InstantLearner.step_events; the KL
     # term toward the base computed once a step, not once an event), tenants in turn. Bounded because
     # the step's memory and time grow with the events it holds (every event's rows run through the
-    # learned layers in one batch) and every event in it waits for the whole step; 4 is the size
-    # measured (docs/learning.md). 1: one step an event, as before.
-    update_batch: int = setting(4, "With --learn: most waiting feedback events of a tenant learned in one step "
+    # learned layers in one batch) and every event in it waits for the whole step. 16: beside 32
+    # streams it absorbed 1.30x the events 8 did at the same cost to serving, 32 no more than 16
+    # (docs/learning.md, session 23; 8 absorbed 1.4x what 4 did, session 21). 1: one step an event.
+    update_batch: int = setting(16, "With --learn: most waiting feedback events of a tenant learned in one step "
                                    "(1: one step an event).", flag="--learn-batch", minimum=1, metavar="N")
     # Older ones are deleted with their policy-store rows; the serving one and every deep-loop promotion stay.
     keep_versions: int = setting(16, "Version folders kept per tenant (0: all).", minimum=0, cli=False)
