@@ -328,7 +328,8 @@ class Learner:
                     if not queues[scope]:
                         del queues[scope]
                     try:
-                        results: list[FeedbackResult | Exception] = list(self._learn([c for _, c in chunk]))
+                        results: list[FeedbackResult | Exception] = list(self._learn([c for _, c in chunk],
+                                                                                     queued=True))
                     except Exception as exc:  # noqa: BLE001  # the step failed: every event in it gets the error
                         results = [exc] * len(chunk)
                     yield from ((i, r) for (i, _), r in zip(chunk, results))
@@ -383,15 +384,16 @@ class Learner:
             else stack_scope(tenant, done.adapter)
         return _Checked(completion_id, tenant, scope, done.prompt_ids, target, score)
 
-    def _learn(self, chunk: list[_Checked]) -> list[FeedbackResult]:
+    def _learn(self, chunk: list[_Checked], queued: bool = False) -> list[FeedbackResult]:
         """One update of a scope over its events (all of one scope, in order): one `step` for a lone
         event, else one `step_events` over them all; one version published. The background loop's
-        counts go by events, as they did when every event was a step: its pull per event and its
-        Fisher's refresh do not depend on how the events were coalesced."""
+        pull counts events, as when every event was a step (its pull per event does not depend on
+        how the events were coalesced); its Fisher's refresh counts updates (the weights move once
+        an update). `queued`: an update feedback_many counted as coming (`_coming`)."""
         scope, tenant = chunk[0].scope, chunk[0].tenant
         with self._ahead_lock:
             self._stepping[scope] = self._stepping.get(scope, 0) + 1
-            if scope in self._coming:  # (an update of feedback_many's: begun now)
+            if queued:  # an update feedback_many counted as coming: begun now
                 self._coming[scope] -= 1
                 if not self._coming[scope]:
                     del self._coming[scope]
@@ -468,9 +470,10 @@ class Learner:
     def consolidate(self) -> dict[str, str]:
         """Consolidate each tenant's instant updates since the last call under EWC++: refresh its
         Fisher when `fisher_every` updates have passed (or it has none yet), pull its micro-LoRA
-        toward the base once per feedback event, and serve the result as a new version. Returns
-        {tenant: version} for those published (a tenant without completions of its own has no
-        Fisher yet: unchanged).
+        toward the base once per feedback event, and serve the result as a new version, unless an
+        update of the tenant is coming (a backlog's, or one waiting for the lock), whose version
+        serves the pulled weights. Returns {tenant: version} for those published (a tenant without
+        completions of its own has no Fisher yet: unchanged).
 
         The Fisher's forward and backward passes (and preparing its completions, 1.5 s the first
         time) run without the learner's lock, on a copy of the micro-LoRA taken under it, so a
