@@ -23,7 +23,9 @@ absorbed events'. "Cores used" is each server part's CPU seconds a second while 
 names), in the plain rounds and in those with feedback; "learning CPU an event" is the learning
 threads' CPU over the events absorbed. The machine's load average is printed beside it.
 
-    .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 --batches 1,4 [--nice 0]
+    .venv/bin/python benchmarks/learning_cost.py --streams 32 --rate 5 --rounds 2 --batches 8,16 [--nice 0]
+    .venv/bin/python benchmarks/learning_cost.py --batches 16 --repeats 2 --arm before=/tmp/wt/src --arm after=src
+    .venv/bin/python benchmarks/learning_cost.py --batches 16 --distinct 120      # each event its own completion
 
 With --absorb N, the learner alone (no server, no serving; this process, PyTorch at --threads): a
 backlog of N events of the --learners tenants, learned by `Learner.feedback_many` at each
