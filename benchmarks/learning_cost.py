@@ -47,10 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (`benchmarks.` imports)
+from benchmarks.front_cpu import thread_cpu  # noqa: E402
+from benchmarks.server_vs_offline import core_pid  # noqa: E402
 from witness_load import start_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -178,34 +182,14 @@ async def run(url: str, n: int, gen_len: int, rate: float | None, rids: list[lis
     return tokens / secs, secs, fb, {k: after[k] - before[k] for k in before}
 
 
-def _ticks(stat: str) -> int:
-    """utime + stime from a /proc stat line (the fields after the name's closing parenthesis)."""
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])
-
-
 def cpu_split(front: int) -> dict[str, float]:
     """CPU seconds so far of the server's parts: its learning threads (named by
-    learning.background.learning_thread), the rest of the front, and the engine core (the front's
-    child processes, whole)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    learning = 0
-    for task in Path(f"/proc/{front}/task").iterdir():
-        try:
-            if task.joinpath("comm").read_text().startswith(("ruvllm-learn", "ruvllm-consol")):
-                learning += _ticks(task.joinpath("stat").read_text())
-        except OSError:
-            pass  # the thread ended
-    total = _ticks(Path(f"/proc/{front}/stat").read_text())
-    core = 0
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == front:
-            core += _ticks(stat)
-    return {"learning": learning / tick, "front": (total - learning) / tick, "core": core / tick}
+    learning.background.learning_thread; front_cpu.thread_cpu reads each thread's), the rest of the
+    front, and the engine core process (whole, the threads it has ended included)."""
+    learning = sum(t for name, t in thread_cpu(front).items() if name.startswith(("ruvllm-learn", "ruvllm-consol")))
+    core = core_pid(front)
+    return {"learning": learning, "front": sum(psutil.Process(front).cpu_times()[:2]) - learning,
+            "core": sum(psutil.Process(core).cpu_times()[:2]) if core else 0.0}
 
 
 def used(cpus: list[dict[str, float]], secs: list[float], part: str) -> float:

@@ -320,7 +320,12 @@ class Learner:
             queues.setdefault(checked.scope, []).append((i, checked))
         # (with more steps an event until its own target is reached, which has no batched form: one at a time)
         size = self.config.update_batch if self.config.instant.steps_per_event == 1 else 1
-        self._expect({scope: -(-len(q) // size) for scope, q in queues.items()})
+
+        def expect(sign: int) -> None:  # each scope's updates still queued, counted as coming (or no more)
+            with self._ahead_lock:
+                for scope, q in queues.items():
+                    self._count_coming(scope, sign * -(-len(q) // size))
+        expect(1)
         try:
             while queues:
                 for scope in list(queues):
@@ -334,14 +339,13 @@ class Learner:
                         results = [exc] * len(chunk)
                     yield from ((i, r) for (i, _), r in zip(chunk, results))
         finally:  # (also when the caller stops taking results: what was not begun is no longer coming)
-            self._expect({scope: -(-len(q) // size) for scope, q in queues.items()}, -1)
+            expect(-1)
 
-    def _expect(self, updates: dict[str, int], sign: int = 1) -> None:
-        with self._ahead_lock:
-            for scope, n in updates.items():
-                self._coming[scope] = self._coming.get(scope, 0) + sign * n
-                if not self._coming[scope]:
-                    del self._coming[scope]
+    def _count_coming(self, scope: str, n: int) -> None:
+        """Add n to the scope's updates coming (under `_ahead_lock`)."""
+        self._coming[scope] = self._coming.get(scope, 0) + n
+        if not self._coming[scope]:
+            del self._coming[scope]
 
     def _check(self, event: FeedbackEvent) -> _Checked:
         """The event's completion, target, score and scope, or the error (typed) that refuses it."""
@@ -394,9 +398,7 @@ class Learner:
         with self._ahead_lock:
             self._stepping[scope] = self._stepping.get(scope, 0) + 1
             if queued:  # an update feedback_many counted as coming: begun now
-                self._coming[scope] -= 1
-                if not self._coming[scope]:
-                    del self._coming[scope]
+                self._count_coming(scope, -1)
             busy = self._ahead_busy.get(scope)
         try:
             if busy is not None:
