@@ -27,6 +27,14 @@ threads' CPU over the events absorbed. The machine's load average is printed bes
     .venv/bin/python benchmarks/learning_cost.py --batches 16 --repeats 2 --arm before=/tmp/wt/src --arm after=src
     .venv/bin/python benchmarks/learning_cost.py --batches 16 --distinct 120      # each event its own completion
 
+With --prepare, what a distinct event's preparation costs against the engine's own prefill of the
+same tokens (one thread, this process, --repeats rounds alternating; CPU time): the learner's
+`prepare` of a chat pair, its base pass alone (the layers below the learned ones over the prompt and
+correction), and the engine's prefill of those tokens (every layer and the head, its prefix cache
+reset). If the base pass runs at the engine's prefill rate, no implementation of it is slack.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_cost.py --prepare --repeats 7
+
 With --absorb N, the learner alone (no server, no serving; this process, PyTorch at --threads): a
 backlog of N events of the --learners tenants, learned by `Learner.feedback_many` at each
 --learn-batch value in turn, --repeats times: events a second each way, medians. --contexts full,frozen
@@ -261,6 +269,51 @@ def absorb(args: argparse.Namespace, batches: list[int]) -> None:
     Console().print(table)
 
 
+def prepare_cost(args: argparse.Namespace) -> None:
+    """A distinct pair's preparation, its base pass and the engine's prefill of the same tokens."""
+    import torch
+
+    from ruvllm import LLM, SamplingParams
+    from ruvllm.engine.prompts import render_chat
+    from ruvllm.learning.config import LearningConfig
+    from ruvllm.learning.tail import hidden_before
+
+    torch.set_num_threads(1)
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=8, num_threads=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        instant = llm.enable_learning(LearningConfig(root=tmp, threads=1)).instant
+        tok = llm.tokenizer
+        prompt = list(render_chat(tok, [{"role": "user", "content": "Who wrote the novel about the "
+                                                 "lighthouse keeper of Varnholm island?"}]))
+        target = tok.encode("The novel was written by Ilse Marrow, a poet from the northern coast.",
+                            add_special_tokens=False) + [tok.eos_token_id]
+        one_token = SamplingParams(temperature=0, max_tokens=1)
+
+        def prefill() -> None:
+            llm.reset_prefix_cache()
+            llm.generate([prompt + target], one_token)
+
+        parts = {"the learner's prepare": lambda: instant.prepare(prompt, target),
+                 f"its base pass (layers 0-{instant.layers.first - 1})":
+                     lambda: hidden_before(instant.layers.model, prompt + target, instant.layers.first),
+                 f"the engine's prefill (all {len(instant.layers.model.layers)} layers, the head)": prefill}
+        cpu: dict[str, list[float]] = {name: [] for name in parts}
+        for rep in range(args.repeats + 1):
+            for name in parts if rep % 2 == 0 else list(parts)[::-1]:
+                t = time.process_time()
+                parts[name]()
+                if rep:  # the first round warms each part
+                    cpu[name].append((time.process_time() - t) * 1000)
+    table = Table(title=f"A distinct pair ({len(prompt)} prompt + {len(target)} correction tokens), one thread, "
+                        f"{args.repeats} rounds alternating, load average {os.getloadavg()[0]:.1f}")
+    for col in ("part", "CPU ms (median)", "ms a row"):
+        table.add_column(col, justify="right")
+    for name, xs in cpu.items():
+        m = statistics.median(xs)
+        table.add_row(name, f"{m:.1f}", f"{m / (len(prompt) + len(target)):.2f}")
+    Console().print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=32)
@@ -282,8 +335,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="(--absorb) the learner's PyTorch threads")
     ap.add_argument("--contexts", default=None, help="(--absorb) the instant step's context forms to alternate "
                                                       "(full,frozen; default: the configured one)")
+    ap.add_argument("--prepare", action="store_true", help="a distinct pair's preparation against the engine's prefill")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.prepare:
+        prepare_cost(args)
+        return
     if args.absorb:
         absorb(args, batches)
         return
