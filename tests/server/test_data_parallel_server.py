@@ -53,18 +53,25 @@ def dp_server(tiny_model_dir):
             pytest.fail("server did not come up")
         yield proc, url
     finally:
-        cores = _children(proc.pid) if proc.poll() is None else []
+        cores = _children(proc.pid) + _replicas(proc.pid) if proc.poll() is None else []
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        assert all(_wait_gone(pid) for pid in cores), "a replica outlived the server"
+        assert all(_wait_gone(pid) for pid in cores), "a replica or the core launcher outlived the server"
+
+
+def _replicas(server: int) -> list[int]:
+    """A data-parallel server's replica cores: the children of its one child, the core launcher
+    they fork from (engine/core_launcher.py)."""
+    (launcher,) = _children(server)
+    return _children(launcher)
 
 
 def test_both_replicas_serve_and_report(dp_server) -> None:
     proc, url = dp_server
-    assert len(_children(proc.pid)) == 2
+    assert len(_replicas(proc.pid)) == 2
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     prompts = [" ".join(f"t{2 + (7 * i + j) % 97}" for j in range(40)) for i in range(12)]
     done = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0) for p in prompts]
@@ -82,7 +89,7 @@ def test_both_replicas_serve_and_report(dp_server) -> None:
 
 def test_zz_a_killed_replica_ends_only_its_streams_and_is_restarted(dp_server) -> None:
     proc, url = dp_server
-    victim = _children(proc.pid)[0]
+    victim = _replicas(proc.pid)[0]
     results: dict[int, str] = {}
     started = threading.Barrier(9, timeout=60)
 
@@ -122,7 +129,7 @@ def test_zz_a_killed_replica_ends_only_its_streams_and_is_restarted(dp_server) -
         time.sleep(0.25)
     assert [r["status"] for r in health["replicas"]] == ["up", "up"], health
     assert sum(r["restarts"] for r in health["replicas"]) == 1
-    assert victim not in _children(proc.pid)
+    assert victim not in _replicas(proc.pid)
     text = httpx.get(url + "/metrics").text
     assert _metric(text, "ruvllm:replica_restarts", 0) + _metric(text, "ruvllm:replica_restarts", 1) == 1
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -143,7 +150,8 @@ def test_zzz_sigterm_stops_the_server_with_exit_0(dp_server) -> None:
     test, as the stop a supervisor sends: exit 0, the in-flight stream ended by the drain, both
     replicas' cores gone."""
     proc, url = dp_server
-    cores = _children(proc.pid)
+    cores = _replicas(proc.pid)
     assert len(cores) == 2
+    cores += _children(proc.pid)  # and the launcher
     stop_mid_stream(proc, url, signal.SIGTERM)
     assert all(_wait_gone(pid) for pid in cores), "a replica outlived the server"

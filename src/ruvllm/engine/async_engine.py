@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.core_client import CoreClient, ProcessCoreClient, ReplicaState, ThreadCoreClient
+from ruvllm.engine.core_launcher import CoreLauncher
 from ruvllm.engine.data_parallel import DataParallelConfig, DataParallelCoreClient
 from ruvllm.engine.input_processor import core_requests, embed_request, stop_token_set
 from ruvllm.engine.output_processor import OutputProcessor
@@ -66,16 +67,18 @@ class AsyncEngine:
         client.start(self._on_outputs, self._fail, self._lose)
 
     @classmethod
-    def launch(cls, config: EngineConfig | None = None, data_parallel: DataParallelConfig | None = None) -> AsyncEngine:
+    def launch(cls, config: EngineConfig | None = None, data_parallel: DataParallelConfig | None = None,
+               launcher: CoreLauncher | None = None) -> AsyncEngine:
         """The core in a child process, loading `config`'s model there while the tokenizer loads here.
         `data_parallel` with size N > 1: N core processes, each with its own model copy and KV pool,
-        behind this one front (engine/data_parallel.py)."""
+        behind this one front (engine/data_parallel.py). `launcher`: a one-core engine's process forked
+        from it (a front that starts many: engine/core_launcher.py)."""
         config = config or EngineConfig()
         client: ProcessCoreClient | DataParallelCoreClient
         if data_parallel is not None and data_parallel.size > 1:
             client = DataParallelCoreClient(config, data_parallel)
         else:
-            client = ProcessCoreClient(config)  # started first: the two loads overlap
+            client = ProcessCoreClient(config, launcher=launcher)  # started first: the two loads overlap
         try:
             from ruvllm.loader import load_model_config, load_tokenizer, resolve_model
 

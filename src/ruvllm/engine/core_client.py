@@ -34,6 +34,7 @@ from ruvllm import errors
 from ruvllm.config import EngineConfig
 from ruvllm.core.engine_core import EngineCore
 from ruvllm.engine.core_channel import FrameReader, answer_bell, doorbell, socket_pair
+from ruvllm.engine.core_launcher import CoreLauncher, LaunchedCore
 from ruvllm.engine.core_loop import CoreLoop
 from ruvllm.errors import EngineDeadError, EngineShutdownError, RuvllmError
 from ruvllm.messages import (AbortRequests, AddRequests, Call, CallResult, CoreCall, CoreFailed, CoreInput,
@@ -284,9 +285,12 @@ class ProcessCoreClient(_OneCore):
     stream, that CPU a token is taken from the cores the engine computes on). Shutdown asks the
     child to leave, then terminates it, then kills it, and always joins it: no zombie is left behind."""
 
-    def __init__(self, config: EngineConfig, cpus: set[int] | None = None) -> None:
+    def __init__(self, config: EngineConfig, cpus: set[int] | None = None,
+                 launcher: CoreLauncher | None = None) -> None:
         """Starts the child, which loads the model; `wait_ready` waits for it (the front can load
-        its tokenizer meanwhile). `cpus`: the cores the child (and every thread it starts) may run on."""
+        its tokenizer meanwhile). `cpus`: the cores the child (and every thread it starts) may run on.
+        `launcher`: fork the child from it (its modules imported already: core_launcher.py), rather
+        than start a fresh interpreter."""
         super().__init__()
         self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
         in_addr = f"ipc://{self._dir}/in"
@@ -320,15 +324,21 @@ class ProcessCoreClient(_OneCore):
         if config.num_threads is not None:  # OpenMP pools the child's libraries start get the same count
             env["OMP_NUM_THREADS"] = str(config.num_threads)
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, str(child_end.fileno()),
-                 str(self._bell), str(os.getpid())], stdin=subprocess.PIPE, env=env,
-                pass_fds=(child_end.fileno(), self._bell))
+            if launcher is not None:
+                self.process: subprocess.Popen | LaunchedCore = launcher.launch(
+                    config, in_addr, (child_end.fileno(), self._bell), env, cpus)
+            else:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "ruvllm.engine.core_process", in_addr, str(child_end.fileno()),
+                     str(self._bell), str(os.getpid())], stdin=subprocess.PIPE, env=env,
+                    pass_fds=(child_end.fileno(), self._bell))
         except BaseException:
             child_end.close()
             self._close_sockets()
             raise
         child_end.close()  # the child's own now: its exit (however it comes) is our end of file
+        if launcher is not None:
+            return  # the launcher handed the child its config and CPUs
         try:
             if cpus:  # set before the child has started any thread (it is still importing): all inherit it
                 os.sched_setaffinity(self.process.pid, cpus)
