@@ -321,7 +321,9 @@ class ProcessCoreClient(_OneCore):
         # The child logs at this process's level (`ruvllm -v` shows the core's load and KV sizing too).
         # As a number: a custom level has no name basicConfig would take back.
         env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel())}
-        if config.num_threads is not None:  # OpenMP pools the child's libraries start get the same count
+        # OpenMP pools the child's libraries start get the same count (a forked core's libgomp read its
+        # count at the launcher's start: CoreLauncher(threads); the core sets torch's from its config).
+        if config.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(config.num_threads)
         try:
             if launcher is not None:

@@ -1,7 +1,9 @@
 """The engine core's own process: load the model, then loop over commands and steps.
 
 Started by ProcessCoreClient as `python -m ruvllm.engine.core_process IN OUT_FD BELL_FD PARENT_PID`
-with the pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state). It
+with the pickled EngineConfig on stdin (a fresh interpreter: no forked CUDA or thread state), or
+forked from a CoreLauncher, which calls `run_core` itself (core_launcher.py: a process that has
+imported the modules and holds no thread or CUDA state; PARENT_PID is then the launcher's). It
 connects to the front's command socket (ZeroMQ, IN), writes its own messages as frames on the
 inherited socket OUT_FD, ringing the doorbell BELL_FD after each (core_channel.py: no I/O thread
 wakes per step), says Ready with the EngineInfo (or

@@ -29,6 +29,7 @@ import msgspec
 from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
 from ruvllm.engine.core_launcher import CoreLauncher
+from ruvllm.engine.core_launcher import available as launcher_available
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError, RuvllmError
 from ruvllm.messages import (CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats, LoadAdapter,
@@ -107,13 +108,13 @@ class DataParallelCoreClient:
         self._adapters_lock = threading.Lock()
         # The replicas and their restarts fork from one launcher (core_launcher.py): each replica
         # skips an interpreter's start and torch's import (a restart is ready in ~1.2 s, not ~4).
-        self._launcher = CoreLauncher()
+        self._launcher = CoreLauncher(threads) if launcher_available() else None
         try:
             for rep in self._replicas:
                 self._pending.append(ProcessCoreClient(rep.config, cpus=rep.cpus, launcher=self._launcher))
         except BaseException:
             self._shutdown_pending()
-            self._launcher.close()
+            self._close_launcher()
             raise
         self.router: Router | None = None
 
@@ -124,7 +125,7 @@ class DataParallelCoreClient:
                 rep.client, rep.status, rep.stats = client, "up", client.latest_stats
         except BaseException:
             self._shutdown_pending()
-            self._launcher.close()
+            self._close_launcher()
             raise
         self._pending = []
         first = self._replicas[0].client.info  # type: ignore[union-attr]
@@ -277,7 +278,11 @@ class DataParallelCoreClient:
             if client is not None:
                 client.shutdown()
         self._shutdown_pending()
-        self._launcher.close()  # after its children: they leave when it does
+        self._close_launcher()  # after its children: they leave when it does
+
+    def _close_launcher(self) -> None:
+        if self._launcher is not None:
+            self._launcher.close()
 
     # --- the replicas' receiving threads ------------------------------------------------------------
     def _outputs(self, rep: _Replica, outputs: list[CoreOutput]) -> None:

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ruvllm.engine.core_launcher import CoreLauncher
+from ruvllm.engine.core_launcher import available as launcher_available
 from ruvllm.errors import EngineDeadError
 from ruvllm.server.errors import APIError
 
@@ -442,7 +443,7 @@ class ModelPool:
 
     def _launch_core(self, config: EngineConfig, tokenizer: Any) -> AsyncEngine:
         """The default `launch` (on a worker thread; loads go one at a time): from the pool's launcher."""
-        if self._launcher is None:
+        if self._launcher is None and launcher_available():
             self._launcher = CoreLauncher()
         return _launch(config, tokenizer, self._launcher)
 
@@ -460,7 +461,7 @@ class ModelPool:
         return out
 
 
-def _launch(config: EngineConfig, tokenizer: Any, launcher: CoreLauncher) -> AsyncEngine:
+def _launch(config: EngineConfig, tokenizer: Any, launcher: CoreLauncher | None) -> AsyncEngine:
     """AsyncEngine.launch, or with a tokenizer already loaded, the same core process started alone;
     forked from `launcher`."""
     from ruvllm.engine.async_engine import AsyncEngine
