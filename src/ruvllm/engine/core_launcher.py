@@ -1,8 +1,9 @@
 """A parent for engine cores that has already imported torch and the engine: cores fork from it.
 
 A core started as a fresh interpreter (`python -m ruvllm.engine.core_process`) spends most of its
-start importing: on the 2-core AVX2 EPYC a default-model core was ready 3.5-4.1 s after its start,
-and importing torch and the engine's modules alone took 3.7 s (docs/benchmarks.md, session 24). A
+start importing: on the 2-core AVX2 EPYC a default-model core was ready 2.9-3.5 s after its start
+and 1.0-1.2 s after a fork from this launcher (benchmarks/model_switch.py; docs/benchmarks.md,
+session 24); importing torch and the engine's modules alone took ~3.7 s of CPU there. A
 front that starts several cores over its life (data-parallel replicas and their restarts, a
 many-models server loading and unloading models) starts this launcher once: one interpreter that
 imports those modules and then only forks, never computes, so each child starts with them imported

@@ -107,7 +107,7 @@ class DataParallelCoreClient:
         self._adapters: dict[str, str] = {}
         self._adapters_lock = threading.Lock()
         # The replicas and their restarts fork from one launcher (core_launcher.py): each replica
-        # skips an interpreter's start and torch's import (a restart is ready in ~1.2 s, not ~4).
+        # skips an interpreter's start and torch's import (a default-model replica's restart: ready in ~1.1 s, not ~3).
         self._launcher = CoreLauncher(threads) if launcher_available() else None
         try:
             for rep in self._replicas:

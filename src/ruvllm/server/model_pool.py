@@ -157,7 +157,7 @@ class ModelPool:
         self._make_state = make_state
         self._launch = launch or self._launch_core
         # Started at the first load; every load forks its core from it (engine/core_launcher.py: a
-        # model's core ready in ~1.2 s rather than ~4 on the 2-core AVX2 EPYC).
+        # model's core ready in ~1.1 s rather than ~3 on the 2-core AVX2 EPYC).
         self._launcher: CoreLauncher | None = None
         self._estimate = estimate
         self._load_lock: asyncio.Lock | None = None  # made on the serving loop: loads go one at a time
