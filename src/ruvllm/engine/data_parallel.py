@@ -332,18 +332,28 @@ class DataParallelCoreClient:
             old.shutdown()
         time.sleep(min(2.0 ** (len(rep.failures) - 1) * 0.5, 10.0))  # back off when it keeps failing
         while True:
-            with self._lock:  # shutdown stops a replica still loading through `launching`
-                if self._stopping.is_set():
-                    return
-                client = rep.launching = ProcessCoreClient(rep.config, cpus=rep.cpus, launcher=self._launcher)
+            if self._stopping.is_set():
+                return
+            client = None
             try:
+                # Started outside the lock: a fork's round trip (or a new launcher's imports) holds up
+                # no other replica's outputs.
+                client = ProcessCoreClient(rep.config, cpus=rep.cpus, launcher=self._launcher)
+                with self._lock:  # shutdown stops a replica still loading through `launching`
+                    stopping = self._stopping.is_set()
+                    if not stopping:
+                        rep.launching = client
+                if stopping:  # shutdown came between the start and the lock: it did not see this one
+                    client.shutdown()
+                    return
                 client.wait_ready()
                 # Started first: its receiving thread answers the reload's calls. Until it is up,
                 # nothing is routed to it, and its failure is a stale client's (ignored).
                 self._attach(rep, client)
                 self._reload_adapters(rep, client)  # returns holding _adapters_lock
             except Exception as exc:
-                client.shutdown()
+                if client is not None:
+                    client.shutdown()
                 if self._stopping.is_set():
                     return
                 with self._lock:
