@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from ruvllm import LLM, AsyncEngine, SamplingParams
 from ruvllm.engine.core_launcher import CoreLauncher
 from ruvllm.engine.llm import build_engine_config
 from ruvllm.outputs import OutputKind
+from tests.server.test_serve_process import _wait_gone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -40,19 +40,6 @@ def _greedy(engine: AsyncEngine) -> list[list[int]]:
         return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
 
     return asyncio.run(both())
-
-
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_forked_core_serves_as_in_process_and_reports_its_exit(tiny_model_dir, tmp_path, monkeypatch) -> None:
@@ -142,4 +129,4 @@ def test_a_killed_front_leaves_neither_launcher_nor_core(tiny_model_dir) -> None
     finally:
         front.kill()
         front.wait()
-    assert _gone(launcher) and _gone(core)
+    assert _wait_gone(launcher) and _wait_gone(core)

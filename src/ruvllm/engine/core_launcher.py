@@ -14,7 +14,8 @@ same imports once more.
 The front and the launcher talk over a Unix SEQPACKET socket pair: the front sends a request (the
 pickled config, the core's arguments, its environment, working folder and CPUs) with the core's two
 inherited descriptors (its socket end and doorbell) as SCM_RIGHTS; the launcher forks, answers the
-child's pid, and later reports each child's exit status, which only it (the parent) can read.
+child's pid with a pidfd for it, and later reports each child's exit status, which only it (the
+parent) can read.
 `LaunchedCore` is the front's handle with Popen's interface (pid, poll, wait, terminate, kill,
 returncode), signalling through a pidfd, so a signal never reaches a reused pid. The children's
 parent is the launcher: a core leaves when its parent changes (core_process.py), and the launcher
@@ -165,18 +166,15 @@ class CoreLauncher:
             self._exits[message[1]] = message[2]
         return message, (fds[0] if fds else None)
 
-    def _drain_locked(self) -> bool:
-        """Every report already sent, read without waiting; False once the launcher has gone."""
+    def _drain_locked(self) -> None:
+        """Every report already sent, read without waiting (a "started" comes only to the launch
+        that asked, which holds the lock until it does); the launcher stopped at its end of file."""
         while self._sock is not None:
-            message, fd = self._read_locked(0.0)
-            if fd is not None:  # a "started" nobody waits for (cannot happen: launches hold the lock)
-                os.close(fd)
+            message, _ = self._read_locked(0.0)
             if message is None:
                 self._stop_locked()
-                return False
-            if message[0] == "timeout":
-                return True
-        return False
+            elif message[0] == "timeout":
+                return
 
     def take_exit(self, pid: int, generation: int) -> tuple[int | None, bool]:
         """(the reported exit status of `pid`, if any, taken; whether a report can still come: its
@@ -265,11 +263,6 @@ class LaunchedCore:
             os.close(self._pidfd)
 
 
-def _exit_status(status: int) -> int:
-    """A wait status as Popen's returncode: the exit code, or minus the signal that ended it."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def _serve(sock: socket.socket) -> None:
     """The launcher's loop: fork a core per request, report each child's exit at once (woken by
     SIGCHLD); leave at the front's end of file."""
@@ -284,19 +277,17 @@ def _serve(sock: socket.socket) -> None:
     while True:
         ready = {fd for fd, _ in waiting.poll()}
         try:
-            if wake_r in ready:
-                while True:
-                    try:
-                        if not os.read(wake_r, 512):
-                            break
-                    except BlockingIOError:
-                        break
+            if wake_r in ready:  # a byte a signal: one read empties it, and waitpid below finds every exit
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
             while children:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
                 children.discard(pid)
-                sock.send(pickle.dumps(("exited", pid, _exit_status(status))))
+                sock.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))  # Popen's form: -signal
             if sock.fileno() not in ready:
                 continue
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
