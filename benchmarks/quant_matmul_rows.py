@@ -24,9 +24,7 @@ ms a call.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +38,15 @@ from gguf import quants
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import kernel_at  # noqa: E402
 from ruvllm.quant import cpu_matmul  # noqa: E402
 from ruvllm.quant.gguf_blocks import gguf_int4, gguf_int8  # noqa: E402
 from ruvllm.quant.llamacpp import q4_k_blocks  # noqa: E402
 
 SOURCE = Path("src/ruvllm/quant/csrc/quant_matmul.cpp")
+DECLARATION = ("at::Tensor quant_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&, "
+               "const std::optional<at::Tensor>&, int64_t, bool)")
+SCHEMA = "quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor"
 # (K, N) of SmolLM2-1.7B's projections: q/o, gate/up, down
 SHAPES = {"2048x2048": (2048, 2048), "2048x8192": (2048, 8192), "8192x2048": (8192, 2048)}
 # (K, N) of the default model's (SmolLM2-135M) projections as the learner runs them (issue 37 item 1): its
@@ -69,32 +71,12 @@ def weight(body: str, k: int, n: int, seed: int) -> cpu_matmul.Packed:
 
 
 def source_at(rev: str) -> str:
-    return subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
+    return kernel_at.source_at(rev, SOURCE)
 
 
 def standalone(text: str) -> Callable[..., torch.Tensor]:
     """A kernel source built alone, with its own operator name."""
-    from torch.utils.cpp_extension import load
-
-    tag = hashlib.sha1(text.encode()).hexdigest()[:10]
-    folder = Path.home() / ".cache" / "ruvllm" / "bench-kernels" / tag
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "quant_matmul.cpp").write_text(text)
-    (folder / "register.cpp").write_text(
-        "#include <torch/library.h>\n#include <optional>\n"
-        "namespace ruvllm { at::Tensor quant_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&,\n"
-        "  const std::optional<at::Tensor>&, int64_t, bool); }\n"
-        "TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {\n"
-        "  m.def(\"quant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group, bool int4) -> Tensor\");\n"
-        "}\n"
-        "TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl(\"quant_matmul\", &ruvllm::quant_matmul); }\n")
-    from ruvllm.cpu_build import CFLAGS
-
-    name = f"ruvllm_bench_qm_{tag}"
-    load(name=name, sources=[str(folder / "quant_matmul.cpp"), str(folder / "register.cpp")],
-         extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return getattr(torch.ops, name).quant_matmul
+    return kernel_at.standalone(text, "quant_matmul", DECLARATION, SCHEMA)
 
 
 def current() -> Callable[..., torch.Tensor]:
