@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,17 +34,6 @@ SCHEMA = "dense_matmul(Tensor x, Tensor w) -> Tensor"
 SHAPES = {"576x960": (576, 960), "576x576": (576, 576), "576x3072": (576, 3072), "1536x576": (1536, 576),
           "2048x2048": (2048, 2048), "2048x8192": (2048, 8192)}  # K x N
 ROWS = (1, 16, 64, 256, 512)
-
-
-def best_of(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
-    """Best of a few calls (at least 2, more while under `budget_s`), seconds."""
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < 2 or (spent < budget_s and calls < 50):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent, calls = min(best, dt), spent + dt, calls + 1
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             for t in args.rows:
                 x = xs[(s, t)]
                 for name, fn in fns.items():
-                    times.setdefault((name, s, t), []).append(best_of(lambda: fn(x, w), args.budget))
+                    times.setdefault((name, s, t), []).append(kernel_at.best_of(lambda: fn(x, w), args.budget))
         load.append(float(Path("/proc/loadavg").read_text().split()[0]))
 
     names = list(fns)

@@ -1,6 +1,7 @@
 """One of our C++ kernel sources, as it is at a git revision or in a file, built alone as its own
 extension: for benchmarks that time a kernel against its earlier self in one process, round after
-round, and check that both give the same bits (quant_matmul_rows.py, dense_matmul.py)."""
+round, and check that both give the same bits (quant_matmul_rows.py, dense_matmul.py); and how they
+time one call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -50,3 +52,14 @@ def standalone(text: str, op: str, declaration: str, schema: str) -> Callable[..
     load(name=name, sources=[str(folder / f"{op}.cpp"), str(folder / "register.cpp")],
          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(getattr(torch.ops, name), op)
+
+
+def best_of(fn: Callable[[], object], budget_s: float, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The best time of a few calls of `fn` (at least 2, more while under `budget_s`, at most 50), seconds."""
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 2 or (spent < budget_s and calls < 50):
+        t0 = clock()
+        fn()
+        dt = clock() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
+    return best

@@ -92,14 +92,7 @@ def call(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: cpu_matmul.Packed)
 
 def time_call(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: cpu_matmul.Packed, budget_s: float,
               clock: Callable[[], float]) -> float:
-    """Best of a few calls (at least 2, more while under `budget_s`), seconds."""
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < 2 or (spent < budget_s and calls < 50):
-        t0 = clock()
-        call(fn, x, w)
-        dt = clock() - t0
-        best, spent, calls = min(best, dt), spent + dt, calls + 1
-    return best
+    return kernel_at.best_of(lambda: call(fn, x, w), budget_s, clock)
 
 
 def main(argv: list[str] | None = None) -> None:
