@@ -16,5 +16,16 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// Keeps v in a register, so that a vector loaded once is read there by every FMA that needs it. Left
+// alone, GCC 12 folds such loads into the FMAs as memory operands: one load per FMA, and in a kernel
+// whose FMAs each read a vector that others read too, the loads, not the FMAs, set the pace
+// (layers/csrc/dense_matmul.cpp, attention/csrc/paged_attention.cpp: docs/benchmarks.md, session 25).
+// Only where a value is loaded changes, never an operation, so no result's bits do.
+inline void in_register(__m256& v) {
+#if defined(__GNUC__)
+  asm("" : "+x"(v));
+#endif
+}
 }  // namespace ruvllm
 #endif

@@ -50,19 +50,12 @@ RUVLLM_ONE_COPY float tail_dot(const float* x, const float* w, int64_t k0, int64
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// Keeps v in a register: each vector is loaded once and read by every FMA that needs it. Left to
-// itself GCC 12 folded the weight loads into the FMAs as memory operands, 16 loads per 12 FMAs in the
-// 4 x 3 kernel instead of 7, and the loads, not the FMAs, set the pace: 40-46 GFLOP/s at 64-512 rows
-// on this 2-core AVX2 EPYC (one thread), 1.2-1.7x MKL's time. With it 50-81 GFLOP/s, 0.65-0.91x the
-// time at 16-512 rows (`benchmarks/dense_matmul.py --compare-with`, docs/benchmarks.md). Only in the
-// 4-row kernel (mr > 2): the 1- and 2-row ones wait on memory, and forced they measured up to 1.16x
-// slower. Only where each value is loaded changes: every FMA is the same, so every output's bits are too.
-inline void in_register(__m256& v) {
-#if defined(__GNUC__)
-  asm("" : "+x"(v));
-#endif
-}
-
+// The 4-row kernel holds its loaded vectors in registers (ruvllm::in_register): GCC 12 had folded
+// the weight loads into the FMAs, 16 loads per 12 FMAs instead of 7, and the loads set the pace:
+// 40-46 GFLOP/s at 64-512 rows on this 2-core AVX2 EPYC (one thread), 1.2-1.7x MKL's time; held,
+// 50-81 GFLOP/s, 0.65-0.91x the time at 16-512 rows (`benchmarks/dense_matmul.py --compare-with`,
+// docs/benchmarks.md). The 1- and 2-row kernels wait on memory, and held they measured up to 1.16x
+// slower: they are left to the compiler.
 // y[m, n] for mr input rows and nr weight rows; every (m, n) has its own accumulator.
 template <int mr, int nr>
 void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
@@ -74,11 +67,11 @@ void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int
     __m256 wv[nr];
     for (int j = 0; j < nr; ++j) {
       wv[j] = _mm256_loadu_ps(w + j * K + k);
-      if constexpr (mr > 2) in_register(wv[j]);
+      if constexpr (mr > 2) ruvllm::in_register(wv[j]);
     }
     for (int i = 0; i < mr; ++i) {
       __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      if constexpr (mr > 2) in_register(xv);
+      if constexpr (mr > 2) ruvllm::in_register(xv);
       for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
