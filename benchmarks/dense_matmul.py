@@ -38,12 +38,9 @@ ROWS = (1, 16, 64, 256, 512)
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    kernel_at.add_arguments(p)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
-    p.add_argument("--budget", type=float, default=0.2, help="seconds of calls per cell, kernel and round")
-    p.add_argument("--compare-with", metavar="REV", help="also time the kernel's source at this git revision")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ext = kernels()

@@ -5,6 +5,7 @@ time one call."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -63,3 +64,12 @@ def best_of(fn: Callable[[], object], budget_s: float, clock: Callable[[], float
         dt = clock() - t0
         best, spent, calls = min(best, dt), spent + dt, calls + 1
     return best
+
+
+def add_arguments(p: argparse.ArgumentParser, threads: int = 1, budget: float = 0.2) -> None:
+    """The options every kernel benchmark here takes: rounds, threads, the time budget of a cell, and
+    the revision to compare with."""
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--budget", type=float, default=budget, help="seconds of calls per cell, kernel and round")
+    p.add_argument("--compare-with", metavar="REV", help="also time the kernel's source at this git revision")

@@ -52,11 +52,8 @@ def step(heads: tuple[int, int, int], seqs: int, rows: int, ctx: int, gen: torch
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    kernel_at.add_arguments(p)
     p.add_argument("--models", nargs="+", default=list(HEADS), choices=list(HEADS))
-    p.add_argument("--budget", type=float, default=0.2, help="seconds of calls per cell, kernel and round")
-    p.add_argument("--compare-with", metavar="REV", help="also time the kernel's source at this git revision")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tree = paged_attention()
