@@ -601,11 +601,11 @@ def _session17_ops(ext):  # noqa: ANN001, ANN202
 def _kernel_at(rev: str | None):  # noqa: ANN202
     """cpu_matmul.matmul with the quantized matmul's source as it was at git revision `rev` (None: as
     it is in the tree), built alone."""
-    from quant_matmul_rows import ROOT, SOURCE, source_at, standalone
+    from quant_matmul_rows import source_at, standalone
 
     from ruvllm.quant import cpu_matmul
 
-    fn = standalone(source_at(rev) if rev else (ROOT / SOURCE).read_text())
+    fn = standalone(source_at(rev))
 
     def matmul(x: torch.Tensor, w: cpu_matmul.Packed) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()

@@ -70,7 +70,8 @@ def weight(body: str, k: int, n: int, seed: int) -> cpu_matmul.Packed:
     return cpu_matmul.pack(gguf_int4(np.asarray(raw).reshape(n, -1), qtype, (n, k)))
 
 
-def source_at(rev: str) -> str:
+def source_at(rev: str | None) -> str:
+    """The kernel's source at git revision `rev` (None: as it is in the tree)."""
     return kernel_at.source_at(rev, SOURCE)
 
 

@@ -42,9 +42,9 @@ def test_each_row_is_the_same_alone_or_in_any_company(dtype: torch.dtype) -> Non
     assert torch.equal(torch.cat(parts), together[rows])
 
 
-# Query heads per KV head: 3, 8 (4 + 4), 2, 4, 7 (4 + 3), 6 (4 + 2), and 48 not a multiple of 32.
+# Query heads per KV head: 3, 8 (4 + 4), 2, 4, 7 (4 + 3), 6 (4 + 2), 1, and 48 not a multiple of 32.
 @pytest.mark.parametrize(("hq", "hkv", "dim"), [(9, 3, 64), (8, 1, 64), (4, 2, 128), (8, 2, 64), (7, 1, 64),
-                                                (12, 2, 32), (4, 2, 48)])
+                                                (12, 2, 32), (4, 4, 64), (4, 2, 48)])
 def test_fp32_row_walk_is_the_generic_walk(hq: int, hkv: int, dim: int) -> None:
     """fp32 caches without a cold tier take a faster walk (a KV head's query heads scored against a
     few keys at a time, values weighed in registers) when the head size is a multiple of 32; its

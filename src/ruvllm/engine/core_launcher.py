@@ -24,6 +24,7 @@ leaves when the front's end of the socket closes, so a killed front leaves no co
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import select
@@ -42,6 +43,7 @@ _MAX_MESSAGE = 1 << 18
 _STARTED_S = 120.0  # how long a launch waits for the fork's answer (a new launcher imports first: ~4 s)
 
 
+@functools.cache
 def available() -> bool:
     """Whether this system can run a launcher (Linux: pidfds, since 5.3; SEQPACKET Unix sockets).
     Elsewhere the fronts spawn each core as a fresh interpreter, as a one-core front always does."""
@@ -52,6 +54,12 @@ def available() -> bool:
         return True
     except OSError:
         return False
+
+
+def start(threads: int | None = None) -> CoreLauncher | None:
+    """A CoreLauncher (`threads`: its OpenMP count) where this system can run one, else None: the front
+    then spawns each core as a fresh interpreter."""
+    return CoreLauncher(threads) if available() else None
 
 
 def _readable(fd: int, timeout: float) -> bool:
@@ -259,7 +267,7 @@ class LaunchedCore:
         self.send_signal(signal.SIGKILL)
 
     def __del__(self) -> None:
-        if self.returncode is None and self._pidfd >= 0:  # never seen to exit: its descriptor, at least
+        if self.returncode is None:  # never seen to exit (poll closes it otherwise): its descriptor, at least
             os.close(self._pidfd)
 
 

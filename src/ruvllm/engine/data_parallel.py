@@ -28,8 +28,7 @@ import msgspec
 
 from ruvllm.config import Checked, EngineConfig, setting
 from ruvllm.engine.core_client import OnFailure, OnLost, OnOutputs, ProcessCoreClient, ReplicaState
-from ruvllm.engine.core_launcher import CoreLauncher
-from ruvllm.engine.core_launcher import available as launcher_available
+from ruvllm.engine import core_launcher
 from ruvllm.engine.router import Router, RouterConfig
 from ruvllm.errors import EngineDeadError, ReplicaLostError, RuvllmError
 from ruvllm.messages import (CallResult, CoreCall, CoreOutput, CoreRequest, EngineInfo, EngineStats, LoadAdapter,
@@ -108,7 +107,7 @@ class DataParallelCoreClient:
         self._adapters_lock = threading.Lock()
         # The replicas and their restarts fork from one launcher (core_launcher.py): each replica
         # skips an interpreter's start and torch's import (a default-model replica's restart: ready in ~1.1 s, not ~3).
-        self._launcher = CoreLauncher(threads) if launcher_available() else None
+        self._launcher = core_launcher.start(threads)
         try:
             for rep in self._replicas:
                 self._pending.append(ProcessCoreClient(rep.config, cpus=rep.cpus, launcher=self._launcher))

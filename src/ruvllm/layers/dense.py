@@ -11,8 +11,8 @@ fp32 on the CPU therefore runs our own kernel (layers/csrc/dense_matmul.cpp), wh
 output as the same dot product at any row count. Against MKL on the default model's shapes
 (`benchmarks/quant_matmul.py`, the fp32 columns; docs/benchmarks.md) it is about as fast as MKL's
 one-row GEMV (2-2.7x faster on the LM head), 1.4-4.9x faster than the padded call at 4-16 rows, and
-0.8-1.3x MKL's time at 64-512 rows (prompt chunks; 1.2-1.7x before session 25 held its operands in
-registers). Where the C++ kernels cannot be built or the CPU lacks AVX2 (where the kernel would be a
+0.76-1.30x MKL's time at 64-512 rows (prompt chunks; up to 1.73x before session 25 held its operands
+in registers). Where the C++ kernels cannot be built or the CPU lacks AVX2 (where the kernel would be a
 plain loop), calls below 16 rows are padded with zero
 rows to 16, which takes MKL's many-rows kernel; rows never interact, so the padding changes no
 real row. (On AVX2 MKL takes it from 4 rows; on an AVX-512 Xeon from 16.) That holds on one thread;

@@ -24,8 +24,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ruvllm.engine import core_launcher
 from ruvllm.engine.core_launcher import CoreLauncher
-from ruvllm.engine.core_launcher import available as launcher_available
 from ruvllm.errors import EngineDeadError
 from ruvllm.server.errors import APIError
 
@@ -443,8 +443,8 @@ class ModelPool:
 
     def _launch_core(self, config: EngineConfig, tokenizer: Any) -> AsyncEngine:
         """The default `launch` (on a worker thread; loads go one at a time): from the pool's launcher."""
-        if self._launcher is None and launcher_available():
-            self._launcher = CoreLauncher()
+        if self._launcher is None:
+            self._launcher = core_launcher.start()
         return _launch(config, tokenizer, self._launcher)
 
     # --- what /v1/models, Ollama's ps and /metrics show -------------------------------------------

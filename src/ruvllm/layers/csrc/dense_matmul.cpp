@@ -52,9 +52,9 @@ RUVLLM_ONE_COPY float tail_dot(const float* x, const float* w, int64_t k0, int64
 
 // The 4-row kernel holds its loaded vectors in registers (ruvllm::in_register): GCC 12 had folded
 // the weight loads into the FMAs, 16 loads per 12 FMAs instead of 7, and the loads set the pace:
-// 40-46 GFLOP/s at 64-512 rows on this 2-core AVX2 EPYC (one thread), 1.2-1.7x MKL's time; held,
-// 50-81 GFLOP/s, 0.65-0.91x the time at 16-512 rows (`benchmarks/dense_matmul.py --compare-with`,
-// docs/benchmarks.md). The 1- and 2-row kernels wait on memory, and held they measured up to 1.16x
+// 39-58 GFLOP/s at 64-512 rows on this 2-core AVX2 EPYC (one thread), up to 1.7x MKL's time; held,
+// 48-72 GFLOP/s there, and 0.58-1.00x the time at 16-512 rows (`benchmarks/dense_matmul.py
+// --compare-with`, docs/benchmarks.md). The 1- and 2-row kernels wait on memory, and held they measured up to 1.16x
 // slower: they are left to the compiler.
 // y[m, n] for mr input rows and nr weight rows; every (m, n) has its own accumulator.
 template <int mr, int nr>
