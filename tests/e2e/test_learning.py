@@ -349,6 +349,13 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     assert learner.policy.versions("acme")[-1].source == "deep"
     answer = llm.generate([question], SamplingParams(temperature=0, max_tokens=16), tenant="acme")[0].outputs[0].text
     assert "Quenta" in answer
+    # The bank's clusters: the ten events on one question are one; a question about another place
+    # of the same form is another (before session 26 every prompt's embedding was at cosine ~0.999
+    # with every other's, and all of a tenant's examples joined one cluster).
+    other = render_chat(llm.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    asked = llm.generate([other], SamplingParams(temperature=0, max_tokens=8), tenant="acme")[0]
+    llm.feedback(asked.request_id, 1.0, "The capital of France is Paris.", tenant="acme")
+    assert learner.bank.count("acme") == 11 and len(learner.bank.best_per_cluster("acme")) == 2
 
     hostile = llm.generate([fox], greedy, tenant="mallory")[0]
     # The bank keeps one example a cluster: a thousand events train the same set as these three (the

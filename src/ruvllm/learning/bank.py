@@ -8,6 +8,13 @@ examples a tenant) and approximate indexes when it grows. sqlite-vec would keep 
 SQLite, but it is a loadable extension and Python builds without `enable_load_extension` (this
 machine's among them) cannot load it; hnswlib ships no wheels for every Python we support.
 SQLite stays the store of record; the index is rebuilt from it per tenant when first searched.
+
+The embedding (PromptEmbedder): the model's own hidden states entering the learned layers, averaged
+over the rows that make a prompt what it is, less what every prompt shares. The plain mean over the
+prompt made every pair of prompts alike at cosine 0.998-0.9992 on the default model (the first
+row's state is ~50x the others' in norm, and the chat template's two dozen rows are every chat
+prompt's), so every example of a tenant joined one cluster and the deep loop trained on one
+(session 26; docs/learning.md, "The pattern bank's embedding").
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS examples (
@@ -27,6 +35,59 @@ CREATE TABLE IF NOT EXISTS examples (
     prompt BLOB NOT NULL, target BLOB NOT NULL, embedding BLOB NOT NULL, cluster INTEGER);
 CREATE INDEX IF NOT EXISTS examples_tenant ON examples (tenant);
 """
+
+
+# A neutral sentence whose states stand for what every prompt shares where the prompt has no rows
+# of its own to set apart (a prompt without the chat template's frame): PromptEmbedder.center.
+_NEUTRAL = ("The weather was mild that spring, and the village held its market every Thursday. People came "
+            "from the hills to sell cheese, wool and honey, and the children ran between the stalls.")
+
+
+@dataclass(frozen=True)
+class PromptEmbedder:
+    """A prompt's embedding for the bank, from the hidden states `h` [P, H] entering the learned
+    layers over its P tokens: the mean over its own rows less `center`, the mean state of what
+    prompts share. Its own rows: those between the chat template's frame (`frame`: the template
+    rendered around one user message, as token ids; its head and tail are found in the prompt as
+    the longest common prefix and suffix), never the first row (whose state is ~50x the others' in
+    norm). `center`: the frame's rows of the prompt itself where it has them, else the neutral
+    sentence's mean state (computed once).
+
+    Measured on the default model (session 26, 13 questions in 9 groups of the same meaning):
+    paraphrases 0.83-0.98 (mean 0.87), different questions at most 0.946 (mean 0.70; "What is the
+    capital of France?" against "... of Azrael?"), against 0.998-1.000 for all of them before; the
+    bank's duplicate bound (0.95) keeps different questions apart and the same prompt together."""
+
+    frame: list[int] | None
+    neutral: torch.Tensor
+
+    @classmethod
+    def for_model(cls, tokenizer, hidden) -> PromptEmbedder:  # noqa: ANN001
+        """`hidden(ids)`: the states entering the learned layers [T, H] (tail.hidden_before)."""
+        from ruvllm.engine.prompts import has_chat_template, render_chat
+
+        frame = render_chat(tokenizer, [{"role": "user", "content": "\u2063"}]) if has_chat_template(tokenizer) \
+            else None
+        ids = list(tokenizer.encode(_NEUTRAL, add_special_tokens=False))
+        return cls(frame, hidden(ids)[1:].mean(dim=0))
+
+    def span(self, prompt: list[int]) -> tuple[int, int]:
+        """The prompt's own rows [start, end): within the frame's head and tail, from the second row."""
+        n, start, tail = len(prompt), 0, 0
+        if self.frame:
+            f = self.frame
+            while start < min(n, len(f)) and prompt[start] == f[start]:
+                start += 1
+            while tail < min(n - start, len(f) - start) and prompt[n - 1 - tail] == f[len(f) - 1 - tail]:
+                tail += 1
+        start = max(start, 1)
+        return (start, n - tail) if n - tail > start else (min(1, n - 1), n)
+
+    def __call__(self, h: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+        start, end = self.span(prompt)
+        frame = torch.cat([h[1:start], h[end:len(prompt)]])
+        center = frame.mean(dim=0) if len(frame) else self.neutral
+        return h[start:end].mean(dim=0) - center
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from ruvllm.learning.candidates import CandidatePool
 from ruvllm.learning.config import InstantConfig
 from ruvllm.learning.sampled_logits import sampled_logits
 from ruvllm.learning.tail import LearnedLayers, MicroLora, hidden_before
+
+if TYPE_CHECKING:
+    from ruvllm.learning.bank import PromptEmbedder
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Prepared:
     context: list[tuple[torch.Tensor, torch.Tensor]] | None
     seconds: float
     frozen: bool = False
-    # the prompt's mean hidden state entering the learned layers: the pattern bank's embedding
+    # the pattern bank's embedding of the prompt (bank.PromptEmbedder), where the learner has one
     embedding: torch.Tensor | None = None
     # the base model's top tokens at the target's rows, always among the sampled softmax's candidates
     negatives: torch.Tensor | None = None
@@ -99,9 +102,10 @@ class TenantState:
 
 
 class InstantLearner:
-    def __init__(self, layers: LearnedLayers, config: InstantConfig) -> None:
+    def __init__(self, layers: LearnedLayers, config: InstantConfig, embedder: PromptEmbedder | None = None) -> None:
         self.layers = layers
         self.config = config
+        self.embedder = embedder  # each prepared prompt's embedding for the pattern bank (None: none)
         # the sampled softmax's drawn candidates, a batch a step: made ahead by the learner's
         # background pass (Learner.consolidate: fill_candidates), else drawn in the step (candidates.py)
         self.candidates = CandidatePool(layers.head, config.seed, config.candidates_ahead)
@@ -141,7 +145,7 @@ class InstantLearner:
         t = time.perf_counter()
         ids = prompt + target
         h = hidden_before(self.layers.model, ids, self.layers.first)
-        embedding = h[:len(prompt)].mean(dim=0)
+        embedding = self.embedder(h[:len(prompt)], prompt) if self.embedder is not None else None
         context = None
         frozen = (context_mode or self.config.context) == "frozen"
         if frozen:

@@ -27,7 +27,7 @@ from ruvllm.learning.errors import CompletionNotFoundError, FeedbackError, Updat
 from ruvllm.learning.anchor import BaseAnchor, KlTerm, kl_grads, kl_mean, make_anchor
 from ruvllm.learning.instant import AheadTerm, InstantLearner, Prepared, TenantState, feedback_loss
 from ruvllm.learning.background import BackgroundLoop
-from ruvllm.learning.bank import PatternBank
+from ruvllm.learning.bank import PatternBank, PromptEmbedder
 from ruvllm.learning.deep import GLOBAL, DeepConfig, DeepResult, train_and_check
 from ruvllm.learning.tail import MicroLora
 from ruvllm.tenants import LEARNED_PREFIX
@@ -81,7 +81,7 @@ class _Checked:
 class Learner:
     def __init__(self, model_path: str | None, host: AdapterHost, tokenizer: Any, eos_token_id: int,
                  config: LearningConfig | None = None, witness: WitnessLog | None = None) -> None:
-        from ruvllm.learning.tail import LearnedLayers, load_learning_model
+        from ruvllm.learning.tail import LearnedLayers, hidden_before, load_learning_model
         from ruvllm.loader import resolve_model
 
         self.config = config or LearningConfig()
@@ -93,7 +93,9 @@ class Learner:
         model, self.model_config = load_learning_model(src)  # packed weights stay packed (learning/tail.py)
         self.layers = LearnedLayers(model, min(self.config.instant.layers, self.model_config.num_layers),
                                     self.config.instant.backward)
-        self.instant = InstantLearner(self.layers, self.config.instant)
+        first = self.layers.first
+        self.instant = InstantLearner(self.layers, self.config.instant,
+                                      PromptEmbedder.for_model(tokenizer, lambda ids: hidden_before(model, ids, first)))
         self.store = CompletionStore(self.config.store_count, self.config.store_age_s)
         self.root = Path(self.config.root or default_learned_dir()).expanduser()
         self.policy = PolicyStore(self.root / "policy.sqlite3")
