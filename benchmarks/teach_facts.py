@@ -97,7 +97,8 @@ def main() -> None:
     # the instant step's settings (default: InstantConfig's)
     defaults = InstantConfig()
     for name in ("layers", "rank", "alpha", "lr", "candidates", "ewc_lambda", "steps_per_event", "target_nll",
-                 "hard_negatives", "estimate_rest", "kl_weight", "kl_samples", "kl_top", "fisher_samples", "system_prompt"):
+                 "hard_negatives", "estimate_rest", "kl_weight", "kl_samples", "kl_top", "fisher_samples", "system_prompt",
+                 "question_forms"):
         value = getattr(defaults, name)
         kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(value, bool) else type(value)
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=value)

@@ -123,3 +123,19 @@ def test_bad_request_raises_to_the_caller_only(engine: AsyncEngine) -> None:
         return outs[-1]
 
     assert asyncio.run(run()).finished
+
+
+def test_write_from_a_thread_without_a_loop(llm: LLM, engine: AsyncEngine) -> None:
+    """AsyncEngine.write, the learner's host's (the question forms' writer): blocking, from a thread
+    with no event loop, as the server's learning threads call it: the base model's texts, as the
+    offline LLM.write gives them (greedy: the same bits), each prompt's n of them."""
+    import threading
+
+    prompts = prompt_ids(llm, 2, words=6)
+    params = SamplingParams(temperature=0, max_tokens=6, n=2)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(engine.write(prompts, params)))
+    thread.start()
+    thread.join(60)
+    assert got and got[0] == llm.write(prompts, params)
+    assert [len(texts) for texts in got[0]] == [2, 2] and all(texts[0] for texts in got[0])

@@ -356,6 +356,17 @@ def test_deep_loop_on_the_default_model(tmp_path: Path) -> None:
     asked = llm.generate([other], SamplingParams(temperature=0, max_tokens=8), tenant="acme")[0]
     llm.feedback(asked.request_id, 1.0, "The capital of France is Paris.", tenant="acme")
     assert learner.bank.count("acme") == 11 and len(learner.bank.best_per_cluster("acme")) == 2
+    # The question forms the model writes (off by default; issue 37 item 2's first candidate): the
+    # served base model's rewrites of the question, filtered, none kept for feedback.
+    learner.config = dataclasses.replace(learner.config, instant=dataclasses.replace(learner.config.instant,
+                                                                                     question_forms=2))
+    from ruvllm.tenants import DEFAULT_TENANT
+
+    everyday = {t: learner.store.recent(t, 100) for t in ("acme", DEFAULT_TENANT)}
+    forms = learner.question_forms(question)
+    assert 1 <= len(forms) <= 2 and all("Zorblax" in f and f != "What is the capital of Zorblax?" for f in forms), forms
+    assert learner.question_forms(question) is forms  # written once a question
+    assert {t: learner.store.recent(t, 100) for t in ("acme", DEFAULT_TENANT)} == everyday
 
     hostile = llm.generate([fox], greedy, tenant="mallory")[0]
     # The bank keeps one example a cluster: a thousand events train the same set as these three (the

@@ -152,6 +152,21 @@ class AsyncEngine:
             if running and not finished:
                 self._client.abort(running)
 
+    def write(self, prompts: list[list[int]], params: SamplingParams) -> list[list[str]]:
+        """The learner's host's (learning/learner.py AdapterHost): the base model's texts for `prompts`
+        (params.n each), with no adapter. Blocking, on a loop of its own: from a thread that runs
+        none (the server's learning threads), never from an event loop's."""
+        async def one(ids: list[int]) -> list[str]:
+            last = None
+            async for last in self.generate(ids, params, output_kind=OutputKind.FINAL_ONLY):
+                pass
+            return [c.text for c in last.outputs] if last is not None else []
+
+        async def every() -> list[list[str]]:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        return asyncio.run(every())
+
     async def embed(self, prompt: PromptInput, request_id: str | None = None, priority: Priority = Priority.NORMAL,
                     lora: str | None = None, cache_salt: str | None = None,
                     pooling: str | None = None, stacked: tuple[str, ...] = ()) -> EmbeddingOutput:

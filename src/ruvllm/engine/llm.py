@@ -176,11 +176,19 @@ class LLM:
         return self._run(encoded, [params] * len(encoded), [Priority.NORMAL] * len(encoded), False,
                          [adapter] * len(encoded), tenant)
 
+    def write(self, prompts: list[list[int]], params: SamplingParams) -> list[list[str]]:
+        """The learner's host's (learning/learner.py AdapterHost): the base model's texts for `prompts`
+        (params.n each), with no tenant's adapter, kept for no feedback and witnessed by none."""
+        outs = self._run([(p, None) for p in prompts], [params] * len(prompts), [Priority.NORMAL] * len(prompts),
+                         False, plain=True)
+        return [[c.text for c in out.outputs] for out in outs]
+
     def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
              prios: list[Priority], show_progress: bool, adapters: list[str | None] | None = None,
-             tenant: str = DEFAULT_TENANT) -> list[RequestOutput]:
+             tenant: str = DEFAULT_TENANT, plain: bool = False) -> list[RequestOutput]:
         # Every request is checked before any is added: a bad one refuses the whole call.
-        service = GenerationService(self.learner)  # tenant, adapter, salt and recorder: as the server decides them
+        # tenant, adapter, salt and recorder: as the server decides them (plain: no learner, no witness)
+        service = GenerationService(None if plain else self.learner)
         calls = [service.open(str(next(self._ids)), tenant, adapter, [tokens], [p])
                  for (tokens, _), p, adapter in zip(encoded, params, adapters or [None] * len(encoded))]
         rids = [c.request_id for c in calls]

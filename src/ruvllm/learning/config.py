@@ -74,6 +74,12 @@ class InstantConfig(Checked):
     # the step's loss is then the sum over both forms. "": off; a prompt that is not one user turn
     # of the template is learned in its own form only.
     system_prompt: str = setting("", "A system prompt the correction is also learned under.", cli=False)
+    # The correction also learned under up to this many rewrites of its question that the served base
+    # model writes (learning/rewrites.py; issue 37 item 2's first candidate): written once per
+    # question (a request to the engine, ~2n samples), filtered, kept with the prepared pairs. 0: off;
+    # docs/learning.md has its side-by-side figures.
+    question_forms: int = setting(0, "Rewrites of the question the correction is also learned under.", minimum=0,
+                                  maximum=8, cli=False)
 
 
 @dataclass(frozen=True)

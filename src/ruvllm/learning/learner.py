@@ -33,6 +33,7 @@ from ruvllm.learning.tail import MicroLora
 from ruvllm.tenants import LEARNED_PREFIX
 
 if TYPE_CHECKING:
+    from ruvllm.sampling_params import SamplingParams
     from ruvllm.witness.log import WitnessLog
 from ruvllm.learning.policy import PolicyStore
 from ruvllm.learning.store import Completion, CompletionStore
@@ -44,6 +45,11 @@ class AdapterHost(Protocol):
     def load_lora(self, name: str, path: str | Path) -> None: ...
 
     def unload_lora(self, name: str) -> None: ...
+
+    def write(self, prompts: list[list[int]], params: SamplingParams) -> list[list[str]]:
+        """The base model's texts for `prompts` (params.n each): no tenant's adapter, not kept for
+        feedback (the question forms' writer, learning/rewrites.py)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class Learner:
         self._loads = threading.RLock()
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()  # at most prepared_keep, least recent first
         self._anchors: OrderedDict[tuple, BaseAnchor] = OrderedDict()  # the KL term's, bounded alike
+        self._rewritten: OrderedDict[tuple, list[str]] = OrderedDict()  # question_forms' rewrites, bounded alike
         self._pending: dict[str, int] = {}  # feedback events learned since each tenant's last consolidation
         self._kl_gen = torch.Generator().manual_seed(self.config.instant.seed + 1)  # the KL term's drawn tokens
         # (and those of the term computed ahead, on the background thread: a generator of its own)
@@ -628,17 +635,57 @@ class Learner:
 
     def _forms(self, prompt_ids: list[int], target: list[int]) -> list[Prepared]:
         """The correction's other forms to learn it under (under the lock): the prompt's user message
-        under `system_prompt`, prepared (kept as any pair is)."""
+        under `system_prompt`, and rewrites of it the model writes (`question_forms`), prepared (kept
+        as any pair is)."""
+        from ruvllm.engine.prompts import render_chat
+
         c = self.config.instant
-        if not c.system_prompt:
+        forms = [] if not c.system_prompt else [under_system(self.tokenizer, prompt_ids, c.system_prompt)]
+        forms += [render_chat(self.tokenizer, [{"role": "user", "content": text}])
+                  for text in self.question_forms(prompt_ids)]
+        preps = []
+        for form in forms:
+            if form is None or len(form) + len(target) > self.model_config.max_position_embeddings:
+                continue
+            key = (c.context, tuple(form), tuple(target))
+            prep = self._prepared.get(key) or self.instant.prepare(form, target)
+            self._keep_prepared(key, prep)
+            preps.append(prep)
+        return preps
+
+    def question_forms(self, prompt_ids: list[int]) -> list[str]:
+        """Up to `question_forms` rewrites of the prompt's one user message, written by the served base
+        model (the host's `write`: the greedy one, then 2n samples at T=0.8, seeded) and filtered
+        (learning/rewrites.py);
+        written once per prompt, kept as the prepared pairs are. [] when off, or for a prompt that is
+        not one user turn of the chat template."""
+        from ruvllm.engine.prompts import render_chat
+        from ruvllm.learning.rewrites import SHOTS, kept_rewrites, names
+        from ruvllm.learning.tail import hidden_before
+        from ruvllm.sampling_params import SamplingParams
+
+        n = self.config.instant.question_forms
+        question = user_message(self.tokenizer, prompt_ids) if n else None
+        if question is None:
             return []
-        form = under_system(self.tokenizer, prompt_ids, c.system_prompt)
-        if form is None or len(form) + len(target) > self.model_config.max_position_embeddings:
-            return []
-        key = (c.context, tuple(form), tuple(target))
-        prep = self._prepared.get(key) or self.instant.prepare(form, target)
-        self._keep_prepared(key, prep)
-        return [prep]
+        key = tuple(prompt_ids)
+        if key not in self._rewritten:
+            ask = [list(self.tokenizer.encode(SHOTS.format(question=question)))]
+            # the greedy rewrite first (the closest, measured), then samples for more forms
+            texts = self.host.write(ask, SamplingParams(temperature=0, max_tokens=32, stop=["\n"]))[0] + \
+                self.host.write(ask, SamplingParams(n=2 * n, temperature=0.8, max_tokens=32, stop=["\n"],
+                                                    seed=self.config.instant.seed))[0]
+            first = self.layers.first
+
+            def embed(text: str) -> torch.Tensor:  # the bank's embedding of the text as the user's message
+                ids = render_chat(self.tokenizer, [{"role": "user", "content": text}])
+                return self.instant.embedder(hidden_before(self.layers.model, ids, first), ids)
+
+            self._rewritten[key] = kept_rewrites(question, texts, n, names(question, self.tokenizer), embed)
+        self._rewritten.move_to_end(key)
+        while len(self._rewritten) > self.config.prepared_keep:
+            self._rewritten.popitem(last=False)
+        return self._rewritten[key]
 
     def _extra(self, anchors: list[BaseAnchor], events: list[tuple[list[Prepared], float]]):
         """The step's extra terms, or None: kl_weight times the mean KL toward the base over
@@ -711,6 +758,17 @@ class Learner:
 def under_system(tokenizer: Any, prompt_ids: list[int], system: str) -> list[int] | None:
     """The prompt's one user message rendered again by the model's chat template after `system`;
     None when the prompt is not exactly one user turn of the template (or there is no template)."""
+    from ruvllm.engine.prompts import render_chat
+
+    question = user_message(tokenizer, prompt_ids)
+    if question is None:
+        return None
+    return render_chat(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def user_message(tokenizer: Any, prompt_ids: list[int]) -> str | None:
+    """The prompt's one user message; None when the prompt is not exactly one user turn of the chat
+    template (or there is no template)."""
     from ruvllm.engine.prompts import has_chat_template, render_chat
 
     if not has_chat_template(tokenizer):
@@ -724,7 +782,7 @@ def under_system(tokenizer: Any, prompt_ids: list[int], system: str) -> list[int
     question = text[len(head):len(text) - len(tail)]
     if tail.strip() in question or any(t in question for t in tokenizer.all_special_tokens):
         return None  # several turns (their markers inside what would be the one message)
-    return render_chat(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return question
 
 
 def _name(tenant: str, n: int) -> str:
