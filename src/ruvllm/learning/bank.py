@@ -38,7 +38,7 @@ CREATE INDEX IF NOT EXISTS examples_tenant ON examples (tenant);
 
 
 # A neutral sentence whose states stand for what every prompt shares where the prompt has no rows
-# of its own to set apart (a prompt without the chat template's frame): PromptEmbedder.center.
+# of its own to set apart (a prompt without the chat template's frame): PromptEmbedder.neutral.
 _NEUTRAL = ("The weather was mild that spring, and the village held its market every Thursday. People came "
             "from the hills to sell cheese, wool and honey, and the children ran between the stalls.")
 
@@ -46,12 +46,12 @@ _NEUTRAL = ("The weather was mild that spring, and the village held its market e
 @dataclass(frozen=True)
 class PromptEmbedder:
     """A prompt's embedding for the bank, from the hidden states `h` [P, H] entering the learned
-    layers over its P tokens: the mean over its own rows less `center`, the mean state of what
-    prompts share. Its own rows: those between the chat template's frame (`frame`: the template
-    rendered around one user message, as token ids; its head and tail are found in the prompt as
-    the longest common prefix and suffix), never the first row (whose state is ~50x the others' in
-    norm). `center`: the frame's rows of the prompt itself where it has them, else the neutral
-    sentence's mean state (computed once).
+    layers over its P tokens: the mean over its own rows less the mean state of what prompts share.
+    Its own rows: those between the chat template's frame (`frame`: the template rendered around one
+    user message, as token ids; its head and tail are found in the prompt as the longest common
+    prefix and suffix), never the first row (whose state is ~50x the others' in norm). What prompts
+    share: the frame's rows of the prompt itself where it has them, else `neutral`, the neutral
+    sentence's mean state (computed once, for_model).
 
     Measured on the default model (session 26, 13 questions in 9 groups of the same meaning):
     paraphrases 0.83-0.98 (mean 0.87), different questions at most 0.946 (mean 0.70; "What is the
