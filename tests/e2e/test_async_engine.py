@@ -133,9 +133,10 @@ def test_write_from_a_thread_without_a_loop(llm: LLM, engine: AsyncEngine) -> No
 
     prompts = prompt_ids(llm, 2, words=6)
     params = SamplingParams(temperature=0, max_tokens=6, n=2)
+    expected = llm.write(prompts, params)  # first: the LLM must not step its core while the engine's thread does
     got: list = []
     thread = threading.Thread(target=lambda: got.append(engine.write(prompts, params)))
     thread.start()
     thread.join(60)
-    assert got and got[0] == llm.write(prompts, params)
-    assert [len(texts) for texts in got[0]] == [2, 2] and all(texts[0] for texts in got[0])
+    assert got and got[0] == expected
+    assert [len(texts) for texts in expected] == [2, 2] and all(texts[0] for texts in expected)
