@@ -3,9 +3,9 @@ learned under rewrites of the question it answers, so that it holds when the que
 other words.
 
 The writer is the served base model, asked by example: a chat request to rewrite a question made
-the default 135M model answer it instead (every one of 15 samples of three instructions, on the
-tuning facts), while three question-and-rewrite pairs as plain text, then the question, made it
-write a rewrite: greedily close ones ("What is the capital of the planet Zorblax?"), sampled ones
+the default 135M model answer it instead (45 samples: three instructions, the five tuning facts'
+questions, three samples each; none was a rewrite), while three question-and-rewrite pairs as
+plain text, then the question, made it write a rewrite: greedily close ones ("What is the capital of the planet Zorblax?"), sampled ones
 some that drift to another subject ("What is the capital of Zorblock?", "What is the national dish
 of Poland?"). So the samples are filtered: a rewrite keeps every name of the question (a word
 written with a capital inside the sentence, or one the tokenizer splits into pieces: the made-up
@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 # Three pairs of a question and the same question in other words, then the question to rewrite.
 SHOTS = ("Question: Where is the Eiffel Tower?\nThe same question in other words: In which city does the Eiffel "
@@ -26,8 +27,8 @@ SHOTS = ("Question: Where is the Eiffel Tower?\nThe same question in other words
          "play Hamlet?\n\nQuestion: How old is the Earth?\nThe same question in other words: What is the age of "
          "the Earth?\n\nQuestion: {question}\nThe same question in other words:")
 # The embedding's bounds (cosine with the question): under NEAR, another question (different
-# questions of the same form measured up to 0.946, paraphrases 0.83-0.98: bank.PromptEmbedder); at
-# SAME or over, the same text again (a rewrite that only adds a word measured 0.97-0.99).
+# questions of the same form measured up to 0.946, paraphrases 0.83-0.96: bank.PromptEmbedder); at
+# SAME or over, the same text again (rewrites that only add a word or two measured 0.957-0.980).
 NEAR, SAME = 0.8, 0.995
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'-]*")
 
@@ -49,13 +50,13 @@ def kept_rewrites(question: str, texts: list[str], n: int, must_keep: list[str],
     """Up to n of the written `texts` (in order) that keep every word of `must_keep`, are near the
     question by `embed`'s vectors (cosine NEAR or more) and are not the question or one kept before
     again (cosine SAME or more). Each text is cut at its first line."""
-    seen = [_unit(embed(question))]
+    seen = [F.normalize(embed(question), dim=0)]
     kept: list[str] = []
     for text in texts:
         text = text.strip().split("\n")[0].strip().strip('"').strip()
         if not text or len(text) > 3 * len(question) or any(w.lower() not in text.lower() for w in must_keep):
             continue
-        vec = _unit(embed(text))
+        vec = F.normalize(embed(text), dim=0)
         if float(vec @ seen[0]) < NEAR or any(float(vec @ s) >= SAME for s in seen):
             continue
         kept.append(text)
@@ -64,6 +65,3 @@ def kept_rewrites(question: str, texts: list[str], n: int, must_keep: list[str],
             break
     return kept
 
-
-def _unit(v: torch.Tensor) -> torch.Tensor:
-    return v / v.norm().clamp_min(1e-12)
