@@ -3,6 +3,8 @@ open chosen routes."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import pytest
 
@@ -30,8 +32,14 @@ def keyed(_shared_llm: LLM):
 
 def _send(url: str, method: str, path: str, body, auth: str | None) -> httpx.Response:
     headers = {"Authorization": auth} if auth is not None else {}
-    with httpx.Client(base_url=url, timeout=60) as c:
-        return c.request(method, path, json=body, headers=headers)
+    return _client(url).request(method, path, json=body, headers=headers)
+
+
+@functools.cache
+def _client(url: str) -> httpx.Client:
+    """One a server for the matrix's ~90 requests: each new client builds an SSL context (~54 ms of
+    CPU; tests/server/conftest.py)."""
+    return httpx.Client(base_url=url, timeout=60)
 
 
 @pytest.mark.parametrize("auth", list(AUTHS))

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 from tests.server.test_serve_process import _children, _wait_gone, stop_mid_stream
 
 SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
@@ -41,16 +41,8 @@ def dp_server(tiny_model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(480):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
-            if proc.poll() is not None:
-                pytest.fail("server exited: " + proc.stderr.read())
-        else:
-            pytest.fail("server did not come up")
+        if not wait_healthy(url, proc, tries=480):
+            pytest.fail("server exited: " + proc.stderr.read() if proc.poll() is not None else "server did not come up")
         yield proc, url
     finally:
         try:  # the launcher and its replicas, to be gone with the server

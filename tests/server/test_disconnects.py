@@ -20,7 +20,7 @@ from ruvllm.messages import EngineStats
 from ruvllm.server.app import create_app
 from ruvllm.server.config import ServerConfig
 from ruvllm.server.process import serve
-from tests.server.conftest import MODEL, RunningServer, free_port, start_server
+from tests.server.conftest import MODEL, RunningServer, free_port, start_server, wait_healthy
 
 COMP = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
@@ -136,12 +136,7 @@ def test_serve_stops_when_the_engine_fails(_shared_llm: LLM) -> None:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    assert wait_healthy(url, tries=200)
     _break(engine)
     assert httpx.post(f"{url}/v1/completions", json=COMP, timeout=30).status_code == 500
     t.join(timeout=30)

@@ -4,6 +4,7 @@ The server runs over the tiny model's folder, with adapters made by peft at test
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Iterator
@@ -54,7 +55,13 @@ def unload(server: RunningServer, name: str) -> httpx.Response:
 
 
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return _client(server.url)
+
+
+@functools.cache
+def _client(url: str) -> openai.OpenAI:
+    """One a server: each new client builds an SSL context (~54 ms of CPU; tests/server/conftest.py)."""
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 310, 12, 3, 250, 61]

@@ -40,13 +40,17 @@ def engine_config(model: str | None, blocks: int = 128, **extra: Any) -> EngineC
 class PoolServer:
     url: str
     app: Any
+    _client: openai.OpenAI | None = None
 
     @property
     def pool(self) -> ModelPool:
         return self.app.state.models
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+        """One a server: each new client builds an SSL context (~54 ms of CPU; tests/server/conftest.py)."""
+        if self._client is None:
+            self._client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+        return self._client
 
     def states(self) -> dict[str, str]:
         """Each model's state as /v1/models says it, read through the openai client's parser."""

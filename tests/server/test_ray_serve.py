@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 ray = pytest.importorskip("ray", reason="ray[serve] is a test dependency (pyproject's test extra)")
 
@@ -64,17 +64,9 @@ def ray_app(tiny_model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
+        if not wait_healthy(url, proc, tries=960, ready=lambda: len(_engine_replicas()) == 2):
             if proc.poll() is not None:
                 pytest.fail("ruvllm ray-serve exited: " + proc.stderr.read()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200 and len(_engine_replicas()) == 2:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
             pytest.fail("the Ray application did not come up")
         yield url
     finally:

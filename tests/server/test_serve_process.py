@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 SERVE = [sys.executable, "-m", "ruvllm.cli.main", "serve"]
 
@@ -36,13 +36,7 @@ def test_sigint_stops_the_server_with_exit_0(tiny_model_dir) -> None:
                             stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
-        else:
+        if not wait_healthy(url, proc):
             pytest.fail("server did not come up: " + proc.stderr.read() if proc.poll() is not None else "timeout")
         (core,) = _children(proc.pid)  # the engine core's process
         stop_mid_stream(proc, url, sig)
@@ -97,12 +91,8 @@ def _wait_gone(pid: int, timeout: float = 10) -> bool:
 def _start(port: int, model) -> subprocess.Popen:
     proc = subprocess.Popen([*SERVE, str(model), "--port", str(port), "--num-blocks", "512", "--drain-timeout", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(240):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.25)
+    if wait_healthy(f"http://127.0.0.1:{port}", proc):
+        return proc
     proc.kill()
     pytest.fail("server did not come up: " + proc.stderr.read())
 
