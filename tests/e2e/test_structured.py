@@ -330,6 +330,25 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes(default_llm: LLM) -> Non
 
 
 
+def test_copies_share_the_grammar_compiler_until_the_last_one_closes(tiny_model_dir) -> None:  # noqa: ANN001
+    """LLM.with_settings' copies compile with their origin's compiler (one zygote, one cache of
+    compiled constraints: a compile depends only on the vocabulary and the constraint); it is
+    closed when the last core using it closes, whichever that is."""
+    from ruvllm import CacheConfig
+
+    origin = LLM(str(tiny_model_dir), num_blocks=64)
+    copy = origin.with_settings(CacheConfig(num_blocks=32))
+    compiler = origin.core._grammar_compiler()
+    assert copy.core._grammar_compiler() is compiler
+    origin.close()
+    assert not compiler._closed and copy.core._grammar_compiler() is compiler
+    out = copy.generate([[1, 2, 3]], SamplingParams(max_tokens=2, structured=StructuredOutputs(choice=["yes", "no"])))
+    assert out[0].outputs[0].finish_reason is not None and compiler._zygote is not None
+    copy.close()
+    assert compiler._closed and compiler._zygote is None
+    copy.close()  # again: nothing left to release
+
+
 def test_a_dropped_engine_frees_its_model_on_the_dropping_thread(tiny_model_dir) -> None:  # noqa: ANN001
     """After a structured request, the grammar compiler held the worker (its tokenizer loader), and
     the compiler's daemon threads held the compiler, so dropping the engine freed the model later on

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,8 +58,60 @@ def _close_at_exit(grammars: weakref.ref[GrammarCompiler]) -> None:
         compiler.close()
 
 
+class SharedGrammars:
+    """The grammar compiler of one loaded model, made at the first structured request of any core over
+    it: a core and the cores `LLM.with_settings` makes over the same worker share it (a compile
+    depends only on the vocabulary and the constraint), so they share one zygote and one cache of
+    compiled constraints. Each zygote's start imports xgrammar, ~5.4 s of CPU here: the suite's
+    servers, each a with_settings copy of a session's engine, started one apiece (session 27).
+    Closed when the last core using it closes or is dropped."""
+
+    def __init__(self, executor: Executor, info: EngineInfo, timeout: float, idle_exit: float) -> None:
+        self._load_tokenizer: Callable[[], Any] | None = executor.load_tokenizer
+        self._vocab, self._stop = info.vocab_size, info.eos_token_ids
+        self._timeout, self._idle_exit = timeout, idle_exit
+        self._lock = threading.Lock()
+        self._users = 0
+        self.compiler: GrammarCompiler | None = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def get(self) -> GrammarCompiler:
+        with self._lock:
+            if self.compiler is None:
+                from ruvllm.structured.compiler import GrammarCompiler
+
+                if self._load_tokenizer is None:
+                    raise RuntimeError("the grammar compiler is closed (every core using it was)")
+                self.compiler = GrammarCompiler(self._load_tokenizer, self._vocab, self._stop, self._timeout,
+                                                idle_exit=self._idle_exit)
+                atexit.register(_close_at_exit, weakref.ref(self.compiler))
+            return self.compiler
+
+    def release(self, dropped: bool) -> None:
+        """A core is done with it. The last one closes the compiler (and lets the worker's loader go):
+        a dropped core's on a thread of its own, as a collection can run inside one of the
+        compiler's threads while it holds the compiler's lock, which close() takes; at the
+        interpreter's exit atexit closes it on the main thread instead (a thread started then would
+        be cut off as the interpreter finalizes, mid-close)."""
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+            compiler, self.compiler, self._load_tokenizer = self.compiler, None, None
+        if compiler is None:
+            return
+        if dropped:
+            threading.Thread(target=compiler.close, name="ruvllm-grammar-close", daemon=True).start()
+        else:
+            compiler.close()
+
+
 class EngineCore:
-    def __init__(self, executor: Executor, config: EngineConfig) -> None:
+    def __init__(self, executor: Executor, config: EngineConfig, grammars: SharedGrammars | None = None) -> None:
+        """grammars: another core's, over the same worker (LLM.with_settings); else this core's own."""
         self.executor = executor
         self.info = executor.info()
         cache = config.cache
@@ -74,8 +126,14 @@ class EngineCore:
         self._arrivals = ArrivalCounter()
         self._core_requests: dict[str, CoreRequest] = {}  # until the worker has seen them
         self.adapter_registry = AdapterRegistry(self.info.max_loras, config.lora.cpu_capacity)
-        self._grammars: GrammarCompiler | None = None  # made at the first structured request
-        self._compile_timeout, self._compile_idle_exit = config.grammar_compile_timeout, config.grammar_idle_exit
+        self._compile_timeout = config.grammar_compile_timeout
+        self.grammars = grammars or SharedGrammars(executor, self.info, config.grammar_compile_timeout,
+                                                   config.grammar_idle_exit)
+        self.grammars.acquire()
+        # A core dropped without close() (a test's server, an AsyncEngine over a copy of an LLM's core)
+        # lets the compiler go: the compiler's threads hold the compiler, not the core.
+        self._release_grammars = weakref.finalize(self, self.grammars.release, True)
+        self._release_grammars.atexit = False
         self._compiling: dict[str, Request] = {}  # requests whose grammar is still compiling
         # stats() built once per change: anything they read that changes sets _stats_dirty after it
         # changed (a step, an add, an abort, an adapter installed or removed, the cache reset); the
@@ -205,22 +263,7 @@ class EngineCore:
 
     # --- structured outputs ----------------------------------------------------------------------
     def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            from ruvllm.structured.compiler import GrammarCompiler
-
-            self._grammars = GrammarCompiler(self.executor.load_tokenizer, self.info.vocab_size,
-                                             self.info.eos_token_ids, self._compile_timeout,
-                                             idle_exit=self._compile_idle_exit)
-            # A core dropped without close() (a test's server, an AsyncEngine over a copy of an LLM's
-            # core) must not leave its zygote: the compiler's threads hold the compiler, not the core.
-            # Closed on a thread of its own: a collection can run inside one of the compiler's threads
-            # while it holds the compiler's lock, which close() takes. At the interpreter's exit, on
-            # the main thread instead: a thread started then would be cut off as the interpreter
-            # finalizes, mid-close.
-            weakref.finalize(self, lambda grammars=self._grammars: threading.Thread(
-                target=grammars.close, name="ruvllm-grammar-close", daemon=True).start()).atexit = False
-            atexit.register(_close_at_exit, weakref.ref(self._grammars))
-        return self._grammars
+        return self.grammars.get()
 
     def _failed_compiles(self) -> list[CoreOutput]:
         """Requests whose grammar compiled: ready to be admitted; those whose compile failed or passed
@@ -313,8 +356,8 @@ class EngineCore:
         With a disk tier, the cached blocks not on disk yet are written first: the prefix cache
         outlives the process."""
         self._spill_cached()
-        if self._grammars is not None:
-            self._grammars.close()
+        if self._release_grammars.detach() is not None:  # (once: close() may be called again)
+            self.grammars.release(dropped=False)
         close = getattr(self.executor, "close", None)  # an optional part of the Executor protocol
         if close is not None:
             close()

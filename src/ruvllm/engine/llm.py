@@ -96,9 +96,10 @@ class LLM:
     def with_settings(self, cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None,
                       speculation: SpeculativeConfig | None = None) -> LLM:
         """Another LLM over the same loaded model, with its own KV pool and scheduler (tests and
-        benchmarks compare settings without loading the model again)."""
+        benchmarks compare settings without loading the model again), sharing this one's grammar
+        compiler (core/engine_core.py's SharedGrammars)."""
         worker = self.core.executor.with_settings(cache, scheduler, speculation)  # type: ignore[attr-defined]
-        return LLM(EngineCore(worker, worker.config), self.tokenizer)
+        return LLM(EngineCore(worker, worker.config, self.core.grammars), self.tokenizer)
 
     def async_engine(self) -> AsyncEngine:
         """An AsyncEngine over this LLM's core, on a thread of this process (the LLM must not
