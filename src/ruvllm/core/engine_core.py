@@ -70,7 +70,9 @@ class SharedGrammars:
         self._load_tokenizer: Callable[[], Any] | None = executor.load_tokenizer
         self._vocab, self._stop = info.vocab_size, info.eos_token_ids
         self._timeout, self._idle_exit = timeout, idle_exit
-        self._lock = threading.Lock()
+        # Reentrant: a collection inside get() (on the thread holding it) can drop another core that
+        # shares it, whose finalizer releases here.
+        self._lock = threading.RLock()
         self._users = 0
         self.compiler: GrammarCompiler | None = None
 

@@ -3,7 +3,6 @@ packed form for our kernels (gguf_file.py reads the metadata and names, without 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,19 +41,17 @@ def _dequantize(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> torc
 
 # The block types of 32 weights a default-model GGUF holds (Q4_0, Q4_1, Q8_0), decoded by torch: the
 # values gguf's numpy decoder gives, bit for bit (the same float32 products and sums, never fused;
-# tests/unit/test_loader.py), at 2.3x its speed: the default model's dense load 1.79 -> 0.78 s of
-# CPU, a load most of the suite's fp32 engines and references pay (session 27). Block bytes: f16
+# tests/unit/test_loader.py), at about twice its speed: the default model's tensors 1.25-1.43 -> 0.72
+# s of CPU, a load most of the suite's fp32 engines and references pay (session 27). Block bytes: f16
 # scale d, then (Q4_1) f16 minimum m, then 16 bytes of nibbles (low halves the first 16 weights) or
 # 32 int8s.
 _BLOCKS = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}
 
 
 def _decode_blocks(data: np.ndarray, t: GGUFTensorInfo) -> torch.Tensor:
-    raw = tensor_bytes(data, t)  # [rows, bytes]: read_header checked the sizes
     size = _BLOCKS[t.tensor_type]
-    with warnings.catch_warnings():  # a read-only map: only read here, and every result is new
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(raw).view(-1, size)
+    # A copy of the packed bytes (a fifth of the floats' size or less): torch takes no read-only map.
+    blocks = torch.from_numpy(np.array(tensor_bytes(data, t))).view(-1, size)  # read_header checked the sizes
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     if t.tensor_type == QType.Q8_0:
         values = d * blocks[:, 2:].contiguous().view(torch.int8).float()
