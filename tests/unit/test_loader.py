@@ -101,15 +101,12 @@ def test_default_gguf_weights_equal_transformers(
 def test_block_types_decode_as_ggufs_own_decoder_does(qtype) -> None:
     """Our torch decoder of the 32-weight block types (the default model's Q4_1 and Q8_0 are also
     checked whole above, against transformers' read): gguf's numpy values, bit for bit."""
-    from ruvllm.loader.gguf_header import GGUFTensorInfo
-    from ruvllm.loader.gguf_weights import _decode_blocks
+    from ruvllm.quant.gguf_blocks import gguf_dense
 
     weights = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * 0.05
     weights[0, :32] += 3.0  # a block whose minimum is far from zero (Q4_1's m)
-    raw = gguf.quants.quantize(weights, qtype).reshape(-1)
-    info = GGUFTensorInfo("blk.0.ffn_up.weight", qtype, (256, 8), 0, raw.size)
-    ours = _decode_blocks(raw, info)
-    assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(8, 256))
+    raw = gguf.quants.quantize(weights, qtype)
+    assert torch.equal(gguf_dense(raw, qtype, (8, 256)), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
 
 
 def test_default_gguf_weights_cast_to_dtype(default_src: ModelSource) -> None:

@@ -657,8 +657,8 @@ class Learner:
         """Up to `question_forms` rewrites of the prompt's one user message, written by the served base
         model (the host's `write`: the greedy one, then 2n samples at T=0.8, seeded) and filtered
         (learning/rewrites.py); written once per prompt, kept as the prepared pairs are. [] when off,
-        or for a prompt that is not one user turn of the chat template. Written under the learner's
-        lock (an engine request of ~2n short samples, once per question)."""
+        or for a prompt that is not one user turn of the chat template. `_forms` calls it under the
+        learner's lock (an engine request of ~2n short samples, once per question)."""
         from ruvllm.engine.prompts import render_chat
         from ruvllm.learning.rewrites import SHOTS, kept_rewrites, names
         from ruvllm.learning.tail import hidden_before

@@ -5,7 +5,8 @@ other words.
 The writer is the served base model, asked by example: a chat request to rewrite a question made
 the default 135M model answer it instead (45 samples: three instructions, the five tuning facts'
 questions, three samples each; none was a rewrite), while three question-and-rewrite pairs as
-plain text, then the question, made it write a rewrite: greedily close ones ("What is the capital of the planet Zorblax?"), sampled ones
+plain text, then the question, made it write a rewrite: greedily close ones ("What is the capital
+of the planet Zorblax?"), sampled ones
 some that drift to another subject ("What is the capital of Zorblock?", "What is the national dish
 of Poland?"). So the samples are filtered: a rewrite keeps every name of the question (a word
 written with a capital inside the sentence, or one the tokenizer splits into pieces: the made-up

@@ -8,13 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QType
 
 from ruvllm.config import ModelConfig
 from ruvllm.errors import CorruptModelError
 from ruvllm.loader.gguf_file import check_tensor_kinds, config_from_header, decode, hf_name, map_file, tensor_bytes
 from ruvllm.loader.gguf_header import GGUFHeader, GGUFTensorInfo, read_header
-from ruvllm.quant.gguf_blocks import KEPT_GGUF_TYPES, REQUANTIZED_GGUF_TYPES, gguf_quantized, int8_groups
+from ruvllm.quant.gguf_blocks import (
+    BLOCK_BYTES,
+    KEPT_GGUF_TYPES,
+    REQUANTIZED_GGUF_TYPES,
+    gguf_dense,
+    gguf_quantized,
+    int8_groups,
+)
 from ruvllm.quant.weights import QuantizedWeight
 
 
@@ -31,38 +37,12 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _dequantize(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> torch.Tensor:
-    if t.tensor_type in _BLOCKS:
-        return _decode_blocks(data, t)
+    if t.tensor_type in BLOCK_BYTES:  # (gguf's decoder gives the same values at half the speed)
+        return gguf_dense(tensor_bytes(data, t), t.tensor_type, t.shape)
     values = decode(header, data, t)
     if not values.flags.writeable:  # a view into the read-only map: own a copy
         values = values.astype(np.float32)
     return torch.from_numpy(values)
-
-
-# The block types of 32 weights a default-model GGUF holds (Q4_0, Q4_1, Q8_0), decoded by torch: the
-# values gguf's numpy decoder gives, bit for bit (the same float32 products and sums, never fused;
-# tests/unit/test_loader.py), at about twice its speed: the default model's tensors 1.25-1.43 -> 0.72
-# s of CPU, a load most of the suite's fp32 engines and references pay (session 27). Block bytes: f16
-# scale d, then (Q4_1) f16 minimum m, then 16 bytes of nibbles (low halves the first 16 weights) or
-# 32 int8s.
-_BLOCKS = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}
-
-
-def _decode_blocks(data: np.ndarray, t: GGUFTensorInfo) -> torch.Tensor:
-    size = _BLOCKS[t.tensor_type]
-    # A copy of the packed bytes (a fifth of the floats' size or less): torch takes no read-only map.
-    blocks = torch.from_numpy(np.array(tensor_bytes(data, t))).view(-1, size)  # read_header checked the sizes
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-    if t.tensor_type == QType.Q8_0:
-        values = d * blocks[:, 2:].contiguous().view(torch.int8).float()
-    else:
-        nibbles = blocks[:, size - 16:]
-        q = torch.cat([nibbles & 15, nibbles >> 4], dim=1)
-        if t.tensor_type == QType.Q4_0:
-            values = d * (q.to(torch.int8) - 8).float()
-        else:
-            values = d * q.float() + blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return values.reshape(t.shape)
 
 
 def _quantized(header: GGUFHeader, data: np.ndarray, t: GGUFTensorInfo) -> QuantizedWeight:
