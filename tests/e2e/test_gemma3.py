@@ -90,7 +90,7 @@ def reference(hf_model: torch.nn.Module, prompt: list[int]) -> dict[str, torch.T
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     with torch.no_grad():
         out = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=64)
-        tail, cache = out.logits[0].float(), out.past_key_values
+        tail, cache = out.logits[0].float(), out.cache
         logits, continuation = [tail[-1]], []
         while True:
             barred = logits[-1].clone()
@@ -98,7 +98,7 @@ def reference(hf_model: torch.nn.Module, prompt: list[int]) -> dict[str, torch.T
             continuation.append(int(barred.argmax()))
             if len(continuation) == DECODE_STEPS:
                 break
-            out = hf_model(torch.tensor([[continuation[-1]]]), past_key_values=cache, use_cache=True)
+            out = hf_model(torch.tensor([[continuation[-1]]]), cache=cache, use_cache=True)
             logits.append(out.logits[0, -1].float())
     return {"continuation": continuation, "logits": torch.stack(logits), "prompt_tail": tail}
 

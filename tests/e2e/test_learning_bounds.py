@@ -135,7 +135,7 @@ def test_the_kl_term_is_computed_ahead_for_the_next_step(base: Path, tmp_path: P
     llm.feedback(asked.request_id, 1.0, "t7 t7", tenant="acme")
     assert state.ahead is None  # taken by the step
     for a, b in zip(state.lora.parameters(), by_hand.lora.parameters()):
-        assert (a - b).abs().max() < 1e-5 * max(1.0, float(b.abs().max()))
+        assert (a - b).abs().max() < 1e-5 * max(1.0, float(b.detach().abs().max()))
     learner.consolidate()
     with torch.no_grad():
         state.lora.parameters()[1].add_(1e-3)  # weights changed after the term was computed
