@@ -370,6 +370,12 @@ def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: py
     text = "café 日本語 <|im_start|>user\nHi<|im_end|>"
     assert second.encode(text) == first.encode(text)
     assert second.chat_template == first.chat_template and second.eos_token_id == first.eos_token_id
+    # the added tokens also in tokenizer_config.json, so a load need not parse tokenizer.json for
+    # them (tokenizer.py _record_added_tokens): the same tokens come back
+    config = json.loads((folders[0] / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == len(first.added_tokens_decoder) > 0
+    assert second.added_tokens_decoder == first.added_tokens_decoder
+    assert second.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
     # read back through the class its tokenizer_config.json names, without AutoTokenizer (tokenizer.py
     # says why): what AutoTokenizer reads from the same folder
     from transformers import AutoTokenizer
