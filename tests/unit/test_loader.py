@@ -360,6 +360,38 @@ def test_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path: Path, monkeypa
     assert ours.init_kwargs == reference.init_kwargs
 
 
+def test_the_tokenizer_cache_drops_folders_whose_file_is_gone_or_changed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         default_src: ModelSource) -> None:
+    """Each folder records the file it was converted from; writing a new one removes those no load
+    can read again (the key is the file's identity), and keeps the rest."""
+    from ruvllm.loader.tokenizer import _SOURCE
+
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folders = tmp_path / "cache" / "tokenizers"
+    kept, changed = tmp_path / "kept.gguf", tmp_path / "changed.gguf"
+    kept.write_bytes(b"x")
+    changed.write_bytes(b"x")
+
+    def entry(name: str, source: Path | None, size: int = 1) -> Path:
+        folder = folders / name
+        folder.mkdir(parents=True)
+        if source is not None:
+            st = source.stat() if source.exists() else None
+            (folder / _SOURCE).write_text(json.dumps({"path": str(source.resolve()), "size": size,
+                                                      "mtime_ns": st.st_mtime_ns if st else 0}))
+        return folder
+
+    entries = {"kept": entry("kept", kept), "changed": entry("changed", changed, size=2),
+               "gone": entry("gone", tmp_path / "deleted.gguf"), "unrecorded": entry("unrecorded", None),
+               "partial": entry(".partial-x", None)}
+    load_tokenizer(default_src)  # converted: a folder written, the cache pruned first
+    assert {n for n, f in entries.items() if f.exists()} == {"kept", "partial"}
+    (written,) = [f for f in folders.iterdir() if f.name not in ("kept", ".partial-x")]
+    recorded = json.loads((written / _SOURCE).read_text())
+    assert recorded["path"] == str(default_src.path.resolve()) and recorded["size"] == default_src.path.stat().st_size
+
+
 def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  default_src: ModelSource) -> None:
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path))

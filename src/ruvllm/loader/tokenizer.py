@@ -59,7 +59,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         if isinstance(template, str):
             tok.chat_template = template
     if cached is not None:
-        _save(tok, cached)
+        _save(tok, cached, path)
     return tok
 
 
@@ -116,33 +116,66 @@ def _tokenizer_class(path: Path) -> Any:
 _FOLDER_FORMAT = 2
 
 
-def _cache_folder(path: Path) -> Path | None:
-    """Keyed by the file's identity (path, size, mtime), the transformers version that converted it
-    and the folder's format."""
-    import transformers
-
-    from ruvllm.loader.model_cache import resolve_cache_dir
+def _identity(path: Path) -> dict[str, Any] | None:
+    """What names a GGUF file's cache folder: its resolved path, size and mtime (None: unreadable)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{_FOLDER_FORMAT}"
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _cache_folder(path: Path) -> Path | None:
+    """Keyed by the file's identity, the transformers version that converted it and the folder's format."""
+    import transformers
+
+    from ruvllm.loader.model_cache import resolve_cache_dir
+
+    ident = _identity(path)
+    if ident is None:
+        return None
+    key = f"{ident['path']}|{ident['size']}|{ident['mtime_ns']}|{transformers.__version__}|{_FOLDER_FORMAT}"
     return resolve_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def _save(tok: PreTrainedTokenizerBase, folder: Path) -> None:
+_SOURCE = "ruvllm-source.json"  # in each cache folder: the identity of the file it was converted from
+
+
+def _save(tok: PreTrainedTokenizerBase, folder: Path, source: Path) -> None:
     """Write next to the target, then rename: a concurrent loader never sees half a folder."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        _prune(folder.parent)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
         tok.save_pretrained(str(tmp))
         _record_added_tokens(tmp)
+        (tmp / _SOURCE).write_text(json.dumps(_identity(source)), encoding="utf-8")
         try:
             os.replace(tmp, folder)
         except OSError:  # another process got there first
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:  # a read-only or full cache only costs speed
         log.debug("tokenizer cache not written: %s", e)
+
+
+def _prune(cache: Path) -> None:
+    """Folders no load will read again: their file is gone or changed (a temporary file, a download
+    replaced; the key is the file's identity), or they predate the source record. Without this the
+    cache kept every file it ever saw (this machine's after many test runs: 40 folders, 194 MB).
+    A folder of another transformers version whose file is unchanged stays: another environment may
+    share the cache. Folders being written (".partial-") are left to their writers."""
+    for entry in cache.iterdir():
+        if entry.name.startswith("."):
+            continue
+        try:
+            recorded = json.loads((entry / _SOURCE).read_text(encoding="utf-8"))
+        except FileNotFoundError:  # written before the record was
+            recorded = None
+        except (OSError, ValueError):  # unreadable now (not a folder, no permission): left alone
+            continue
+        path = recorded.get("path") if isinstance(recorded, dict) else None
+        if not isinstance(path, str) or _identity(Path(path)) != recorded:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _record_added_tokens(folder: Path) -> None:
