@@ -40,7 +40,8 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     read (medians of three, one process, session 28: the default model 0.23 s, Gemma 3's 33 MB
     tokenizer.json 4.0 s, against 0.49 and 6.3 s before _record_added_tokens). A cache that cannot
     be read in any way is rebuilt (the tokenizers library raises plain Exception on a bad file)."""
-    cached = _cache_folder(path)
+    ident = _identity(path)
+    cached = _cache_folder(ident) if ident is not None else None
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
             return _cached_class(cached).from_pretrained(str(cached), local_files_only=True)
@@ -58,8 +59,8 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         template = read_header(path).get("tokenizer.chat_template")
         if isinstance(template, str):
             tok.chat_template = template
-    if cached is not None:
-        _save(tok, cached, path)
+    if cached is not None and ident is not None:
+        _save(tok, cached, ident)
     return tok
 
 
@@ -125,15 +126,12 @@ def _identity(path: Path) -> dict[str, Any] | None:
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _cache_folder(path: Path) -> Path | None:
+def _cache_folder(ident: dict[str, Any]) -> Path:
     """Keyed by the file's identity, the transformers version that converted it and the folder's format."""
     import transformers
 
     from ruvllm.loader.model_cache import resolve_cache_dir
 
-    ident = _identity(path)
-    if ident is None:
-        return None
     key = f"{ident['path']}|{ident['size']}|{ident['mtime_ns']}|{transformers.__version__}|{_FOLDER_FORMAT}"
     return resolve_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -141,15 +139,16 @@ def _cache_folder(path: Path) -> Path | None:
 _SOURCE = "ruvllm-source.json"  # in each cache folder: the identity of the file it was converted from
 
 
-def _save(tok: PreTrainedTokenizerBase, folder: Path, source: Path) -> None:
-    """Write next to the target, then rename: a concurrent loader never sees half a folder."""
+def _save(tok: PreTrainedTokenizerBase, folder: Path, ident: dict[str, Any]) -> None:
+    """Write next to the target, then rename: a concurrent loader never sees half a folder. `ident`:
+    the identity of the file that the folder's key names, recorded for _prune."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _prune(folder.parent)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
         tok.save_pretrained(str(tmp))
         _record_added_tokens(tmp)
-        (tmp / _SOURCE).write_text(json.dumps(_identity(source)), encoding="utf-8")
+        (tmp / _SOURCE).write_text(json.dumps(ident), encoding="utf-8")
         try:
             os.replace(tmp, folder)
         except OSError:  # another process got there first
@@ -181,8 +180,8 @@ def _prune(cache: Path) -> None:
 def _record_added_tokens(folder: Path) -> None:
     """The added tokens in tokenizer_config.json too, as `added_tokens_decoder` (transformers' key,
     which its version 5 reads first but saves only in tokenizer.json): without it every load parses
-    the whole tokenizer.json in Python once more to find them, Gemma 3's 33 MB 2.2 s of a 5.0 s load
-    (2.8 s with it; session 28). The entries are tokenizer.json's own, so the same tokens load."""
+    the whole tokenizer.json in Python once more to find them (Gemma 3's 33 MB: its load 6.3 -> 4.0 s
+    of CPU with this, load_gguf_tokenizer). The entries are tokenizer.json's own: the same tokens load."""
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if "added_tokens_decoder" in config:
