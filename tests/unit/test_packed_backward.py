@@ -102,7 +102,7 @@ def test_a_step_on_the_packed_weights_matches_the_float32_reference(default_mode
             prep.h, prep.context = float_prep.h, float_prep.context
         loss = F.cross_entropy(learner._rows(prep, state.lora) @ layers.head.t(), torch.tensor(target))
         params = state.lora.parameters()
-        results.append((float(loss), torch.autograd.grad(loss, params)))
+        results.append((float(loss.detach()), torch.autograd.grad(loss, params)))
     (loss_p, grads_p), (loss_f, grads_f) = results
     assert abs(loss_p - loss_f) <= 0.02 * loss_f
     for gp, gf in zip(grads_p, grads_f):
