@@ -40,7 +40,7 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     read (medians of three, one process, session 28: the default model 0.23 s, Gemma 3's 33 MB
     tokenizer.json 4.0 s, against 0.49 and 6.3 s before _record_added_tokens). A cache that cannot
     be read in any way is rebuilt (the tokenizers library raises plain Exception on a bad file)."""
-    ident = _identity(path)
+    ident = _identity(path)  # None: the file cannot be stat'ed, so nothing is cached for it
     cached = _cache_folder(ident) if ident is not None else None
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
@@ -59,8 +59,8 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         template = read_header(path).get("tokenizer.chat_template")
         if isinstance(template, str):
             tok.chat_template = template
-    if cached is not None and ident is not None:
-        _save(tok, cached, ident)
+    if ident is not None:
+        _save(tok, ident)
     return tok
 
 
@@ -139,9 +139,10 @@ def _cache_folder(ident: dict[str, Any]) -> Path:
 _SOURCE = "ruvllm-source.json"  # in each cache folder: the identity of the file it was converted from
 
 
-def _save(tok: PreTrainedTokenizerBase, folder: Path, ident: dict[str, Any]) -> None:
-    """Write next to the target, then rename: a concurrent loader never sees half a folder. `ident`:
-    the identity of the file that the folder's key names, recorded for _prune."""
+def _save(tok: PreTrainedTokenizerBase, ident: dict[str, Any]) -> None:
+    """Write the folder `ident` keys next to its place, then rename: a concurrent loader never sees
+    half a folder. `ident` is recorded in it for _prune."""
+    folder = _cache_folder(ident)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _prune(folder.parent)
