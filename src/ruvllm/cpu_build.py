@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -39,20 +40,23 @@ BUILD_WAIT_S = 900.0
 
 
 _ROOT = Path(__file__).resolve().parent
-# csrc/ops.cpp registers the other sources' functions as operators.
-SOURCES = (_ROOT / "csrc" / "ops.cpp", _ROOT / "attention" / "csrc" / "paged_attention.cpp",
-           _ROOT / "layers" / "csrc" / "dense_matmul.cpp", _ROOT / "layers" / "csrc" / "fused_ops.cpp",
-           _ROOT / "layers" / "csrc" / "token_mask.cpp",
-           _ROOT / "models" / "csrc" / "llama_layers.cpp", _ROOT / "quant" / "csrc" / "quant_matmul.cpp",
-           _ROOT / "quant" / "csrc" / "quant_matmul_grad.cpp", _ROOT / "quant" / "csrc" / "q4k_search.cpp",
-           _ROOT / "lora" / "csrc" / "lora_add.cpp",
-           _ROOT / "learning" / "csrc" / "element_grad.cpp", _ROOT / "learning" / "csrc" / "row_attention.cpp",
-           _ROOT / "learning" / "csrc" / "micro_lora.cpp", _ROOT / "learning" / "csrc" / "learned_layers.cpp",
-           _ROOT / "learning" / "csrc" / "sampled_logits.cpp")
-# Headers the sources include: hashed into the build's name with them, so an edit to one rebuilds.
-# torch_headers.h is every source's torch headers, precompiled once (_precompiled_header).
+# The extension's two translation units, each a list of our sources (`#include "....cpp"`): one unit
+# per source paid torch's precompiled headers fifteen times (csrc/loops_unit.cpp says what this
+# saves). csrc/ops.cpp, in the first, registers every source's functions as operators.
+SOURCES = (_ROOT / "csrc" / "loops_unit.cpp", _ROOT / "csrc" / "kernels_unit.cpp")
+
+
+def unit_sources(unit: Path) -> tuple[Path, ...]:
+    """The sources a translation unit includes."""
+    return tuple((unit.parent / name).resolve()
+                 for name in re.findall(r'^#include "([^"]+\.cpp)"', unit.read_text(), re.MULTILINE))
+
+
+# Headers and sources the units include: hashed into the build's name with them, so an edit to one
+# rebuilds. torch_headers.h is every source's torch headers, precompiled once (_precompiled_header).
 PCH_HEADER = _ROOT / "csrc" / "torch_headers.h"
-HEADERS = (_ROOT / "csrc" / "kernels.h", _ROOT / "csrc" / "vec.h", PCH_HEADER)
+HEADERS = (_ROOT / "csrc" / "kernels.h", _ROOT / "csrc" / "vec.h", PCH_HEADER,
+           *(source for unit in SOURCES for source in unit_sources(unit)))
 
 
 def build_tag(sources: tuple[Path, ...]) -> str:

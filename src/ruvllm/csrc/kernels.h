@@ -12,6 +12,13 @@
 #include <vector>
 
 namespace ruvllm {
+// A linear's kind in the layer loops' weight lists (llama_layers, learned_layers; models/cpu_layer_loop.py
+// and learning/whole_layers.py write the same numbers), and the four linears a layer: qkv, o, gate_up, down.
+inline constexpr int64_t kDense = 0;  // fp32 weight [N, K] on dense_matmul
+inline constexpr int64_t kInt4 = 1;   // quant_matmul's int4 codes, scales, zeros
+inline constexpr int64_t kInt8 = 2;   // quant_matmul's int8 codes, scales
+inline constexpr int64_t kLinears = 4;
+
 // attention/csrc/paged_attention.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                            at::Tensor row_seq, at::Tensor row_ctx, int64_t block_size, double scale,

@@ -23,7 +23,7 @@
 
 namespace {
 
-void check_rows(const at::Tensor& t, const char* what) {
+void check_grad_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), what,
               ": a contiguous float32 CPU [T, H] tensor");
 }
@@ -36,14 +36,14 @@ namespace ruvllm {
 // plus `dsum` (the gradient reaching s directly: the residual stream's) when given.
 at::Tensor rms_norm_grad(const at::Tensor& dh, const at::Tensor& s, const at::Tensor& weight, double eps,
                          const std::optional<at::Tensor>& dsum) {
-  check_rows(s, "s");
-  check_rows(dh, "dh");
+  check_grad_rows(s, "s");
+  check_grad_rows(dh, "dh");
   TORCH_CHECK(dh.sizes() == s.sizes(), "dh: s's shape");
   const int64_t T = s.size(0), H = s.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous(),
               "weight: float32 [H]");
   if (dsum) {
-    check_rows(*dsum, "dsum");
+    check_grad_rows(*dsum, "dsum");
     TORCH_CHECK(dsum->sizes() == s.sizes(), "dsum: s's shape");
   }
   at::Tensor out = at::empty_like(s);
@@ -73,8 +73,8 @@ at::Tensor rms_norm_grad(const at::Tensor& dh, const at::Tensor& s, const at::Te
 // y = silu(gate) * up over gate_up = [gate, up] [T, 2I]: d gate = dy up silu'(gate), d up = dy silu(gate),
 // silu'(a) = sig (1 + a (1 - sig)) = sig + silu (1 - sig).
 at::Tensor silu_and_mul_grad(const at::Tensor& dy, const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  check_rows(dy, "dy");
+  check_grad_rows(gate_up, "gate_up");
+  check_grad_rows(dy, "dy");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * I && dy.size(0) == T && dy.size(1) == I, "dy [T, I] for gate_up [T, 2I]");
   at::Tensor out = at::empty_like(gate_up);

@@ -51,8 +51,6 @@ namespace ruvllm {
 
 namespace {
 
-constexpr int64_t kInt4 = 1;  // (kInt8 = 2: quant_matmul's int8 codes)
-constexpr int64_t kLinears = 4;  // qkv, o, gate_up, down
 constexpr int64_t kSlots = 2 + 4 * kLinears;  // the two norms' weights and 4 slots a linear
 constexpr int64_t kLinearAt[kLinears] = {1, 5, 10, 14};  // each linear's first slot in a layer
 constexpr int64_t kMlpNorm = 9;
@@ -143,7 +141,8 @@ Args checked(const at::Tensor& h, const Slots& weights, at::IntArrayRef kinds, a
               "lora: A and B a piece; lora_at: 3 a piece");
   TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(),
               "h: a contiguous float32 CPU [T, H] tensor");
-  for (int64_t i = 0; i < n * kLinears; ++i) TORCH_CHECK(kinds[i] == 1 || kinds[i] == 2, "kinds: packed int4 or int8");
+  for (int64_t i = 0; i < n * kLinears; ++i)
+    TORCH_CHECK(kinds[i] == kInt4 || kinds[i] == kInt8, "kinds: packed int4 or int8");
   const int64_t pieces = static_cast<int64_t>(lora.size()) / 2;
   for (int64_t p = 0; p < pieces; ++p)
     TORCH_CHECK(lora_at[3 * p] >= 0 && lora_at[3 * p] < n && lora_at[3 * p + 1] >= 0 && lora_at[3 * p + 1] < kLinears,

@@ -35,7 +35,7 @@ void check_matrix(const at::Tensor& t, const char* what) {
 
 // a . b over K values: four chains of FMAs at a time where K allows (a single chain of K / 8
 // dependent FMAs made these products latency-bound: ~20-30 us a piece of the default model, session 20).
-inline float dot(const float* a, const float* b, int64_t K) {
+inline float lora_dot(const float* a, const float* b, int64_t K) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (K % 32 == 0) {
     __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
@@ -81,7 +81,7 @@ at::Tensor micro_lora_add_(const at::Tensor& y, const at::Tensor& x, const at::T
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = xp + t * K;
     float* ut = up + t * r;
-    for (int64_t j = 0; j < r; ++j) ut[j] = dot(xt, ap + j * K, K);
+    for (int64_t j = 0; j < r; ++j) ut[j] = lora_dot(xt, ap + j * K, K);
     // acc = sum_j u_j B[:, j] over j in order, then y += scaling acc (the loops over n vectorize)
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t j = 0; j < r; ++j) {
@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> micro_lora_grad(const at::Tensor& dy, const a
   std::vector<float> g(T * r);
   for (int64_t t = 0; t < T; ++t) {
     const float* d = dyp + t * N + lo;
-    for (int64_t j = 0; j < r; ++j) g[t * r + j] = dot(d, bt.data() + j * n, n) * s;
+    for (int64_t j = 0; j < r; ++j) g[t * r + j] = lora_dot(d, bt.data() + j * n, n) * s;
   }
   // dA[j, :] = sum_t g[t, j] x[t, :]; dx[t, :] += sum_j g[t, j] A[j, :]
   for (int64_t j = 0; j < r; ++j) {

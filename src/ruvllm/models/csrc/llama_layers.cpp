@@ -30,11 +30,6 @@ namespace ruvllm {
 
 namespace {
 
-// A linear's kind (models/cpu_layer_loop.py writes the same numbers).
-constexpr int64_t kDense = 0;  // fp32 weight [N, K] on dense_matmul
-constexpr int64_t kInt4 = 1;   // quant_matmul's int4 codes, scales, zeros
-constexpr int64_t kInt8 = 2;   // quant_matmul's int8 codes, scales
-
 // Tensors per linear in the weights list: weight (or codes), scales, zeros, bias.
 constexpr int64_t kLinearSlots = 4;
 // Per layer: input norm, qkv, o, the MLP's input norm, gate_up, down (kLinearSlots each), then the
@@ -42,7 +37,6 @@ constexpr int64_t kLinearSlots = 4;
 constexpr int64_t kLayerSlots = 2 + 4 * kLinearSlots + 4;
 constexpr int64_t kQNorm = 2 + 4 * kLinearSlots, kKNorm = kQNorm + 1, kAttnPostNorm = kQNorm + 2,
                   kMlpPostNorm = kQNorm + 3;
-constexpr int64_t kLinears = 4;
 
 struct Linear {
   int64_t kind, group;

@@ -32,9 +32,9 @@
 
 namespace {
 
-constexpr int64_t QK = 32;       // inputs per block
-constexpr int64_t TILE_N = 4;    // the scales' tile of rows
-constexpr int64_t CHUNK_N = 64;  // weight rows dequantized at a time: 64 x 32 floats = 8 KB
+constexpr int64_t BLOCK_K = 32;    // inputs per block
+constexpr int64_t SCALE_TILE = 4;  // the scales' tile of rows
+constexpr int64_t CHUNK_N = 64;    // weight rows dequantized at a time: 64 x 32 floats = 8 KB
 
 inline float half_bits(uint16_t bits) {
 #if defined(RUVLLM_AVX2)
@@ -50,20 +50,20 @@ void dequantize_chunk(bool int4, const uint8_t* codes, const uint16_t* scales, c
   const int64_t g = b / per_group;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
-    const int64_t si = (n / TILE_N * ng + g) * TILE_N + n % TILE_N;
+    const int64_t si = (n / SCALE_TILE * ng + g) * SCALE_TILE + n % SCALE_TILE;
     const float s = half_bits(scales[si]);
     const float off = int4 ? half_bits(zeros[si]) - 8.f * s : 0.f;
-    float* o = out + r * QK;
+    float* o = out + r * BLOCK_K;
 #if defined(RUVLLM_AVX2)
     const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(off);
     __m128i lo, hi;  // the block's 32 codes as bytes, inputs 0-15 and 16-31
     if (int4) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * (K / 2) + b * QK / 2));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * (K / 2) + b * BLOCK_K / 2));
       lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
       hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
     } else {
-      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * K + b * QK));
-      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * K + b * QK + 16));
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * K + b * BLOCK_K));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * K + b * BLOCK_K + 16));
     }
     auto widen = [&](__m128i bytes) {  // 8 codes -> 8 int32 (int4 codes unsigned, int8 signed)
       return int4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
@@ -71,13 +71,13 @@ void dequantize_chunk(bool int4, const uint8_t* codes, const uint16_t* scales, c
     const __m256i q[4] = {widen(lo), widen(_mm_srli_si128(lo, 8)), widen(hi), widen(_mm_srli_si128(hi, 8))};
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), sv, ov));
 #else
-    for (int64_t j = 0; j < QK; ++j) {
+    for (int64_t j = 0; j < BLOCK_K; ++j) {
       int q;
       if (int4) {
-        const uint8_t byte = codes[n * (K / 2) + b * QK / 2 + j % 16];
+        const uint8_t byte = codes[n * (K / 2) + b * BLOCK_K / 2 + j % 16];
         q = j < 16 ? (byte & 0x0F) : (byte >> 4);
       } else {
-        q = reinterpret_cast<const int8_t*>(codes)[n * K + b * QK + j];
+        q = reinterpret_cast<const int8_t*>(codes)[n * K + b * BLOCK_K + j];
       }
       o[j] = std::fma(static_cast<float>(q), s, off);
     }
@@ -94,14 +94,14 @@ inline void chunk_rows(const float* w, int64_t rows, const float* dy, int64_t N,
                        int64_t K, int64_t b) {
 #if defined(RUVLLM_AVX2)
   for (int half = 0; half < 2; ++half) {
-    const int64_t o = b * QK + 16 * half;
+    const int64_t o = b * BLOCK_K + 16 * half;
     __m256 acc[TT][2];
     for (int t = 0; t < TT; ++t)
       for (int i = 0; i < 2; ++i) acc[t][i] = _mm256_loadu_ps(dx + (t0 + t) * K + o + 8 * i);
     const float* wr = w + 16 * half;
     const float* d0 = dy + t0 * N + n0;
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256 w0 = _mm256_loadu_ps(wr + r * QK), w1 = _mm256_loadu_ps(wr + r * QK + 8);
+      const __m256 w0 = _mm256_loadu_ps(wr + r * BLOCK_K), w1 = _mm256_loadu_ps(wr + r * BLOCK_K + 8);
       for (int t = 0; t < TT; ++t) {
         const __m256 d = _mm256_broadcast_ss(d0 + t * N + r);
         acc[t][0] = _mm256_fmadd_ps(d, w0, acc[t][0]);
@@ -113,10 +113,10 @@ inline void chunk_rows(const float* w, int64_t rows, const float* dy, int64_t N,
   }
 #else
   for (int t = 0; t < TT; ++t) {
-    float* a = dx + (t0 + t) * K + b * QK;
+    float* a = dx + (t0 + t) * K + b * BLOCK_K;
     for (int64_t r = 0; r < rows; ++r) {
       const float d = dy[(t0 + t) * N + n0 + r];
-      for (int64_t j = 0; j < QK; ++j) a[j] = std::fma(d, w[r * QK + j], a[j]);
+      for (int64_t j = 0; j < BLOCK_K; ++j) a[j] = std::fma(d, w[r * BLOCK_K + j], a[j]);
     }
   }
 #endif
@@ -158,11 +158,11 @@ at::Tensor quant_matmul_grad_input(const at::Tensor& dy, const at::Tensor& codes
   const float* dyp = dy.data_ptr<float>();
   const auto* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const int64_t nb = K / QK, ng = K / group, per_group = group / QK;
+  const int64_t nb = K / BLOCK_K, ng = K / group, per_group = group / BLOCK_K;
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w(CHUNK_N * QK);
+    std::vector<float> w(CHUNK_N * BLOCK_K);
     for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t t = 0; t < T; ++t) std::fill(dxp + t * K + b * QK, dxp + t * K + (b + 1) * QK, 0.f);
+      for (int64_t t = 0; t < T; ++t) std::fill(dxp + t * K + b * BLOCK_K, dxp + t * K + (b + 1) * BLOCK_K, 0.f);
       for (int64_t n0 = 0; n0 < N; n0 += CHUNK_N) {
         const int64_t rows = std::min(CHUNK_N, N - n0);
         dequantize_chunk(int4, cp, sp, zp, K, ng, per_group, b, n0, rows, w.data());
