@@ -33,7 +33,7 @@ FIRST_USE = [sys.executable, "-c", "import logging, sys; logging.basicConfig(lev
 
 def _seed(cache: Path) -> None:
     """Copy the environment's finished build (ninja's files and the objects) into `cache`, leaving out
-    the smallest source's object and the library, so ninja has exactly that much left to do."""
+    one translation unit's object and the library, so ninja has exactly that much left to do."""
     from torch.utils.cpp_extension import _get_build_directory
 
     name = f"ruvllm_cpu_kernels_{cpu_build.build_tag(cpu_build.SOURCES + cpu_build.HEADERS)}"
@@ -41,7 +41,9 @@ def _seed(cache: Path) -> None:
     objects = [env_dir / (s.stem + ".o") for s in cpu_build.SOURCES]
     if not all(o.exists() for o in objects) or not (env_dir / ".ninja_log").exists():
         return  # nothing finished to copy: the whole build runs
-    left_out = min(cpu_build.SOURCES, key=lambda s: s.stat().st_size).stem + ".o"
+    # the unit of the least source (the loops': 19 s of CPU with the build's flags, the other 23)
+    least = min(cpu_build.SOURCES, key=lambda u: sum(s.stat().st_size for s in cpu_build.unit_sources(u)))
+    left_out = least.stem + ".o"
     target = cache / env_dir.name  # TORCH_EXTENSIONS_DIR holds the build folders themselves
     target.mkdir(parents=True)
     for f in [*objects, env_dir / ".ninja_log", env_dir / ".ninja_deps", env_dir / "build.ninja"]:
