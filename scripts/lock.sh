@@ -10,6 +10,6 @@ RUVLLM_VENV="$scratch/venv" RUVLLM_LOCK=none scripts/bootstrap.sh
 {
   echo "# The lock: the exact versions set-up installs, the ones CI last passed with (scripts/bootstrap.sh passes"
   echo "# this file as pip's --constraint). Written by scripts/lock.sh on $(date -u +%F); refresh with: scripts/lock.sh"
-  "$scratch/venv/bin/pip" freeze --exclude-editable --disable-pip-version-check
+  "$scratch/venv/bin/pip" freeze --all --exclude-editable --disable-pip-version-check  # --all: pip and setuptools too
 } > constraints.txt
 echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages pinned"
