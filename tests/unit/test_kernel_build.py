@@ -161,7 +161,6 @@ def test_every_source_is_in_exactly_one_translation_unit() -> None:
     sources = sorted(p.resolve() for p in root.glob("**/csrc/*.cpp") if p.resolve() not in cpu_build.SOURCES)
     included = sorted(s for unit in cpu_build.SOURCES for s in cpu_build.unit_sources(unit))
     assert included == sources
-    assert all(s in cpu_build.HEADERS for s in sources)  # an edit to one rebuilds
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,

@@ -28,6 +28,7 @@ from torch.autograd import Function
 
 from ruvllm.lora.peft_adapter import projection_shape
 from ruvllm.lora.slots import FUSED
+from ruvllm.models.cpu_layer_loop import INT4, INT8
 from ruvllm.models.llama import DecoderLayer, LlamaForCausalLM
 from ruvllm.quant.linear import QuantLinear
 
@@ -87,7 +88,7 @@ def whole_plan(model: LlamaForCausalLM, layers: list[int], transposed: dict[int,
                 return None
             bias = None if module.bias is None else module.bias.detach()
             weights += [packed.codes, packed.scales, packed.zeros, bias]
-            kinds.append(1 if packed.int4 else 2)
+            kinds.append(INT4 if packed.int4 else INT8)
             groups.append(packed.group)
             wt = transposed.get(id(module))
             t_slots += [None, None, None] if wt is None else [wt.codes, wt.scales, wt.zeros]

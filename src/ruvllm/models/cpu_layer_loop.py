@@ -44,7 +44,7 @@ class LoopForm:
     post_norms: bool = False
 
 
-# A linear's kind, as llama_layers.cpp numbers them.
+# A linear's kind, as csrc/kernels.h numbers them for the C++ layer loops (learning/whole_layers.py too).
 DENSE, INT4, INT8 = 0, 1, 2
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
