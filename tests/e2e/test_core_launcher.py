@@ -114,19 +114,22 @@ from ruvllm.engine.core_launcher import CoreLauncher
 from ruvllm.engine.llm import build_engine_config
 launcher = CoreLauncher()
 engine = AsyncEngine.launch(build_engine_config(sys.argv[1], num_threads=1), launcher=launcher)
-print(launcher.pid, engine._client.process.pid, flush=True)
+print(launcher.pid, engine._client.process.pid, engine._client._tmp.name, flush=True)
 time.sleep(600)
 """
 
 
 def test_a_killed_front_leaves_neither_launcher_nor_core(tiny_model_dir) -> None:
     """SIGKILL to the front, which runs nothing at its end: the launcher sees its socket's end of
-    file and leaves, and its core sees its parent change and leaves too."""
+    file and leaves, and its core sees its parent change and leaves too, removing the folder of the
+    front's command socket, which the front had no chance to."""
     front = subprocess.Popen([sys.executable, "-c", FRONT, str(tiny_model_dir)], stdout=subprocess.PIPE, text=True)
     try:
-        launcher, core = (int(x) for x in front.stdout.readline().split())
-        assert _ppid(core) == launcher
+        launcher, core, folder = front.stdout.readline().split()
+        launcher, core = int(launcher), int(core)
+        assert _ppid(core) == launcher and os.path.isdir(folder)
     finally:
         front.kill()
         front.wait()
     assert _wait_gone(launcher) and _wait_gone(core)
+    assert not os.path.exists(folder)

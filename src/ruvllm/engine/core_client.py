@@ -16,7 +16,6 @@ import logging
 import os
 import pickle
 import queue
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -292,8 +291,10 @@ class ProcessCoreClient(_OneCore):
         `launcher`: fork the child from it (its modules imported already: core_launcher.py), rather
         than start a fresh interpreter."""
         super().__init__()
-        self._dir = tempfile.mkdtemp(prefix="ruvllm-core-")
-        in_addr = f"ipc://{self._dir}/in"
+        # The command socket's folder: removed at shutdown, or at this interpreter's exit for a client
+        # never shut down (TemporaryDirectory's finalizer); a killed front's is removed by its core.
+        self._tmp = tempfile.TemporaryDirectory(prefix="ruvllm-core-", ignore_cleanup_errors=True)
+        in_addr = f"ipc://{self._tmp.name}/in"
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.LINGER, 0)
@@ -597,7 +598,7 @@ class ProcessCoreClient(_OneCore):
         self._out.close()
         os.close(self._bell)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._tmp.cleanup()
 
     def _release_loop(self) -> None:
         """The reading loop lets go of the socket before it is closed: here if this is its thread,

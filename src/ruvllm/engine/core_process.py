@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -75,14 +76,16 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
     from ruvllm.engine.core_loop import CoreLoop
 
     loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread)
-    failed = False
+    failed = front_gone = False
     try:
         while loop.run_once(receive, _IDLE_POLL_S):
             if os.getppid() != parent_pid:
                 log.warning("the front process is gone; the engine core leaves")
+                front_gone = True
                 break
     except (BrokenPipeError, ConnectionResetError):
         log.warning("the front closed its end of the core's socket; the engine core leaves")
+        front_gone = True
     except Exception as exc:
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
@@ -93,6 +96,8 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
         failed = True
     core.close()  # tensor-parallel ranks stop with the core
     _close(ctx, commands, out)
+    if front_gone:  # a killed front left the folder of its command socket (ProcessCoreClient's)
+        shutil.rmtree(os.path.dirname(in_addr.removeprefix("ipc://")), ignore_errors=True)
     if failed:
         sys.exit(1)
 
