@@ -2,9 +2,8 @@
 a live build is waited for with one message, and set-up's command and a first use share one build.
 
 The build runs in a fresh cache (TORCH_EXTENSIONS_DIR), never in the one the environment uses. That
-cache is seeded with the environment's finished build less one object and the library, so the build
-killed here and the one that follows compile one of the two translation units and link (~20 s of CPU),
-not both; with no finished build to copy, it builds them all.
+cache is seeded with the environment's finished build less the library, so the build killed here and
+the one that follows only link; with no finished build to copy, they compile every unit.
 """
 
 from __future__ import annotations
@@ -33,7 +32,9 @@ FIRST_USE = [sys.executable, "-c", "import logging, sys; logging.basicConfig(lev
 
 def _seed(cache: Path) -> None:
     """Copy the environment's finished build (ninja's files and the objects) into `cache`, leaving out
-    one translation unit's object and the library, so ninja has exactly that much left to do."""
+    the library, so ninja has its link left to do. (It left out a source's object too, to be compiled:
+    since the sources build as two translation units that costs ~19 s of CPU, where the lock, the
+    kill and the one shared build are what is tested, and a link holds the lock as a compile does.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
     name = f"ruvllm_cpu_kernels_{cpu_build.build_tag(cpu_build.SOURCES + cpu_build.HEADERS)}"
@@ -41,14 +42,15 @@ def _seed(cache: Path) -> None:
     objects = [env_dir / (s.stem + ".o") for s in cpu_build.SOURCES]
     if not all(o.exists() for o in objects) or not (env_dir / ".ninja_log").exists():
         return  # nothing finished to copy: the whole build runs
-    # the unit of the least source (the loops': 19 s of CPU with the build's flags, the other 23)
-    least = min(cpu_build.SOURCES, key=lambda u: sum(s.stat().st_size for s in cpu_build.unit_sources(u)))
-    left_out = least.stem + ".o"
     target = cache / env_dir.name  # TORCH_EXTENSIONS_DIR holds the build folders themselves
     target.mkdir(parents=True)
-    for f in [*objects, env_dir / ".ninja_log", env_dir / ".ninja_deps", env_dir / "build.ninja"]:
-        if f.exists() and f.name != left_out:
+    for f in [*objects, env_dir / ".ninja_deps", env_dir / "build.ninja"]:
+        if f.exists():
             shutil.copy2(f, target / f.name)  # mtimes kept: ninja judges by them and by its log
+    # ninja's log without the library's line, as a build killed before its link finished leaves it:
+    # with the line, the library a killed link leaves half written would count as built.
+    log = (env_dir / ".ninja_log").read_text().splitlines(keepends=True)
+    (target / ".ninja_log").write_text("".join(line for line in log if not line.rstrip().split("\t")[3:4] == [f"{name}.so"]))
     # The environment's precompiled torch headers too (~14 s of CPU to make again): linked, 300 MB.
     pch = env_dir.parent / cpu_build._pch_setup()[2]
     if (pch / (cpu_build.PCH_HEADER.name + ".gch")).exists():
