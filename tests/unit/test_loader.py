@@ -428,3 +428,37 @@ def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: py
     assert load_tokenizer(default_src).encode(text) == first.encode(text)  # a corrupt cache is rebuilt
     json.loads((folders[0] / "tokenizer.json").read_text())  # the rebuilt cache is valid again
     assert load_tokenizer(default_src).encode(text) == first.encode(text)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gemma3"])
+def test_a_folder_tokenizer_is_the_one_autotokenizer_builds(tmp_path: Path, default_src: ModelSource,
+                                                            model_type: str) -> None:
+    """A Hugging Face folder naming transformers' generic backend is read through it directly where its
+    model type registers no tokenizer class (llama, mistral; tokenizer.py says why), and through
+    AutoTokenizer otherwise (qwen2, whose named class AutoTokenizer overrides; gemma3, which has its
+    own): either way what AutoTokenizer builds from the folder."""
+    from transformers import AutoTokenizer
+
+    from ruvllm.loader.tokenizer import _GENERIC_TOKENIZER_TYPES, _folder_class, load_hf_tokenizer
+
+    load_tokenizer(default_src).save_pretrained(str(tmp_path))  # the default model's: a chat template, added tokens
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours = load_hf_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert (_folder_class(tmp_path) is not AutoTokenizer) == (model_type in _GENERIC_TOKENIZER_TYPES)
+    assert type(ours) is type(reference)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.chat_template == reference.chat_template
+    assert ours.special_tokens_map == reference.special_tokens_map and ours.init_kwargs == reference.init_kwargs
+
+
+def test_a_generic_folder_tokenizer_loads_without_torch(tiny_model_dir: Path) -> None:
+    """`ruvllm serve` and `chat` fronts never import torch; AutoTokenizer would (its config classes do)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ruvllm.loader import load_tokenizer, resolve_model; "
+            f"load_tokenizer(resolve_model({str(tiny_model_dir)!r})); assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
