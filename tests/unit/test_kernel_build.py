@@ -50,7 +50,8 @@ def _seed(cache: Path) -> None:
     # ninja's log without the library's line, as a build killed before its link finished leaves it:
     # with the line, the library a killed link leaves half written would count as built.
     log = (env_dir / ".ninja_log").read_text().splitlines(keepends=True)
-    (target / ".ninja_log").write_text("".join(line for line in log if not line.rstrip().split("\t")[3:4] == [f"{name}.so"]))
+    kept = [line for line in log if line.rstrip().split("\t")[3:4] != [f"{name}.so"]]
+    (target / ".ninja_log").write_text("".join(kept))
     # The environment's precompiled torch headers too (~14 s of CPU to make again): linked, 300 MB.
     pch = env_dir.parent / cpu_build._pch_setup()[2]
     if (pch / (cpu_build.PCH_HEADER.name + ".gch")).exists():
