@@ -430,23 +430,28 @@ def test_gguf_tokenizer_is_cached_as_a_hf_folder(tmp_path: Path, monkeypatch: py
     assert load_tokenizer(default_src).encode(text) == first.encode(text)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize(("model_type", "named", "direct"), [
+    ("llama", "TokenizersBackend", True), ("mistral", "TokenizersBackend", True),
+    ("llama", "PreTrainedTokenizerFast", True),  # Llama 3's folders
+    ("qwen2", "TokenizersBackend", False), ("gemma3", "TokenizersBackend", False),
+    ("llama", "GPT2Tokenizer", False)])
 def test_a_folder_tokenizer_is_the_one_autotokenizer_builds(tmp_path: Path, default_src: ModelSource,
-                                                            model_type: str) -> None:
-    """A Hugging Face folder naming transformers' generic backend is read through it directly where its
-    model type registers no tokenizer class (llama, mistral; tokenizer.py says why), and through
+                                                            model_type: str, named: str, direct: bool) -> None:
+    """A Hugging Face folder is read through transformers' generic backend directly where its model
+    type registers no tokenizer class and it names that backend (tokenizer.py says why), and through
     AutoTokenizer otherwise (qwen2, whose named class AutoTokenizer overrides; gemma3, which has its
-    own): either way what AutoTokenizer builds from the folder."""
+    own; a named class of another kind): either way what AutoTokenizer builds from the folder."""
     from transformers import AutoTokenizer
 
-    from ruvllm.loader.tokenizer import _GENERIC_TOKENIZER_TYPES, _folder_class, load_hf_tokenizer
+    from ruvllm.loader.tokenizer import _folder_class, load_hf_tokenizer
 
     load_tokenizer(default_src).save_pretrained(str(tmp_path))  # the default model's: a chat template, added tokens
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": named}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     ours = load_hf_tokenizer(tmp_path)
     reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
-    assert (_folder_class(tmp_path) is not AutoTokenizer) == (model_type in _GENERIC_TOKENIZER_TYPES)
+    assert (_folder_class(tmp_path) is not AutoTokenizer) == direct
     assert type(ours) is type(reference)
     assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
     assert ours.chat_template == reference.chat_template

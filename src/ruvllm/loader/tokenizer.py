@@ -63,31 +63,41 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 # Model types that register no tokenizer class of their own in transformers (or only its generic
-# backend), for which AutoTokenizer keeps the class a folder's tokenizer_config.json names. Not
-# qwen2, whose named class AutoTokenizer overrides (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), nor the
-# families with a class of their own. tests/unit/test_loader.py checks each against AutoTokenizer.
+# backend), and the class names a folder may give, for which AutoTokenizer builds transformers'
+# generic backend: "PreTrainedTokenizerFast" is Llama 3's. Not qwen2, whose named class AutoTokenizer
+# overrides (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), nor the families with a class of their own,
+# nor other names (llama's "GPT2Tokenizer" gives GPT2Tokenizer; "LlamaTokenizerFast" depends on the
+# tokenizer.json). tests/unit/test_loader.py checks each case against AutoTokenizer.
 _GENERIC_TOKENIZER_TYPES = ("llama", "mistral")
+_GENERIC_TOKENIZER_NAMES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _folder_class(folder: Path) -> Any:
     """AutoTokenizer's choice for a Hugging Face folder, made without importing AutoTokenizer where
     it is certain: the folder names transformers' generic backend, brings no tokenizer code of its
-    own, and its config's model type registers no class (_GENERIC_TOKENIZER_TYPES). AutoTokenizer
+    own, and its config's model type registers no class (the two tuples above). AutoTokenizer
     imports torch (its config classes do), which `ruvllm serve` and `chat` fronts otherwise never
     load: 6.2 s of CPU for the tiny test model's tokenizer that way, 1.5 s directly (session 30)."""
     try:
         tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-        generic = "auto_map" not in tokenizer_config and model_type in _GENERIC_TOKENIZER_TYPES
+        generic = ("auto_map" not in tokenizer_config and model_type in _GENERIC_TOKENIZER_TYPES
+                   and tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_NAMES)
     except (OSError, ValueError, AttributeError, TypeError):
         generic = False  # AutoTokenizer's own handling, and its error
-    return _cached_class(folder) if generic else _auto_tokenizer()
+    return _generic_backend() if generic else _auto_tokenizer()
 
 
 def _auto_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer
+
+
+def _generic_backend() -> Any:
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend
 
 
 def _cached_class(folder: Path) -> Any:
@@ -100,11 +110,7 @@ def _cached_class(folder: Path) -> Any:
         name = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         name = None  # AutoTokenizer's own error, and the rebuild, as before
-    if name == "TokenizersBackend":
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend
-    return _auto_tokenizer()
+    return _generic_backend() if name == "TokenizersBackend" else _auto_tokenizer()
 
 
 def _tokenizer_class(path: Path) -> Any:
