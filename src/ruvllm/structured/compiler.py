@@ -382,9 +382,10 @@ def _worth_sending(compile_seconds: float, memory_bytes: int) -> bool:
     """Whether a compiled grammar is cheaper to send back as xgrammar's JSON than to compile again.
     Writing and reading that JSON grows faster than the grammar: a power law through three measured
     grammars (1.2, 4.4, 14.7 MB; the default model's vocabulary, one thread, session 30) puts it at
-    ~0.13 s x (its size in MB)^1.75 of CPU, where a compile's own time varies by constraint. Measured: a 200-field patterned schema (14.7 MB) compiled
-    in 4.6 s, its JSON (144 MB) took 9.3 s to write and 4.9 s to read; a typical schema of the tests'
-    random ones (~1.2 MB) 0.05-0.6 s to compile, 0.1-0.4 s to send."""
+    ~0.13 s x (its size in MB)^1.75 of CPU, where a compile's own time varies by constraint.
+    Measured: a 200-field patterned schema (14.7 MB) compiled in 4.6 s, its JSON (144 MB) took 9.3 s
+    to write and 4.9 s to read; a typical schema of the tests' random ones (~1.2 MB) 0.05-0.6 s to
+    compile, 0.1-0.4 s to send."""
     return compile_seconds >= 0.13 * (memory_bytes / 1e6) ** 1.75
 
 
