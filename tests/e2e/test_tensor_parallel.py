@@ -184,10 +184,15 @@ def test_a_killed_core_process_takes_its_rank_with_it(folders: dict[str, Path]) 
                                       cache=CacheConfig(num_blocks=128)))
     try:
         ranks = _rank_processes(engine)
+        # The ranks' rendezvous sits in the front's folder (the core's TMPDIR), which the front removes:
+        # neither the killed core nor its ranks (killed with it) could.
+        front_folder = Path(engine._client._tmp.name)
+        assert [p.name[:10] for p in front_folder.iterdir() if p.is_dir()] == ["ruvllm-tp-"]
         os.kill(engine._client.process.pid, signal.SIGKILL)
         assert _all_gone(ranks, 5), "a tensor-parallel rank outlived its killed core process"
     finally:
         engine.shutdown()
+    assert not front_folder.exists()
 
 
 # --- refused, in one line ------------------------------------------------------------------------

@@ -321,7 +321,9 @@ class ProcessCoreClient(_OneCore):
         # __main__ in the child: scripts without a __main__ guard and notebooks work as they are.
         # The child logs at this process's level (`ruvllm -v` shows the core's load and KV sizing too).
         # As a number: a custom level has no name basicConfig would take back.
-        env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel())}
+        # TMPDIR: what the core and its children make in temporary files (tensor-parallel ranks'
+        # rendezvous, for one) goes in this folder too, and leaves with it, even when the core is killed.
+        env = {**os.environ, "RUVLLM_LOG": str(logging.getLogger().getEffectiveLevel()), "TMPDIR": self._tmp.name}
         # OpenMP pools the child's libraries start get the same count (a forked core's libgomp read its
         # count at the launcher's start: CoreLauncher(threads); the core sets torch's from its config).
         if config.num_threads is not None:

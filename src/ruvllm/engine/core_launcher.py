@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -339,6 +340,7 @@ def _run_child(request: _Request, fds: list[int], launcher: int) -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.environ.clear()
             os.environ.update(request.env)
+            tempfile.tempdir = None  # read TMPDIR anew: the front's (core_client.py), not the launcher's
             if request.cwd is not None:
                 os.chdir(request.cwd)
             if request.cpus:
