@@ -200,6 +200,9 @@ def chat(
     engine: Flags = None,  # type: ignore[assignment]  # the generated engine flags
 ) -> None:
     """Chat with a model in the terminal, streaming its replies (/help inside lists the commands)."""
+    from ruvllm.gc_settings import defer_collection, startup_done
+
+    defer_collection()  # until the conversation starts: gc_settings.py
     state: CliState = ctx.obj or CliState()
     console = state.console()
     session = ChatSession(system, temperature, top_p, max_tokens)
@@ -228,6 +231,7 @@ def chat(
         console.print(f"[bold]ruvllm chat[/] · {escape(Path(async_engine.info.model).name)}{adapter} · "
                       f"context {async_engine.info.max_seq_len} tokens · /help for commands, Ctrl-D to leave",
                       soft_wrap=True)
+        startup_done()
         run_chat(session, async_engine, console)
     finally:
         async_engine.shutdown()

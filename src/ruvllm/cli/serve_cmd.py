@@ -52,6 +52,9 @@ def register(app: typer.Typer) -> None:
         """Serve MODEL with an OpenAI-compatible API (chat, completions, models, metrics, SSE streaming).
 
         The engine core (model, scheduler, KV cache) runs in a child process of its own."""
+        from ruvllm.gc_settings import defer_collection
+
+        defer_collection()  # until the server starts: gc_settings.py
         from ruvllm.engine.async_engine import AsyncEngine
         from ruvllm.device import check_device_name
         from ruvllm.loader.model_cache import resolve_cli_model
@@ -96,6 +99,7 @@ def register(app: typer.Typer) -> None:
         load_model_config(resolve_model(path))
         # The server's modules (transformers among their imports: seconds of CPU) only once the flags,
         # the port and the model are known good: a mistake in any of them is one line in a fraction of a second.
+        from ruvllm.gc_settings import startup_done
         from ruvllm.server.app import create_app
         from ruvllm.server.process import serve as serve_app
 
@@ -125,6 +129,7 @@ def register(app: typer.Typer) -> None:
         app = create_app(async_engine, cfg, owns_engine=True)
         grpc_text = f" and gRPC on {host}:{cfg.grpc_port}" if cfg.grpc_port is not None else ""
         console.print(f"starting the server on http://{host}:{port}/v1{grpc_text}  (Ctrl-C stops it)")
+        startup_done()
         try:
             started = serve_app(app, async_engine, host, port, cfg.graceful_shutdown_s)
         finally:
@@ -141,6 +146,7 @@ def serve_many(console: Any, engine: Flags, cfg: ServerConfig, specs: list[str],
     from ruvllm.loader.model_cache import resolve_cli_model
     from ruvllm.server.app import create_pool_app
     from ruvllm.server.model_pool import FOREVER, PoolSettings, parse_model_spec, read_models_file
+    from ruvllm.gc_settings import startup_done
     from ruvllm.server.process import serve as serve_app
 
     try:
@@ -164,6 +170,7 @@ def serve_many(console: Any, engine: Flags, cfg: ServerConfig, specs: list[str],
     console.print(f"models {', '.join(f'[bold]{n}[/bold]' for n in names)}: each loads on its first request and "
                   f"stays {keep}{budget}")
     console.print(f"starting the server on http://{cfg.host}:{cfg.port}/v1  (Ctrl-C stops it)")
+    startup_done()
     if not serve_app(app, app.state.models, cfg.host, cfg.port, cfg.graceful_shutdown_s):
         raise fail(f"could not start the server on {cfg.host}:{cfg.port} (is the port in use?)")
 

@@ -371,7 +371,11 @@ _PRELOAD = ("msgspec", "zmq", "torch", "ruvllm.messages", "ruvllm.core.engine_co
 if __name__ == "__main__":
     import importlib
 
+    from ruvllm.gc_settings import defer_collection, startup_done
+
+    defer_collection()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the front decides
     for _name in _PRELOAD:
         importlib.import_module(_name)
+    startup_done()  # the imports frozen: no core's collection walks them (each core's own run_core freezes its load)
     _serve(socket.socket(fileno=int(sys.argv[1])))

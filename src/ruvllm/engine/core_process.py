@@ -28,6 +28,7 @@ import zmq
 from ruvllm.config import EngineConfig
 from ruvllm.engine.core_channel import FrameWriter
 from ruvllm.errors import EngineDeadError
+from ruvllm.gc_settings import startup_done
 
 log = logging.getLogger("ruvllm.core")
 
@@ -60,6 +61,7 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
         _close(ctx, commands, out)
         sys.exit(1)
     results.send(encoder.encode(Ready(core.info, core.stats())))
+    startup_done()  # (gc_settings.py) after Ready: the front goes on meanwhile
 
     def send_from_thread(msg: object) -> None:
         """A message from a thread other than the loop's: its own encoder (the writer's lock keeps
@@ -110,6 +112,10 @@ def _close(ctx, commands, out: socket.socket) -> None:  # noqa: ANN001
 
 if __name__ == "__main__":
     import pickle
+
+    from ruvllm.gc_settings import defer_collection
+
+    defer_collection()
 
     _config = pickle.loads(sys.stdin.buffer.read())
     run_core(_config, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

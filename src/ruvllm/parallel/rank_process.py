@@ -48,6 +48,9 @@ def _leave_when_orphaned(parent_pid: int) -> None:
 def main(parent_pid: int, started_by_main_thread: bool = False) -> int:
     if started_by_main_thread:
         _die_with_parent()
+    from ruvllm.gc_settings import defer_collection, startup_done
+
+    defer_collection()
     # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
@@ -79,6 +82,7 @@ def main(parent_pid: int, started_by_main_thread: bool = False) -> int:
     code = 1
     try:
         group.sum_ints(status)
+        startup_done()
         if runner is not None:
             runner.follow(group)
             code = 0

@@ -337,6 +337,9 @@ _PR_SET_PDEATHSIG = 1
 def _child_main(control_fd: int) -> None:
     """The zygote: reads the vocabulary, says ready, then forks a compile process for each socket the
     core sends it, until the core's end closes. It never compiles, so it never needs to be killed."""
+    from ruvllm.gc_settings import defer_collection, startup_done
+
+    defer_collection()
     control = socket.socket(fileno=control_fd)
     framed = Connection(os.dup(control_fd))
     import xgrammar as xgr
@@ -350,6 +353,7 @@ def _child_main(control_fd: int) -> None:
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(vocabulary), max_threads=1, cache_enabled=False)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its forks are reaped as they end
     framed.send_bytes(b"ready")
+    startup_done()  # (after ready: the core goes on meanwhile) each fork inherits the imports frozen
     framed.close()
     me = os.getpid()
     while True:
