@@ -466,6 +466,9 @@ TOKENIZER_CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...]]] = {
     "tokenizer missing": (_delete("tokenizer.json"), ("tokenizer.json: missing",)),
     "tokenizer.json cut": (_cut_to("tokenizer.json", lambda f: 200), ("not valid JSON",)),
     "tokenizer_config.json cut": (_cut_to("tokenizer_config.json", lambda f: 20), ("not valid JSON",)),
+    "tokenizer_config.json a list": (_write("tokenizer_config.json", b"[1, 2]"), ("expected a JSON object",)),
+    "tokenizer.json malformed inside": (_write("tokenizer.json", b'{"model": {"vocab": {"a": 0,}}}'),
+                                        ("not valid JSON",)),
 }
 
 

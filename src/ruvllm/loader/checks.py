@@ -16,13 +16,13 @@ Every failure is a ModelLoadError of one line: "<file>: <field or tensor>: <what
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 from gguf.constants import GGUFValueType
 
 from ruvllm.config import ModelConfig
@@ -98,13 +98,15 @@ def check_tokenizer(src: ModelSource) -> None:
         if not file.is_file():
             continue
         try:
-            data = json.loads(file.read_bytes())
+            # The whole file's syntax, its top level an object, without building its values: Gemma 3's
+            # 33 MB tokenizer.json took 1.2-1.5 s of CPU through json.loads, 0.09 s so (session 31).
+            msgspec.json.decode(file.read_bytes(), type=dict[str, msgspec.Raw])
         except OSError as e:
             raise ModelLoadError(f"{file}: cannot read ({e.strerror or e})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except msgspec.ValidationError as e:  # (a DecodeError too: first)
+            raise CorruptModelError(f"{file}: expected a JSON object ({e})") from None
+        except msgspec.DecodeError as e:
             raise CorruptModelError(f"{file}: not valid JSON ({e}); the file is truncated or corrupt") from None
-        if not isinstance(data, dict):
-            raise CorruptModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
 
 
 # ------------------------------------------------------------------ the two formats
