@@ -9,8 +9,8 @@ server's libraries makes ~600,000 long-lived objects, so a starting process walk
 five times, and its young ones ~650 times: 1.1-1.3 s of CPU of a 4.6-4.8 s start (`import torch,
 transformers, fastapi, openai` and the engine's modules; 0.4 s of 3.8 s with torch and the engine
 alone; session 31, the 2-core EPYC). After the start, the frozen objects are never walked again: a
-full collection while serving, which stopped every sequence for 0.2-0.6 s with them, walks only what
-the process made since.
+full collection, which took 0.2-0.6 s with them in a test worker (no engine step runs meanwhile),
+walks only what the process made since.
 """
 
 from __future__ import annotations

@@ -143,10 +143,10 @@ def serve_many(console: Any, engine: Flags, cfg: ServerConfig, specs: list[str],
     """Several models behind one server (server/model_pool.py): nothing loads here but --preload's."""
     from dataclasses import replace
 
+    from ruvllm.gc_settings import startup_done
     from ruvllm.loader.model_cache import resolve_cli_model
     from ruvllm.server.app import create_pool_app
     from ruvllm.server.model_pool import FOREVER, PoolSettings, parse_model_spec, read_models_file
-    from ruvllm.gc_settings import startup_done
     from ruvllm.server.process import serve as serve_app
 
     try:
