@@ -159,9 +159,15 @@ def test_chat_through_a_lora_adapter(tiny_model_dir: Path, tmp_path: Path) -> No
         # tests/server/test_serve_process.py's killed server was (a server start spared there): SIGKILL
         # gives the front no chance to stop its child; the engine core notices and leaves by itself.
         (core,) = _children(t.proc.pid)
+        # the front's folder (its command socket's), which the core removes as it leaves: the front's
+        # death hangs up the terminal, and a core ended by that SIGHUP had left the folder behind
+        address = next(a for a in Path(f"/proc/{core}/cmdline").read_bytes().split(b"\0") if a.startswith(b"ipc://"))
+        folder = Path(address.decode().removeprefix("ipc://")).parent
+        assert folder.is_dir()
         t.proc.kill()
         t.proc.wait(10)
         assert _wait_gone(core), "the engine core was orphaned"
+        assert not folder.exists(), "the engine core left its front's folder behind"
     finally:
         t.close()
 

@@ -36,8 +36,11 @@ _IDLE_POLL_S = 0.5  # how often an idle core checks that its front still lives
 
 
 def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_pid: int) -> None:
-    # Ctrl-C reaches the whole process group; the front decides when the core stops.
+    # Ctrl-C reaches the whole process group; the front decides when the core stops. So does a hang-up:
+    # a closed terminal ends its front (`ruvllm chat`), and the core then sees its front gone and
+    # leaves as that case does, removing the front's folder (killed by SIGHUP, it left the folder).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
     logging.basicConfig(level=int(level) if level.isdigit() else level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
