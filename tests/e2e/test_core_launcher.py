@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,4 +133,42 @@ def test_a_killed_front_leaves_neither_launcher_nor_core(tiny_model_dir) -> None
         front.kill()
         front.wait()
     assert _wait_gone(launcher) and _wait_gone(core)
+    assert not os.path.exists(folder)
+
+
+LOADING_FRONT = """
+import sys
+import time
+from ruvllm import AsyncEngine
+from ruvllm.engine.llm import build_engine_config
+AsyncEngine.launch(build_engine_config(sys.argv[1], num_threads=1))
+"""
+
+
+def test_a_front_killed_while_its_core_loads_leaves_neither_core_nor_folder(tiny_model_dir) -> None:
+    """SIGKILL to a front (a fresh interpreter's core, no launcher) as soon as its core exists, long
+    before the core's Ready: the core finds the front gone when it says Ready, and leaves as it
+    does from its loop, removing the folder of the front's command socket."""
+    front = subprocess.Popen([sys.executable, "-c", LOADING_FRONT, str(tiny_model_dir)])
+    try:
+        core = None
+        deadline = time.monotonic() + 60
+        while core is None and front.poll() is None and time.monotonic() < deadline:
+            for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        argv = f.read().split(b"\0")
+                except OSError:
+                    continue
+                if b"ruvllm.engine.core_process" in argv and _ppid(pid) == front.pid:
+                    core, folder = pid, os.path.dirname(argv[argv.index(b"ruvllm.engine.core_process") + 1]
+                                                        .decode().removeprefix("ipc://"))
+                    break
+            time.sleep(0.02)
+        assert core is not None, "the front started no core"
+        assert os.path.isdir(folder)
+    finally:
+        front.kill()
+        front.wait()
+    assert _wait_gone(core, timeout=60)
     assert not os.path.exists(folder)

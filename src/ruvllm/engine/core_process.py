@@ -44,7 +44,7 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
     level = os.environ.get("RUVLLM_LOG", "WARNING").upper()
     logging.basicConfig(level=int(level) if level.isdigit() else level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ruvllm.messages import CoreFailed, CoreInput, Ready
+    from ruvllm.messages import CoreFailed, Ready
 
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -54,17 +54,42 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
     os.set_inheritable(bell, False)
     results = FrameWriter(out, bell)  # a written frame is the kernel's: it outlives this process's exit
     encoder = msgspec.msgpack.Encoder()
+    core = None
+    failed = front_gone = False
+    # Every way out passes the `finally`: a front killed at any point (even while the model loads,
+    # before Ready) has its folder removed here, and the ranks and sockets are closed.
     try:
-        from ruvllm.core.engine_core import EngineCore
-        from ruvllm.worker.worker import Worker
+        try:
+            from ruvllm.core.engine_core import EngineCore
+            from ruvllm.worker.worker import Worker
 
-        core = EngineCore(Worker.load(config), config)
-    except Exception as exc:
-        results.send(encoder.encode(CoreFailed(type(exc).__name__, str(exc))))
+            core = EngineCore(Worker.load(config), config)
+        except Exception as exc:
+            failed = True
+            results.send(encoder.encode(CoreFailed(type(exc).__name__, str(exc))))
+            return
+        results.send(encoder.encode(Ready(core.info, core.stats())))
+        startup_done()  # (gc_settings.py) after Ready: the front goes on meanwhile
+        front_gone, failed = _serve(core, commands, results, encoder, parent_pid)
+    except (BrokenPipeError, ConnectionResetError):
+        log.warning("the front closed its end of the core's socket; the engine core leaves")
+        front_gone = True
+    finally:
+        if front_gone:  # a killed front left the folder of its command socket (ProcessCoreClient's);
+            # removed first, so that a failure in the closing below cannot leave it
+            shutil.rmtree(os.path.dirname(in_addr.removeprefix("ipc://")), ignore_errors=True)
+        if core is not None:
+            core.close()  # tensor-parallel ranks stop with the core
         _close(ctx, commands, out)
-        sys.exit(1)
-    results.send(encoder.encode(Ready(core.info, core.stats())))
-    startup_done()  # (gc_settings.py) after Ready: the front goes on meanwhile
+        if failed:
+            sys.exit(1)
+
+
+def _serve(core, commands, results: FrameWriter, encoder: msgspec.msgpack.Encoder,  # noqa: ANN001
+           parent_pid: int) -> tuple[bool, bool]:
+    """The loop, until Shutdown, the front's end, or a failure: (front gone, failed)."""
+    from ruvllm.engine.core_loop import CoreLoop
+    from ruvllm.messages import CoreFailed, CoreInput
 
     def send_from_thread(msg: object) -> None:
         """A message from a thread other than the loop's: its own encoder (the writer's lock keeps
@@ -78,19 +103,14 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
             return decoder.decode(commands.recv())
         return None
 
-    from ruvllm.engine.core_loop import CoreLoop
-
     loop = CoreLoop(core, lambda msg: results.send(encoder.encode(msg)), send_from_thread)
-    failed = front_gone = False
     try:
         while loop.run_once(receive, _IDLE_POLL_S):
             if os.getppid() != parent_pid:
                 log.warning("the front process is gone; the engine core leaves")
-                front_gone = True
-                break
+                return True, False
     except (BrokenPipeError, ConnectionResetError):
-        log.warning("the front closed its end of the core's socket; the engine core leaves")
-        front_gone = True
+        raise  # the caller's: the front is gone
     except Exception as exc:
         log.exception("the engine core failed")
         error = exc if isinstance(exc, EngineDeadError) else f"{type(exc).__name__}: {exc}"
@@ -98,13 +118,8 @@ def run_core(config: EngineConfig, in_addr: str, out_fd: int, bell: int, parent_
             results.send(encoder.encode(CoreFailed("EngineDeadError", str(error))))
         except OSError:
             pass  # the front is gone too: nobody to tell
-        failed = True
-    core.close()  # tensor-parallel ranks stop with the core
-    _close(ctx, commands, out)
-    if front_gone:  # a killed front left the folder of its command socket (ProcessCoreClient's)
-        shutil.rmtree(os.path.dirname(in_addr.removeprefix("ipc://")), ignore_errors=True)
-    if failed:
-        sys.exit(1)
+        return False, True
+    return False, False
 
 
 def _close(ctx, commands, out: socket.socket) -> None:  # noqa: ANN001
