@@ -48,6 +48,10 @@ CASES = [
     ("/detokenize", {"tokens": [HUGE]}, 400, "tokens"),
     ("/v1/completions", {**COMP, "user": "u" * 4_000_000}, 400, "user"),  # 40 of these grew the witness log 160 MB
     ("/v1/chat/completions", {**CHAT, "user": "u" * 257}, 400, "user"),
+    # a format without its `type` (found by benchmarks/fuzz_routes.py): it was served unconstrained
+    ("/v1/chat/completions", {**CHAT, "response_format": {}}, 400, "response_format"),
+    ("/v1/completions", {**COMP, "response_format": {"json_schema": {"schema": {"type": "object"}}}}, 400,
+     "response_format"),
 ]
 
 

@@ -133,7 +133,10 @@ class _Sampling(_Body):
                     raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON "
                                         "schema object", "response_format")
                 given.append(("response_format", "json_schema", spec["schema"]))
-            elif kind not in (None, "text"):
+            elif kind is None:  # OpenAI's `type` is required: a format without it must not pass unconstrained
+                raise APIError(400, "response_format needs a type: text, json_object or json_schema",
+                               "response_format")
+            elif kind != "text":
                 raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
                                "response_format")
         given += [(name, kind, getattr(self, name)) for name, kind in (
