@@ -138,7 +138,6 @@ def test_a_killed_front_leaves_neither_launcher_nor_core(tiny_model_dir) -> None
 
 LOADING_FRONT = """
 import sys
-import time
 from ruvllm import AsyncEngine
 from ruvllm.engine.llm import build_engine_config
 AsyncEngine.launch(build_engine_config(sys.argv[1], num_threads=1))
