@@ -2,12 +2,13 @@
 of a valid body (its top level, its first message, Ollama's options) removed or replaced by values of
 other types and sizes, and the fields the dialects know added with the same values. What must hold:
 no 5xx, no timeout, every 4xx a JSON error body; and afterwards the engine idle with every KV block
-back (read from /metrics). The test suite checks the bad-input table (tests/server/test_bad_input.py
-and each dialect's client tests); run this for the broad sweep and record what it prints in
-docs/server.md.
+back (read from /metrics). `--stream` sends the streaming routes' bodies streaming and reads each
+stream to its end: a 200 must end as its dialect ends a stream, with no error event. The test suite
+checks the bad-input table (tests/server/test_bad_input.py and each dialect's client tests); run this
+for the broad sweep and record what it prints in docs/server.md.
 
     ruvllm serve --served-model-name m --max-context 256 --port 8131 &
-    python benchmarks/fuzz_routes.py --url http://127.0.0.1:8131 --model m
+    python benchmarks/fuzz_routes.py --url http://127.0.0.1:8131 --model m [--stream]
 """
 
 from __future__ import annotations
@@ -81,12 +82,30 @@ def mutations(seed: dict) -> Iterator[dict]:
                     yield _with(seed, (parent, 0, key) if parent == "messages" else (parent, key), value)
 
 
+# What ends a whole stream in each streaming dialect (--stream): a 200 stream without it, or with an
+# error event, failed after its headers were sent.
+STREAM_ENDS = {"/v1/chat/completions": "data: [DONE]", "/v1/completions": "data: [DONE]",
+               "/v1/responses": "event: response.", "/v1/messages": "event: message_stop",
+               "/api/chat": '"done":true', "/api/generate": '"done":true'}
+STREAM_ERRORS = ("event: error", "response.failed", '"error":{', '"error": {')  # (a response's "error": null is none)
+
+
+def _stream_ended(route: str, text: str) -> bool:
+    end = STREAM_ENDS[route]
+    if route == "/v1/responses":  # its last event: completed, or incomplete at max_output_tokens
+        return any(f"event: response.{e}" in text for e in ("completed", "incomplete"))
+    return end in text.replace('"done": true', '"done":true')
+
+
 def _send(client: httpx.Client, route: str, body: dict) -> str:
-    """The outcome's class: 2xx, 4xx, 5xx, timeout, transport, non-JSON 4xx."""
+    """The outcome's class: 2xx, 4xx, 5xx, timeout, transport, non-JSON 4xx, broken stream."""
     try:
         if body.get("stream") is True:  # read the stream to its end: a failure may come mid-stream
             with client.stream("POST", route, json=body) as r:
                 text = "".join(r.iter_text())
+            if r.status_code == 200 and route in STREAM_ENDS and (
+                    not _stream_ended(route, text) or any(e in text for e in STREAM_ERRORS)):
+                return "broken stream"
         else:
             r = client.post(route, json=body)
             text = r.text
@@ -110,12 +129,15 @@ def main() -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--model", required=True, help="the served model's name")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take")
+    ap.add_argument("--stream", action="store_true",
+                    help="only the streaming routes, each body streaming, each stream read to its end")
     args = ap.parse_args()
+    seeds = {r: {**b, "stream": True} for r, b in SEEDS.items() if r in STREAM_ENDS} if args.stream else SEEDS
     outcomes: dict[str, Counter] = {}
     failures: list[tuple[str, str, str]] = []
     start = time.monotonic()
     with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
-        for route, seed in SEEDS.items():
+        for route, seed in seeds.items():
             seed = _with(seed, ("model",), args.model)
             counts = outcomes.setdefault(route, Counter())
             for body in mutations(seed):
@@ -126,7 +148,7 @@ def main() -> int:
         health = client.get("/health").status_code
         metrics = client.get("/metrics").text
     print(f"{sum(sum(c.values()) for c in outcomes.values())} requests in {time.monotonic() - start:.0f} s")
-    print("| route | requests | 2xx | 4xx | 5xx, timeouts, transport errors, non-JSON 4xx |")
+    print("| route | requests | 2xx | 4xx | 5xx, timeouts, transport errors, non-JSON 4xx, broken streams |")
     print("|---|---|---|---|---|")
     for route, counts in outcomes.items():
         other = sum(v for k, v in counts.items() if k not in ("2xx", "4xx"))
