@@ -82,19 +82,14 @@ def mutations(seed: dict) -> Iterator[dict]:
                     yield _with(seed, (parent, 0, key) if parent == "messages" else (parent, key), value)
 
 
-# What ends a whole stream in each streaming dialect (--stream): a 200 stream without it, or with an
-# error event, failed after its headers were sent.
-STREAM_ENDS = {"/v1/chat/completions": "data: [DONE]", "/v1/completions": "data: [DONE]",
-               "/v1/responses": "event: response.", "/v1/messages": "event: message_stop",
-               "/api/chat": '"done":true', "/api/generate": '"done":true'}
-STREAM_ERRORS = ("event: error", "response.failed", '"error":{', '"error": {')  # (a response's "error": null is none)
-
-
-def _stream_ended(route: str, text: str) -> bool:
-    end = STREAM_ENDS[route]
-    if route == "/v1/responses":  # its last event: completed, or incomplete at max_output_tokens
-        return any(f"event: response.{e}" in text for e in ("completed", "incomplete"))
-    return end in text.replace('"done": true', '"done":true')
+# What ends a whole stream in each streaming dialect (--stream): a 200 stream without one of these, or
+# with an error event, failed after its headers were sent. (A response's `"error": null` is no error.)
+_DONE = ("data: [DONE]",)
+_OLLAMA_DONE = ('"done":true', '"done": true')
+STREAM_ENDS = {"/v1/chat/completions": _DONE, "/v1/completions": _DONE,
+               "/v1/responses": ("event: response.completed", "event: response.incomplete"),
+               "/v1/messages": ("event: message_stop",), "/api/chat": _OLLAMA_DONE, "/api/generate": _OLLAMA_DONE}
+STREAM_ERRORS = ("event: error", "response.failed", '"error":{', '"error": {')
 
 
 def _send(client: httpx.Client, route: str, body: dict) -> str:
@@ -104,7 +99,7 @@ def _send(client: httpx.Client, route: str, body: dict) -> str:
             with client.stream("POST", route, json=body) as r:
                 text = "".join(r.iter_text())
             if r.status_code == 200 and route in STREAM_ENDS and (
-                    not _stream_ended(route, text) or any(e in text for e in STREAM_ERRORS)):
+                    not any(e in text for e in STREAM_ENDS[route]) or any(e in text for e in STREAM_ERRORS)):
                 return "broken stream"
         else:
             r = client.post(route, json=body)
