@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.test_serve_process import _children, _wait_gone
+from tests.server.test_serve_process import _children, _front_folder, _wait_gone
 
 
 def _maps(pid: int, library: str) -> bool:
@@ -161,8 +161,7 @@ def test_chat_through_a_lora_adapter(tiny_model_dir: Path, tmp_path: Path) -> No
         (core,) = _children(t.proc.pid)
         # the front's folder (its command socket's), which the core removes as it leaves: the front's
         # death hangs up the terminal, and a core ended by that SIGHUP had left the folder behind
-        address = next(a for a in Path(f"/proc/{core}/cmdline").read_bytes().split(b"\0") if a.startswith(b"ipc://"))
-        folder = Path(address.decode().removeprefix("ipc://")).parent
+        folder = _front_folder(core)
         assert folder.is_dir()
         t.proc.kill()
         t.proc.wait(10)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from ruvllm import LLM, AsyncEngine, SamplingParams
 from ruvllm.engine.core_launcher import CoreLauncher
 from ruvllm.engine.llm import build_engine_config
 from ruvllm.outputs import OutputKind
-from tests.server.test_serve_process import _wait_gone
+from tests.server.test_serve_process import _children, _front_folder, _wait_gone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -150,24 +151,16 @@ def test_a_front_killed_while_its_core_loads_leaves_neither_core_nor_folder(tiny
     does from its loop, removing the folder of the front's command socket."""
     front = subprocess.Popen([sys.executable, "-c", LOADING_FRONT, str(tiny_model_dir)])
     try:
-        core = None
-        deadline = time.monotonic() + 60
+        core, deadline = None, time.monotonic() + 60
         while core is None and front.poll() is None and time.monotonic() < deadline:
-            for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        argv = f.read().split(b"\0")
-                except OSError:
-                    continue
-                if b"ruvllm.engine.core_process" in argv and _ppid(pid) == front.pid:
-                    core, folder = pid, os.path.dirname(argv[argv.index(b"ruvllm.engine.core_process") + 1]
-                                                        .decode().removeprefix("ipc://"))
-                    break
-            time.sleep(0.02)
+            time.sleep(0.02)  # (a child is the core once it has exec'd: its command line names it)
+            core = next((pid for pid in _children(front.pid)
+                         if b"ruvllm.engine.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()), None)
         assert core is not None, "the front started no core"
-        assert os.path.isdir(folder)
+        folder = _front_folder(core)
+        assert folder.is_dir()
     finally:
         front.kill()
         front.wait()
     assert _wait_gone(core, timeout=60)
-    assert not os.path.exists(folder)
+    assert not folder.exists()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -71,6 +72,13 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(k) for k in f.read().split()]
     return kids
+
+
+def _front_folder(core: int) -> Path:
+    """The folder of the command socket an engine core process connects to (its front's, which the
+    core removes when it finds its front gone), from the core's command line."""
+    address = next(a for a in Path(f"/proc/{core}/cmdline").read_bytes().split(b"\0") if a.startswith(b"ipc://"))
+    return Path(address.decode().removeprefix("ipc://")).parent
 
 
 def _gone(pid: int) -> bool:
